@@ -1,0 +1,61 @@
+"""Shared fixtures: the fork tool, the installed engine, the GPU marker.
+
+Tests run with the venv that `make` installed (.venv/bin/python -m pytest test). Tests
+marked ``gpu`` need CUDA and are skipped without it; the GPU bundle runs them on the H200.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the H200 through the GPU bundle)")
+    config.addinivalue_line("markers", "slow: builds or installs something (a few seconds to a minute)")
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def series():
+    from forklib.series import load_series
+
+    return load_series()
+
+
+@pytest.fixture(scope="session")
+def assembled(tmp_path_factory, series):
+    """The pinned release + the series, assembled from scratch in a temporary tree."""
+    from forklib.pin import fetch_pinned, load_pin
+    from forklib.tree import assemble
+
+    pin = load_pin()
+    wheel = fetch_pinned(pin, "cp311-cp311-manylinux_2_34_x86_64")
+    return assemble(tmp_path_factory.mktemp("tree"), wheel, pin.version, series)
+
+
+def run_engine(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    """Run the installed engine's Python (this interpreter) with warnings silenced."""
+    return subprocess.run(
+        [sys.executable, "-W", "ignore", *args], capture_output=True, text=True, check=check
+    )

@@ -1,0 +1,191 @@
+"""``tools/fork <command>``: the front end ``make`` calls."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import REPO_ROOT, ForkError
+from .git import git, out
+from .pin import fetch_pinned, load_pin, python_tag
+from .series import PATCH_DIR, SERIES_FILE, check_series, load_series, read_series
+from .tree import PKG, STAMP_FILES, Assembled, assemble, numstat
+from .wheel import build_wheel
+
+BUILD = REPO_ROOT / "build"
+TREE = BUILD / "tree"
+DIST = BUILD / "dist"
+VENV = REPO_ROOT / ".venv"
+REQUIREMENTS = REPO_ROOT / "tools" / "requirements-cpu.txt"
+
+
+def step(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
+
+
+def venv_python(venv: Path = VENV) -> Path:
+    return venv / "bin" / "python"
+
+
+def target_python(args) -> str:
+    return args.python or (str(venv_python()) if venv_python().exists() else sys.executable)
+
+
+# ---------------------------------------------------------------------------- build
+
+
+def assemble_series(tag: str, tree: Path = TREE, stamp: bool = True) -> tuple[Assembled, Path]:
+    patches = load_series()
+    check_series(patches)
+    pin = load_pin()
+    wheel = fetch_pinned(pin, tag)
+    step(f"assembling {pin.package} {pin.version} + {len(patches)} patch(es) in {tree.relative_to(REPO_ROOT)}")
+    return assemble(tree, wheel, pin.version, patches, stamp=stamp), wheel
+
+
+def patch_table(asm: Assembled) -> str:
+    rows = [("patch", "flag(s)", "upstream files", "upstream lines (+/-)", "our files")]
+    parent = asm.base
+    for a in asm.applied:
+        upstream_files = list(a.patch.files)
+        plus, minus = numstat(asm.tree, parent, a.commit, upstream_files) if upstream_files else (0, 0)
+        rows.append((
+            a.patch.name,
+            " ".join(a.patch.flags) or "-",
+            str(len(upstream_files)),
+            f"+{plus}/-{minus}",
+            str(len(a.patch.owns)),
+        ))
+        parent = a.commit
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def cmd_build(args) -> None:
+    tag = python_tag(target_python(args))
+    for old in DIST.glob("*.whl"):
+        old.unlink()  # a failed build must not leave a stale wheel for `install`
+    asm, wheel = assemble_series(tag)
+    step(f"packaging sglang {asm.version} ({tag})")
+    built = build_wheel(asm.tree, wheel, asm.upstream_version, asm.version, DIST)
+    if args.install:
+        install_wheel(built, Path(args.install))
+    print(f"\nsglang {asm.version}: {built.relative_to(REPO_ROOT)}"
+          + (f", installed in {args.install}" if args.install else "") + "\n")
+    print(patch_table(asm))
+
+
+def cmd_tree(args) -> None:
+    """Assemble without the version stamp, for editing: one commit per patch on branch fork."""
+    asm, _ = assemble_series(python_tag(target_python(args)), stamp=False)
+    print(f"{TREE.relative_to(REPO_ROOT)}: upstream at {asm.base[:10]}, branch 'fork' holds the series")
+    print("edit, commit (or amend / fixup and rebase), then `tools/fork refresh`")
+
+
+def cmd_check(args) -> None:
+    patches = load_series()
+    check_series(patches)
+    print(f"{len(patches)} patch(es): headers complete, every file under python/sglang owned once")
+
+
+# ---------------------------------------------------------------------------- install
+
+
+def _requirements_digest() -> str:
+    return hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+
+
+def install_wheel(wheel: Path, venv: Path) -> None:
+    """Install the fork wheel (--no-deps) over the CPU dependency set into ``venv``."""
+    py = venv_python(venv)
+    if not py.exists():
+        step(f"creating {venv} ({sys.executable})")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    marker = venv / ".fork-requirements"
+    if not marker.exists() or marker.read_text() != _requirements_digest():
+        step(f"installing the CPU dependency set ({REQUIREMENTS.relative_to(REPO_ROOT)})")
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)], check=True)
+        marker.write_text(_requirements_digest())
+    step(f"installing {wheel.name} into {venv}")
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+        check=True,
+    )
+
+
+# ---------------------------------------------------------------------------- refresh
+
+
+def _commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
+    """The commit as a patch of upstream files only, its header listing the files it owns."""
+    excludes = [f":(exclude){o}" for o in owns]
+    text = out(
+        tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature",
+        "--full-index", "--", ".", *excludes,
+    ) + "\n"
+    trailers = [arg for own in owns for arg in ("--trailer", f"Owns: {own}")]
+    return git(
+        tree, "interpret-trailers", "--if-exists", "addIfDifferent", *trailers, input=text
+    ).stdout
+
+
+def cmd_refresh(args) -> None:
+    """Write the commits of build/tree's branch 'fork' back to patches/ and python/sglang/."""
+    base = out(TREE, "merge-base", "fork", f"upstream/{load_pin().version}")
+    commits = out(TREE, "rev-list", "--reverse", f"{base}..fork").split()
+    if any(out(TREE, "log", "-1", "--format=%s", c).startswith("fork stamp:") for c in commits):
+        raise ForkError(
+            "build/tree holds a stamped build (from `make`), not an editing tree: run "
+            "`make tree`, edit and commit there, then `make refresh`"
+        )
+    names = [p.name for p in read_series()]
+    for i, commit in enumerate(commits):
+        if i < len(names):
+            name = names[i]
+        else:
+            slug = "-".join(out(TREE, "log", "-1", "--format=%f", commit).split("-")[:6])
+            name = f"{i + 1:04d}-{slug}.patch"
+            names.append(name)
+        added = out(TREE, "diff", "--name-only", "--diff-filter=A", f"{commit}^", commit, "--", PKG).split()
+        owns = [f for f in added if f not in STAMP_FILES]
+        for own in owns:
+            dst = REPO_ROOT / own
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(TREE / own, dst)
+        (PATCH_DIR / name).write_text(_commit_patch(TREE, commit, owns))
+        print(f"wrote patches/{name} ({len(owns)} owned file(s))")
+    SERIES_FILE.write_text("\n".join(names[: len(commits)]) + "\n")
+    check_series(load_series())
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tools/fork", description=__doc__)
+    parser.add_argument("--python", help="interpreter whose wheel tag to build for (default: .venv's, else this one)")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("check", help="headers complete, ownership of python/sglang files").set_defaults(fn=cmd_check)
+    p = sub.add_parser("build", help="fetch, assemble build/tree, package build/dist, print the patch table")
+    p.add_argument("--install", metavar="VENV", help="then install the wheel into this venv")
+    p.set_defaults(fn=cmd_build)
+    sub.add_parser("tree", help="assemble build/tree without the stamp, for editing").set_defaults(fn=cmd_tree)
+    sub.add_parser("refresh", help="write build/tree's commits back to patches/ and python/sglang/").set_defaults(fn=cmd_refresh)
+    args = parser.parse_args(argv)
+    t0 = time.monotonic()
+    try:
+        args.fn(args)
+    except ForkError as e:
+        print(f"fork: error: {e}", file=sys.stderr)
+        return 1
+    if args.cmd == "build":
+        print(f"\n({time.monotonic() - t0:.1f} s)")
+    return 0

@@ -1,0 +1,157 @@
+"""``patches/series`` and the patch header a reviewer and the tools both read.
+
+A patch is a ``git format-patch`` file. Its commit message carries the header as git
+trailers (last paragraph)::
+
+    Server-Args: --speculative-dspark-verify-cap     (one per flag it adds, or "none")
+    Why: one line: the measured gain or the bug       (details go in the body above)
+    Upstream-Status: not sent | PR <url> | merged in <release>
+    Tests: test/test_verify_cap.py                   (one or more)
+    Owns: python/sglang/srt/speculative/verify_cap.py (one per file of ours; none is fine)
+
+The diff itself touches upstream files only; the files a patch owns live in this repository
+under ``python/sglang/`` and join the patch's commit when the tree is assembled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+from . import REPO_ROOT, ForkError
+
+PATCH_DIR = REPO_ROOT / "patches"
+SERIES_FILE = PATCH_DIR / "series"
+OURS = REPO_ROOT / "python" / "sglang"
+
+REQUIRED = ("Server-Args", "Why", "Upstream-Status", "Tests")
+STATUS_RE = re.compile(r"^(not sent|PR https?://\S+|merged in \S+)$")
+FLAG_RE = re.compile(r"^--[a-z0-9]+(-[a-z0-9]+)*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    path: Path
+    subject: str
+    body: str
+    trailers: dict[str, list[str]]
+    files: tuple[str, ...]  # upstream files its diff touches
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    @property
+    def flags(self) -> list[str]:
+        return [f for f in self.trailers.get("Server-Args", []) if f != "none"]
+
+    @property
+    def owns(self) -> list[str]:
+        return self.trailers.get("Owns", [])
+
+    def first(self, key: str) -> str:
+        return (self.trailers.get(key) or [""])[0]
+
+
+def read_series(series_file: Path = SERIES_FILE) -> list[Path]:
+    names = []
+    for line in series_file.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            names.append(line)
+    return [series_file.parent / n for n in names]
+
+
+def parse_patch(path: Path) -> Patch:
+    text = path.read_text()
+    head, sep, diff = text.partition("\n---\n")
+    if not sep:
+        raise ForkError(f"{path.name}: not a git format-patch file (no '---' line)")
+    header_part, _, message = head.partition("\n\n")
+    subject = _header(header_part, "Subject")
+    if subject is None:
+        raise ForkError(f"{path.name}: no Subject header")
+    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
+    trailers = _trailers(message)
+    files = tuple(dict.fromkeys(re.findall(r"^diff --git a/(\S+) b/", diff, re.M)))
+    body = message.strip()
+    return Patch(path, subject, body, trailers, files)
+
+
+def _header(block: str, name: str) -> str | None:
+    # RFC 2822 folding: continuation lines start with white space.
+    m = re.search(rf"^{name}: (.*(?:\n[ \t].*)*)", block, re.M)
+    return re.sub(r"\n[ \t]+", " ", m.group(1)).strip() if m else None
+
+
+def _trailers(message: str) -> dict[str, list[str]]:
+    out = subprocess.run(
+        ["git", "interpret-trailers", "--parse", "--no-divider"],
+        input=message, capture_output=True, text=True, check=True,
+    ).stdout
+    trailers: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(":")
+        trailers.setdefault(key.strip(), []).append(value.strip())
+    return trailers
+
+
+def load_series(series_file: Path = SERIES_FILE) -> list[Patch]:
+    return [parse_patch(p) for p in read_series(series_file)]
+
+
+def header_problems(patch: Patch) -> list[str]:
+    """What is missing or malformed in a patch's header (empty when it is complete)."""
+    problems = [f"no {key}: trailer" for key in REQUIRED if not patch.trailers.get(key)]
+    if not patch.subject:
+        problems.append("empty subject")
+    for flag in patch.trailers.get("Server-Args", []):
+        if flag != "none" and not FLAG_RE.match(flag):
+            problems.append(f"Server-Args {flag!r} is not a --flag-name")
+    if "none" in patch.trailers.get("Server-Args", []) and patch.flags:
+        problems.append("Server-Args lists flags and 'none'")
+    status = patch.first("Upstream-Status")
+    if status and not STATUS_RE.match(status):
+        problems.append(
+            f"Upstream-Status {status!r} is not 'not sent', 'PR <url>' or 'merged in <release>'"
+        )
+    for test in patch.trailers.get("Tests", []):
+        if not (REPO_ROOT / test).exists():
+            problems.append(f"Tests names {test}, which does not exist")
+    for own in patch.owns:
+        if not own.startswith("python/sglang/"):
+            problems.append(f"Owns {own}: owned files live under python/sglang/")
+        elif not (REPO_ROOT / own).is_file():
+            problems.append(f"Owns {own}, which does not exist in this repository")
+        if own in patch.files:
+            problems.append(f"Owns {own} but its diff also edits it (owned files are ours whole)")
+    return problems
+
+
+def ownership_problems(patches: list[Patch]) -> list[str]:
+    """Every file under python/sglang/ must be owned by exactly one patch of the series."""
+    owners: dict[str, list[str]] = {}
+    for p in patches:
+        for own in p.owns:
+            owners.setdefault(own, []).append(p.name)
+    ours = sorted(
+        str(f.relative_to(REPO_ROOT))
+        for f in OURS.rglob("*")
+        if f.is_file() and "__pycache__" not in f.parts
+    )
+    problems = [f"{f} is owned by no patch (add an Owns: trailer)" for f in ours if f not in owners]
+    problems += [
+        f"{f} is owned by {len(names)} patches: {', '.join(names)}"
+        for f, names in owners.items()
+        if len(names) > 1
+    ]
+    return problems
+
+
+def check_series(patches: list[Patch]) -> None:
+    problems = [f"{p.path.name}: {msg}" for p in patches for msg in header_problems(p)]
+    problems += ownership_problems(patches)
+    if problems:
+        raise ForkError("the series is not well-formed:\n  " + "\n  ".join(problems))

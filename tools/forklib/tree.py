@@ -1,0 +1,225 @@
+"""Assemble the patched tree: upstream release as the root commit, one commit per patch.
+
+The tree mirrors upstream's repository layout (``python/sglang/...``), so a diff of it is a
+diff against upstream's own sources and an exported patch applies there unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+import stat
+import zipfile
+from pathlib import Path
+
+from . import REPO_ROOT, ForkError
+from .git import git, out
+from .series import Patch
+
+PKG = "python/sglang"
+STAMP_FILES = (f"{PKG}/_version.py", f"{PKG}/_fork_manifest.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    patch: Patch
+    commit: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembled:
+    tree: Path
+    upstream_version: str
+    base: str  # the upstream commit
+    applied: list[Applied]
+    version: str  # PEP 440 version of the forked engine
+    head: str
+
+
+class PatchError(ForkError):
+    """A patch that does not apply exactly (the message names the patch and the hunk)."""
+
+
+def upstream_ref(version: str) -> str:
+    return f"upstream/{version}"
+
+
+def import_release(tree: Path, wheel: Path, version: str) -> str:
+    """Commit the wheel's ``sglang/`` as ``python/sglang`` on branch ``upstream/<version>``.
+
+    Reused when the branch already holds this exact wheel (its sha256 is in the message).
+    """
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    message = f"upstream sglang {version}\n\nImported from {wheel.name}\nsha256: {sha}\n"
+    ref = upstream_ref(version)
+    if not (tree / ".git").exists():
+        tree.mkdir(parents=True, exist_ok=True)
+        git(tree, "init", "-q")
+    have = git(tree, "log", "-1", "--format=%B", ref, check=False)
+    if have.returncode == 0 and f"sha256: {sha}" in have.stdout:
+        return out(tree, "rev-parse", ref)
+    git(tree, "checkout", "-q", "--orphan", f"import-{version}")
+    git(tree, "rm", "-rqf", "--ignore-unmatch", ".")
+    _clean_worktree(tree)
+    extract_package(wheel, tree / "python")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-m", message)
+    git(tree, "branch", "-f", ref)
+    commit = out(tree, "rev-parse", "HEAD")
+    git(tree, "checkout", "-q", "--detach", commit)
+    git(tree, "branch", "-D", f"import-{version}")
+    return commit
+
+
+def _clean_worktree(tree: Path) -> None:
+    for child in tree.iterdir():
+        if child.name != ".git":
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def extract_package(wheel: Path, dest: Path) -> None:
+    """Extract ``sglang/`` from a wheel, keeping file modes (the .so files stay executable)."""
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            if not info.filename.startswith("sglang/") or info.is_dir():
+                continue
+            path = dest / info.filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with zf.open(info) as src, open(path, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode & stat.S_IXUSR:
+                path.chmod(0o755)
+
+
+def apply_patch(tree: Path, patch: Patch) -> str:
+    """Apply one patch exactly (no fuzz, no offset), add the files it owns, commit."""
+    check = git(tree, "apply", "--check", "-v", str(patch.path), check=False)
+    problems = _apply_problems(patch, check.stderr)
+    if check.returncode != 0 and not problems:
+        problems = [check.stderr.strip()]
+    problems += [
+        f"owns {own}, but upstream already ships a file there" for own in patch.owns
+        if (tree / own).exists()
+    ]
+    if problems:
+        raise PatchError(
+            f"patch {patch.path.name} does not apply exactly:\n  " + "\n  ".join(problems)
+        )
+    git(tree, "am", "-q", "--no-3way", str(patch.path))
+    if patch.owns:
+        for own in patch.owns:
+            dst = tree / own
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(REPO_ROOT / own, dst)
+        git(tree, "add", "--", *patch.owns)
+        git(tree, "commit", "-q", "--amend", "--no-edit")
+    return out(tree, "rev-parse", "HEAD")
+
+
+def _hunks(patch: Patch) -> dict[str, list[str]]:
+    """Hunk headers of a patch by file, in order."""
+    hunks: dict[str, list[str]] = {}
+    current = None
+    for line in patch.path.read_text().splitlines():
+        m = re.match(r"^diff --git a/(\S+) b/", line)
+        if m:
+            current = m.group(1)
+            hunks[current] = []
+        elif line.startswith("@@") and current is not None:
+            hunks[current].append(line)
+    return hunks
+
+
+def _apply_problems(patch: Patch, stderr: str) -> list[str]:
+    """Name each hunk git had to move (offset) or could not place."""
+    hunks = _hunks(patch)
+    problems = []
+    current = None
+    for line in stderr.splitlines():
+        if m := re.match(r"^Checking patch (\S+)\.\.\.$", line):
+            current = m.group(1)
+        elif m := re.match(r"^Hunk #(\d+) succeeded at (\d+) \((offset|with fuzz) ([^)]*)\)", line):
+            idx = int(m.group(1)) - 1
+            header = hunks.get(current, [])[idx] if current in hunks else "?"
+            problems.append(
+                f"{current}: hunk #{idx + 1} {header} matches only at line {m.group(2)} "
+                f"({m.group(3)} {m.group(4)}): refresh the patch against this release"
+            )
+        elif m := re.match(r"^error: patch failed: (\S+):(\d+)$", line):
+            path, start = m.group(1), int(m.group(2))
+            header = next(
+                (h for h in hunks.get(path, []) if int(re.match(r"@@ -(\d+)", h).group(1)) == start),
+                f"@@ -{start} @@",
+            )
+            problems.append(f"{path}: hunk {header} does not match the upstream text")
+        elif m := re.match(r"^error: (\S+): No such file or directory$", line):
+            problems.append(f"{m.group(1)}: the file does not exist upstream")
+    return problems
+
+
+def fork_version(upstream_version: str, patches: list[Patch]) -> str:
+    """``<upstream>+fork.<number of patches>.<7 hex of the series' content>`` (PEP 440 local)."""
+    h = hashlib.sha256(upstream_version.encode())
+    for p in patches:
+        h.update(p.path.name.encode() + b"\0" + p.path.read_bytes())
+        for own in sorted(p.owns):
+            h.update(own.encode() + b"\0" + (REPO_ROOT / own).read_bytes())
+    return f"{upstream_version}+fork.{len(patches)}.{h.hexdigest()[:7]}"
+
+
+def manifest(upstream_version: str, version: str, patches: list[Patch]) -> dict:
+    return {
+        "version": version,
+        "upstream": upstream_version,
+        "series": [
+            {"name": p.name, "subject": p.subject, "server_args": p.flags,
+             "upstream_status": p.first("Upstream-Status")}
+            for p in patches
+        ],
+    }
+
+
+def _stamp(tree: Path, upstream_version: str, version: str, patches: list[Patch]) -> None:
+    """Record the fork's version where ``sglang.version`` and the fork module read it."""
+    local = version.split("+", 1)[1]
+    parts = ", ".join(str(int(x)) for x in upstream_version.split(".") if x.isdigit())
+    (tree / STAMP_FILES[0]).write_text(
+        "# Written by tools/fork when the tree was assembled; do not edit.\n"
+        f"__version__ = version = {version!r}\n"
+        f"__version_tuple__ = version_tuple = ({parts}, {local!r})\n"
+        "__commit_id__ = commit_id = None\n"
+    )
+    (tree / STAMP_FILES[1]).write_text(
+        json.dumps(manifest(upstream_version, version, patches), indent=1) + "\n"
+    )
+    git(tree, "add", "--", *STAMP_FILES)
+    git(tree, "commit", "-q", "-m", f"fork stamp: sglang {version}")
+
+
+def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch],
+             stamp: bool = True) -> Assembled:
+    base = import_release(tree, wheel, upstream_version)
+    git(tree, "checkout", "-q", "-f", "-B", "fork", base)
+    git(tree, "clean", "-qfdx")
+    applied = []
+    for p in patches:
+        applied.append(Applied(p, apply_patch(tree, p)))
+    version = fork_version(upstream_version, patches)
+    if stamp:
+        _stamp(tree, upstream_version, version, patches)
+    return Assembled(tree, upstream_version, base, applied, version, out(tree, "rev-parse", "HEAD"))
+
+
+def numstat(tree: Path, parent: str, commit: str, paths: list[str] | None = None) -> tuple[int, int]:
+    """Lines added and removed between two commits (optionally only in ``paths``)."""
+    text = out(tree, "diff", "--numstat", parent, commit, "--", *(paths or []))
+    added = removed = 0
+    for line in text.splitlines():
+        a, r, _ = line.split("\t", 2)
+        if a != "-":
+            added, removed = added + int(a), removed + int(r)
+    return added, removed

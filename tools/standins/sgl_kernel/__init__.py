@@ -1,0 +1,3 @@
+from _importonly_standin import standin
+
+standin(__name__, globals())
