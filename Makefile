@@ -28,3 +28,7 @@ test: all
 
 clean:
 	rm -rf build $(VENV)
+
+# build/gpu-bundle: GPU tests + benchmarks for a machine with only torch and triton (bash build/gpu-bundle/run.sh).
+gpu-bundle:
+	$(FORK) gpu-bundle

@@ -14,13 +14,10 @@ from pathlib import Path
 from . import REPO_ROOT, ForkError
 from .git import git, out
 from .pin import fetch_pinned, load_pin, python_tag
-from .series import PATCH_DIR, SERIES_FILE, check_series, load_series, read_series
+from .series import SERIES_FILE, check_series, load_series, read_series
 from .tree import PKG, STAMP_FILES, Assembled, assemble, numstat
 from .wheel import build_wheel
 
-BUILD = REPO_ROOT / "build"
-TREE = BUILD / "tree"
-DIST = BUILD / "dist"
 VENV = REPO_ROOT / ".venv"
 REQUIREMENTS = REPO_ROOT / "tools" / "requirements-cpu.txt"
 
@@ -40,12 +37,14 @@ def target_python(args) -> str:
 # ---------------------------------------------------------------------------- build
 
 
-def assemble_series(tag: str, tree: Path = TREE, stamp: bool = True) -> tuple[Assembled, Path]:
-    patches = load_series()
+def assemble_series(args, stamp: bool = True, tag: str | None = None,
+                    tree_name: str = "tree") -> tuple[Assembled, Path]:
+    patches = load_series(args.series)
     check_series(patches)
     pin = load_pin()
-    wheel = fetch_pinned(pin, tag)
-    step(f"assembling {pin.package} {pin.version} + {len(patches)} patch(es) in {tree.relative_to(REPO_ROOT)}")
+    wheel = fetch_pinned(pin, tag or python_tag(target_python(args)))
+    tree = args.build / tree_name
+    step(f"assembling {pin.package} {pin.version} + {len(patches)} patch(es) in {tree}")
     return assemble(tree, wheel, pin.version, patches, stamp=stamp), wheel
 
 
@@ -70,28 +69,39 @@ def patch_table(asm: Assembled) -> str:
 
 
 def cmd_build(args) -> None:
-    tag = python_tag(target_python(args))
-    for old in DIST.glob("*.whl"):
-        old.unlink()  # a failed build must not leave a stale wheel for `install`
-    asm, wheel = assemble_series(tag)
-    step(f"packaging sglang {asm.version} ({tag})")
-    built = build_wheel(asm.tree, wheel, asm.upstream_version, asm.version, DIST)
+    dist = args.build / "dist"
+    for old in dist.glob("*.whl"):
+        old.unlink()  # a failed build must leave no wheel that could be installed
+    asm, wheel = assemble_series(args)
+    step(f"packaging sglang {asm.version}")
+    built = build_wheel(asm.tree, wheel, asm.upstream_version, asm.version, dist)
     if args.install:
         install_wheel(built, Path(args.install))
-    print(f"\nsglang {asm.version}: {built.relative_to(REPO_ROOT)}"
+    print(f"\nsglang {asm.version}: {built}"
           + (f", installed in {args.install}" if args.install else "") + "\n")
     print(patch_table(asm))
 
 
 def cmd_tree(args) -> None:
     """Assemble without the version stamp, for editing: one commit per patch on branch fork."""
-    asm, _ = assemble_series(python_tag(target_python(args)), stamp=False)
-    print(f"{TREE.relative_to(REPO_ROOT)}: upstream at {asm.base[:10]}, branch 'fork' holds the series")
+    asm, _ = assemble_series(args, stamp=False)
+    print(f"{asm.tree}: upstream at {asm.base[:10]}, branch 'fork' holds the series")
     print("edit, commit (or amend / fixup and rebase), then `tools/fork refresh`")
 
 
+def cmd_gpu_bundle(args) -> None:
+    from .bundle import GPU_WHEEL_TAG, make_bundle
+
+    asm, _ = assemble_series(args, tag=GPU_WHEEL_TAG, tree_name="gpu-tree")
+    dest = args.build / "gpu-bundle"
+    step(f"writing {dest}")
+    size = make_bundle(asm.tree, asm.version, dest)
+    print(f"{dest}: sglang {asm.version}, {size / 2**20:.1f} MiB")
+    print(f"run it on the GPU machine: bash {dest.relative_to(REPO_ROOT) if dest.is_relative_to(REPO_ROOT) else dest}/run.sh [RESULTS_DIR]")
+
+
 def cmd_check(args) -> None:
-    patches = load_series()
+    patches = load_series(args.series)
     check_series(patches)
     print(f"{len(patches)} patch(es): headers complete, every file under python/sglang owned once")
 
@@ -139,31 +149,32 @@ def _commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
 
 def cmd_refresh(args) -> None:
     """Write the commits of build/tree's branch 'fork' back to patches/ and python/sglang/."""
-    base = out(TREE, "merge-base", "fork", f"upstream/{load_pin().version}")
-    commits = out(TREE, "rev-list", "--reverse", f"{base}..fork").split()
-    if any(out(TREE, "log", "-1", "--format=%s", c).startswith("fork stamp:") for c in commits):
+    tree = args.build / "tree"
+    base = out(tree, "merge-base", "fork", f"upstream/{load_pin().version}")
+    commits = out(tree, "rev-list", "--reverse", f"{base}..fork").split()
+    if any(out(tree, "log", "-1", "--format=%s", c).startswith("fork stamp:") for c in commits):
         raise ForkError(
             "build/tree holds a stamped build (from `make`), not an editing tree: run "
             "`make tree`, edit and commit there, then `make refresh`"
         )
-    names = [p.name for p in read_series()]
+    names = [p.name for p in read_series(args.series)]
     for i, commit in enumerate(commits):
         if i < len(names):
             name = names[i]
         else:
-            slug = "-".join(out(TREE, "log", "-1", "--format=%f", commit).split("-")[:6])
+            slug = "-".join(out(tree, "log", "-1", "--format=%f", commit).split("-")[:6])
             name = f"{i + 1:04d}-{slug}.patch"
             names.append(name)
-        added = out(TREE, "diff", "--name-only", "--diff-filter=A", f"{commit}^", commit, "--", PKG).split()
+        added = out(tree, "diff", "--name-only", "--diff-filter=A", f"{commit}^", commit, "--", PKG).split()
         owns = [f for f in added if f not in STAMP_FILES]
         for own in owns:
             dst = REPO_ROOT / own
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(TREE / own, dst)
-        (PATCH_DIR / name).write_text(_commit_patch(TREE, commit, owns))
-        print(f"wrote patches/{name} ({len(owns)} owned file(s))")
-    SERIES_FILE.write_text("\n".join(names[: len(commits)]) + "\n")
-    check_series(load_series())
+            shutil.copyfile(tree / own, dst)
+        (args.series.parent / name).write_text(_commit_patch(tree, commit, owns))
+        print(f"wrote {args.series.parent / name} ({len(owns)} owned file(s))")
+    args.series.write_text("\n".join(names[: len(commits)]) + "\n")
+    check_series(load_series(args.series))
 
 
 # ---------------------------------------------------------------------------- main
@@ -172,12 +183,15 @@ def cmd_refresh(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/fork", description=__doc__)
     parser.add_argument("--python", help="interpreter whose wheel tag to build for (default: .venv's, else this one)")
+    parser.add_argument("--series", type=Path, default=SERIES_FILE, help="series file (default: patches/series)")
+    parser.add_argument("--build", type=Path, default=REPO_ROOT / "build", help="build directory (default: build/)")
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="headers complete, ownership of python/sglang files").set_defaults(fn=cmd_check)
     p = sub.add_parser("build", help="fetch, assemble build/tree, package build/dist, print the patch table")
     p.add_argument("--install", metavar="VENV", help="then install the wheel into this venv")
     p.set_defaults(fn=cmd_build)
     sub.add_parser("tree", help="assemble build/tree without the stamp, for editing").set_defaults(fn=cmd_tree)
+    sub.add_parser("gpu-bundle", help="write build/gpu-bundle: GPU tests + benchmarks for a torch-only machine").set_defaults(fn=cmd_gpu_bundle)
     sub.add_parser("refresh", help="write build/tree's commits back to patches/ and python/sglang/").set_defaults(fn=cmd_refresh)
     args = parser.parse_args(argv)
     t0 = time.monotonic()

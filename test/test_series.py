@@ -1,0 +1,178 @@
+"""The series against the pinned release: exact application, headers, ownership, packaging."""
+
+from __future__ import annotations
+
+import compileall
+import hashlib
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from forklib import ForkError
+from forklib.git import out
+from forklib.pin import fetch_pinned, load_pin
+from forklib.series import header_problems, ownership_problems, parse_patch
+from forklib.tree import STAMP_FILES, PatchError, assemble
+
+TAG = "cp311-cp311-manylinux_2_34_x86_64"
+
+
+def test_series_applies_exactly(assembled, series):
+    assert [a.patch.name for a in assembled.applied] == [p.name for p in series]
+    assert out(assembled.tree, "status", "--porcelain") == ""
+
+
+def test_every_patch_header_is_complete(series):
+    assert {p.name: header_problems(p) for p in series if header_problems(p)} == {}
+
+
+def test_every_file_of_ours_is_owned_once(series):
+    assert ownership_problems(series) == []
+
+
+def test_tree_differs_from_upstream_only_in_the_files_the_series_names(assembled, series):
+    changed = set(out(assembled.tree, "diff", "--name-only", assembled.base, "HEAD").split())
+    named = {f for p in series for f in (*p.files, *p.owns)} | set(STAMP_FILES)
+    assert changed == named
+
+
+def test_assembled_tree_byte_compiles(assembled):
+    pkg = assembled.tree / "python" / "sglang"
+    assert compileall.compile_dir(str(pkg), quiet=2, workers=0, legacy=False)
+
+
+def _broken_copy(tmp_path: Path, series, edit) -> Path:
+    """A copy of the first patch with one hunk edited by ``edit(text) -> text``."""
+    src = series[0].path
+    dst = tmp_path / src.name
+    dst.write_text(edit(src.read_text()))
+    return dst
+
+
+def _first_hunk(text: str) -> tuple[str, str]:
+    m = re.search(r"^diff --git a/(\S+) .*?^(@@ -\d+,\d+ \+\d+,\d+ @@[^\n]*)$", text, re.M | re.S)
+    return m.group(1), m.group(2)
+
+
+def test_hunk_that_no_longer_matches_names_patch_and_hunk(tmp_path, series):
+    path, header = _first_hunk(series[0].path.read_text())
+
+    def edit(text):
+        # Change one context line of the first hunk so it no longer matches upstream.
+        start = text.index(header) + len(header) + 1
+        line_end = text.index("\n", start)
+        return text[:start] + " # drifted" + text[start:line_end].lstrip(" ") + text[line_end:]
+
+    broken = parse_patch(_broken_copy(tmp_path, series, edit))
+    wheel = fetch_pinned(load_pin(), TAG)
+    with pytest.raises(PatchError) as e:
+        assemble(tmp_path / "tree", wheel, load_pin().version, [broken])
+    msg = str(e.value)
+    assert broken.path.name in msg and path in msg and header.split(" @@")[0] in msg
+
+
+def test_hunk_at_an_offset_is_an_error(tmp_path, series):
+    path, header = _first_hunk(series[0].path.read_text())
+    old, new = map(int, re.match(r"@@ -(\d+),\d+ \+(\d+)", header).groups())
+
+    def edit(text):  # the hunk's text is intact, its place moved 3 lines (as upstream drift does)
+        moved = header.replace(f"-{old},", f"-{old + 3},", 1).replace(f"+{new},", f"+{new + 3},", 1)
+        return text.replace(header, moved, 1)
+
+    shifted = parse_patch(_broken_copy(tmp_path, series, edit))
+    wheel = fetch_pinned(load_pin(), TAG)
+    with pytest.raises(PatchError, match=r"offset"):
+        assemble(tmp_path / "tree", wheel, load_pin().version, [shifted])
+
+
+@pytest.mark.slow
+def test_failed_build_packages_and_installs_nothing(tmp_path, series):
+    path, header = _first_hunk(series[0].path.read_text())
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    text = series[0].path.read_text()
+    start = text.index(header) + len(header) + 1
+    (patches / series[0].path.name).write_text(text[:start] + " # drifted" + text[start:])
+    (patches / "series").write_text(series[0].path.name + "\n")
+    venv = tmp_path / "venv"
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "fork"), "--series", str(patches / "series"),
+         "--build", str(tmp_path / "build"), "build", "--install", str(venv)],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 1
+    assert series[0].path.name in r.stderr and path in r.stderr
+    assert not list((tmp_path / "build").glob("dist/*.whl"))
+    assert not venv.exists()
+
+
+def test_unknown_release_is_a_clear_error(tmp_path, monkeypatch):
+    from forklib.pin import fetch_wheel
+
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path))
+    with pytest.raises(ForkError, match=r"0\.5\.999.*released version"):
+        fetch_wheel("sglang", "0.5.999", TAG, None)
+
+
+def test_hash_mismatch_is_refused_and_the_file_dropped(tmp_path, monkeypatch):
+    from forklib.pin import cache_dir, fetch_wheel, wheel_name
+
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path))
+    fake = cache_dir() / wheel_name("sglang", "0.5.23", TAG)
+    fake.write_bytes(b"not the release")
+    with pytest.raises(ForkError, match="does not match the pinned"):
+        fetch_wheel("sglang", "0.5.23", TAG, load_pin().sha256(TAG))
+    assert not fake.exists()
+
+
+def _built_wheel() -> Path:
+    wheels = sorted((REPO / "build" / "dist").glob("sglang-*.whl"))
+    assert len(wheels) == 1, "run `make` first: build/dist holds no fork wheel"
+    return wheels[0]
+
+
+def test_wheel_version_says_what_it_is(series):
+    name = _built_wheel().name
+    m = re.match(r"sglang-(\d+\.\d+\.\d+)\+fork\.(\d+)\.([0-9a-f]{7})-cp", name)
+    assert m and m.group(1) == load_pin().version and int(m.group(2)) == len(series)
+
+
+def test_wheel_carries_upstream_compiled_files_unchanged():
+    upstream = fetch_pinned(load_pin(), TAG)
+
+    def so_files(path):
+        with zipfile.ZipFile(path) as zf:
+            return {
+                n: hashlib.sha256(zf.read(n)).hexdigest() for n in zf.namelist() if n.endswith(".so")
+            }
+
+    ours, theirs = so_files(_built_wheel()), so_files(upstream)
+    assert theirs and ours == theirs
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_a_fresh_venv(tmp_path):
+    wheel = _built_wheel()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-compile", str(wheel)], check=True
+    )
+    version = wheel.name.split("-")[1]
+    # sglang/__init__ needs the whole dependency set; read what was installed instead.
+    probe = (
+        "import importlib.metadata as md; d = md.distribution('sglang'); "
+        "print(d.version); print(d.locate_file('sglang/_version.py').read_text()); "
+        "print(d.locate_file('sglang/_fork_manifest.json').read_text())"
+    )
+    r = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, check=True)
+    assert r.stdout.splitlines()[0] == version
+    assert f"__version__ = version = {version!r}" in r.stdout
+    assert f'"version": "{version}"' in r.stdout

@@ -1,0 +1,89 @@
+"""``make gpu-bundle``: everything the GPU tests and benchmarks need, for a machine with only
+torch and triton (the H200 test machine: Python 3.12, no network, sglang's binary
+dependencies do not load there).
+
+The bundle holds the assembled tree's pure-Python ``sglang`` (gzip tar; the compiled .so
+files stay behind), the small cp312 wheels of ``tools/requirements-import.txt``, the
+import-only stand-ins, this repository's ``test/`` and ``benchmark/``, and ``run.sh``,
+which unpacks, runs ``pytest -m gpu`` and every ``benchmark/bench_*.py`` and writes the
+results to one folder.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from . import REPO_ROOT, ForkError
+from .tree import PKG
+
+LIMIT = 60 * 2**20
+GPU_WHEEL_TAG = "cp312-cp312-manylinux_2_34_x86_64"  # the pinned upstream wheel the bundle's tree comes from
+GPU_PYTHON = "3.12"
+# pip matches manylinux tags exactly: offer every one the import set's wheels use.
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_34_x86_64", "any"]
+
+
+def _tree_tarball(tree: Path, dest: Path) -> None:
+    """The tree's HEAD under ``python/``, without compiled files, as a gzip tar."""
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", "HEAD", PKG], cwd=tree, check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(dest, "w:gz") as out:
+        for member in src:
+            if member.isfile() and member.name.endswith(".so"):
+                continue
+            out.addfile(member, src.extractfile(member) if member.isfile() else None)
+
+
+def _wheels(dest: Path) -> None:
+    requirements = REPO_ROOT / "tools" / "requirements-import.txt"
+    cache = Path.home() / ".cache" / "sglang-fork" / "gpu-wheels"
+    cache.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", GPU_PYTHON, "--implementation", "cp", "-d", str(cache),
+           "-r", str(requirements)]
+    for platform in PLATFORMS:
+        cmd += ["--platform", platform]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ForkError(f"cannot fetch the GPU bundle's wheels: {r.stderr.strip().splitlines()[-1]}")
+    wanted = {
+        line.split("==")[0].lower().replace("-", "_"): line.split("==")[1]
+        for line in requirements.read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    dest.mkdir()
+    for whl in cache.glob("*.whl"):
+        name, version = whl.name.split("-")[:2]
+        if wanted.get(name.lower()) == version:
+            shutil.copy(whl, dest)
+    missing = set(wanted) - {w.name.split("-")[0].lower() for w in dest.glob("*.whl")}
+    if missing:
+        raise ForkError(f"no cp312 wheel for: {', '.join(sorted(missing))}")
+
+
+def make_bundle(tree: Path, version: str, dest: Path) -> int:
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    _tree_tarball(tree, dest / "sglang-tree.tar.gz")
+    _wheels(dest / "wheels")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(REPO_ROOT / "tools" / "standins", dest / "standins", ignore=ignore)
+    shutil.copytree(REPO_ROOT / "test", dest / "test", ignore=ignore)
+    # test/conftest.py puts tools/ on sys.path; the CPU-only test modules still get collected.
+    shutil.copytree(REPO_ROOT / "tools" / "forklib", dest / "tools" / "forklib", ignore=ignore)
+    shutil.copytree(REPO_ROOT / "benchmark", dest / "benchmark", ignore=shutil.ignore_patterns(
+        "__pycache__", "*.pyc", "results"))
+    shutil.copy(REPO_ROOT / "tools" / "gpu_bundle_run.sh", dest / "run.sh")
+    (dest / "VERSION").write_text(version + "\n")
+    size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+    if size > LIMIT:
+        raise ForkError(f"the GPU bundle is {size / 2**20:.1f} MiB, over its {LIMIT / 2**20:.0f} MiB limit")
+    return size

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Entry point of the GPU bundle (make gpu-bundle): runs the fork's GPU tests and benchmarks on
+# a machine that has torch and triton but no sglang dependencies and no network.
+#   bash run.sh [RESULTS_DIR]      (default: $OUT if set, else ./results)
+# Writes gpu-tests.log, gpu-tests.xml, every benchmark's JSON and bundle-run.json (summary).
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+results=$(mkdir -p "${1:-${OUT:-$here/results}}" && cd "${1:-${OUT:-$here/results}}" && pwd)
+work=$(mktemp -d)
+echo "==> unpacking sglang $(cat "$here/VERSION") into $work"
+tar -xzf "$here/sglang-tree.tar.gz" -C "$work" || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
+    "$here"/wheels/*.whl || exit 1
+export PYTHONPATH="$here/standins:$work/python:$work/site"
+export PYTHONUNBUFFERED=1 FORK_RESULTS="$results"
+cd "$here"
+
+echo "==> pytest -m gpu"
+python3 -m pytest -m gpu test -p no:cacheprovider -rA --junitxml "$results/gpu-tests.xml" \
+    2>&1 | tee "$results/gpu-tests.log"
+tests_rc=${PIPESTATUS[0]}
+
+bench_rc=0
+for bench in benchmark/bench_*.py; do
+    [ -e "$bench" ] || continue
+    echo "==> $bench"
+    python3 "$bench" --out "$results" || bench_rc=1
+done
+
+python3 - "$results" "$tests_rc" "$bench_rc" <<'PY'
+import json, platform, sys, xml.etree.ElementTree as ET
+from pathlib import Path
+import torch, triton
+results, tests_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+cases = []
+for case in ET.parse(results / "gpu-tests.xml").iter("testcase"):
+    outcome = "passed"
+    for tag in ("failure", "error", "skipped"):
+        if case.find(tag) is not None:
+            outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+    cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                  "seconds": float(case.get("time", 0))})
+summary = {
+    "fork_version": Path("VERSION").read_text().strip(),
+    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+    "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+    "pytest_exit_code": tests_rc, "benchmarks_ok": bench_rc == 0,
+    "benchmark_json": sorted(p.name for p in results.glob("*.json") if p.name != "bundle-run.json"),
+    "tests": cases,
+}
+(results / "bundle-run.json").write_text(json.dumps(summary, indent=1) + "\n")
+print(json.dumps({k: v for k, v in summary.items() if k != "tests"}, indent=1))
+print(f"{sum(c['outcome'] == 'passed' for c in cases)} passed, "
+      f"{sum(c['outcome'] in ('failed', 'error') for c in cases)} failed")
+PY
+exit $(( tests_rc != 0 || bench_rc != 0 ))
