@@ -4,7 +4,7 @@ VENV ?= .venv
 FORK := $(PYTHON) tools/fork
 PYTEST_ARGS ?=
 
-.PHONY: all check tree refresh test gpu-bundle clean
+.PHONY: all check tree refresh rebase export test gpu-bundle clean
 
 # Fetch the pinned wheel, assemble build/tree, package build/dist/*.whl, install into .venv, print the patch table.
 all:
@@ -21,6 +21,17 @@ tree:
 # Write build/tree's commits back to patches/ and python/sglang/.
 refresh:
 	$(FORK) refresh
+
+# Replay the series onto another release (TO=0.5.24, or older), classify each patch, write back when all apply.
+# Resume with `tools/fork rebase --continue` / `--drop <patch>`, or `--abort`.
+rebase:
+	@test -n "$(TO)" || { echo "usage: make rebase TO=<release>"; exit 2; }
+	$(FORK) rebase $(TO)
+
+# One patch as a diff against the pinned upstream + PR text, in build/export/.
+export:
+	@test -n "$(FEATURE)" || { echo "usage: make export FEATURE=<patch name or number>"; exit 2; }
+	$(FORK) export $(FEATURE)
 
 # CPU test suite (GPU tests are marked `gpu` and skipped without CUDA).
 test: all

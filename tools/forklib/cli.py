@@ -15,7 +15,7 @@ from . import REPO_ROOT, ForkError
 from .git import git, out
 from .pin import fetch_pinned, load_pin, python_tag
 from .series import SERIES_FILE, check_series, load_series, read_series
-from .tree import PKG, STAMP_FILES, Assembled, assemble, numstat
+from .tree import Assembled, assemble, commit_patch, numstat, owned_files
 from .wheel import build_wheel
 
 VENV = REPO_ROOT / ".venv"
@@ -134,19 +134,6 @@ def install_wheel(wheel: Path, venv: Path) -> None:
 # ---------------------------------------------------------------------------- refresh
 
 
-def _commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
-    """The commit as a patch of upstream files only, its header listing the files it owns."""
-    excludes = [f":(exclude){o}" for o in owns]
-    text = out(
-        tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature",
-        "--full-index", "--", ".", *excludes,
-    ) + "\n"
-    trailers = [arg for own in owns for arg in ("--trailer", f"Owns: {own}")]
-    return git(
-        tree, "interpret-trailers", "--if-exists", "addIfDifferent", *trailers, input=text
-    ).stdout
-
-
 def cmd_refresh(args) -> None:
     """Write the commits of build/tree's branch 'fork' back to patches/ and python/sglang/."""
     tree = args.build / "tree"
@@ -165,16 +152,39 @@ def cmd_refresh(args) -> None:
             slug = "-".join(out(tree, "log", "-1", "--format=%f", commit).split("-")[:6])
             name = f"{i + 1:04d}-{slug}.patch"
             names.append(name)
-        added = out(tree, "diff", "--name-only", "--diff-filter=A", f"{commit}^", commit, "--", PKG).split()
-        owns = [f for f in added if f not in STAMP_FILES]
+        owns = owned_files(tree, commit)
         for own in owns:
             dst = REPO_ROOT / own
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(tree / own, dst)
-        (args.series.parent / name).write_text(_commit_patch(tree, commit, owns))
+        (args.series.parent / name).write_text(commit_patch(tree, commit, owns))
         print(f"wrote {args.series.parent / name} ({len(owns)} owned file(s))")
     args.series.write_text("\n".join(names[: len(commits)]) + "\n")
     check_series(load_series(args.series))
+
+
+# ---------------------------------------------------------------------------- rebase, export
+
+
+def cmd_rebase(args) -> int:
+    from . import rebase
+
+    if args.abort:
+        rebase.abort()
+        return 0
+    if args.cont or args.drop:
+        return rebase.resume(drop=args.drop)
+    if not args.release:
+        raise ForkError("name the release to rebase onto (or --continue, --drop <patch>, --abort)")
+    return rebase.start(args.release, dry_run=args.dry_run)
+
+
+def cmd_export(args) -> None:
+    from .export import export
+
+    diff, md = export(args.patch)
+    print(f"wrote {diff.relative_to(REPO_ROOT)} and {md.relative_to(REPO_ROOT)} "
+          "(checked with `git apply --check` on a clean upstream tree)")
 
 
 # ---------------------------------------------------------------------------- main
@@ -193,13 +203,24 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("tree", help="assemble build/tree without the stamp, for editing").set_defaults(fn=cmd_tree)
     sub.add_parser("gpu-bundle", help="write build/gpu-bundle: GPU tests + benchmarks for a torch-only machine").set_defaults(fn=cmd_gpu_bundle)
     sub.add_parser("refresh", help="write build/tree's commits back to patches/ and python/sglang/").set_defaults(fn=cmd_refresh)
+    p = sub.add_parser("rebase", help="replay the series onto another upstream release (build/rebase)")
+    p.add_argument("release", nargs="?", help="the target release, e.g. 0.5.24 (or an older one)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--continue", dest="cont", action="store_true", help="resume after resolving in build/rebase/repo")
+    g.add_argument("--abort", action="store_true", help="forget the rebase; the repository stays as it was")
+    p.add_argument("--drop", action="append", metavar="PATCH", help="drop this patch from the series, then resume")
+    p.add_argument("--dry-run", action="store_true", help="classify every patch, write nothing")
+    p.set_defaults(fn=cmd_rebase)
+    p = sub.add_parser("export", help="one patch as a diff against upstream + PR text (build/export)")
+    p.add_argument("patch", help="patch name or number")
+    p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)
     t0 = time.monotonic()
     try:
-        args.fn(args)
+        rc = args.fn(args)
     except ForkError as e:
         print(f"fork: error: {e}", file=sys.stderr)
         return 1
     if args.cmd == "build":
         print(f"\n({time.monotonic() - t0:.1f} s)")
-    return 0
+    return rc or 0

@@ -102,8 +102,11 @@ def load_series(series_file: Path = SERIES_FILE) -> list[Patch]:
     return [parse_patch(p) for p in read_series(series_file)]
 
 
-def header_problems(patch: Patch) -> list[str]:
-    """What is missing or malformed in a patch's header (empty when it is complete)."""
+def header_problems(patch: Patch, root: Path = REPO_ROOT) -> list[str]:
+    """What is missing or malformed in a patch's header (empty when it is complete).
+
+    ``root`` is the fork repository whose files the header names (another one in tests).
+    """
     problems = [f"no {key}: trailer" for key in REQUIRED if not patch.trailers.get(key)]
     if not patch.subject:
         problems.append("empty subject")
@@ -118,27 +121,27 @@ def header_problems(patch: Patch) -> list[str]:
             f"Upstream-Status {status!r} is not 'not sent', 'PR <url>' or 'merged in <release>'"
         )
     for test in patch.trailers.get("Tests", []):
-        if not (REPO_ROOT / test).exists():
+        if not (root / test).exists():
             problems.append(f"Tests names {test}, which does not exist")
     for own in patch.owns:
         if not own.startswith("python/sglang/"):
             problems.append(f"Owns {own}: owned files live under python/sglang/")
-        elif not (REPO_ROOT / own).is_file():
+        elif not (root / own).is_file():
             problems.append(f"Owns {own}, which does not exist in this repository")
         if own in patch.files:
             problems.append(f"Owns {own} but its diff also edits it (owned files are ours whole)")
     return problems
 
 
-def ownership_problems(patches: list[Patch]) -> list[str]:
+def ownership_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[str]:
     """Every file under python/sglang/ must be owned by exactly one patch of the series."""
     owners: dict[str, list[str]] = {}
     for p in patches:
         for own in p.owns:
             owners.setdefault(own, []).append(p.name)
     ours = sorted(
-        str(f.relative_to(REPO_ROOT))
-        for f in OURS.rglob("*")
+        str(f.relative_to(root))
+        for f in (root / "python" / "sglang").rglob("*")
         if f.is_file() and "__pycache__" not in f.parts
     )
     problems = [f"{f} is owned by no patch (add an Owns: trailer)" for f in ours if f not in owners]
@@ -150,8 +153,8 @@ def ownership_problems(patches: list[Patch]) -> list[str]:
     return problems
 
 
-def check_series(patches: list[Patch]) -> None:
-    problems = [f"{p.path.name}: {msg}" for p in patches for msg in header_problems(p)]
-    problems += ownership_problems(patches)
+def check_series(patches: list[Patch], root: Path = REPO_ROOT) -> None:
+    problems = [f"{p.path.name}: {msg}" for p in patches for msg in header_problems(p, root)]
+    problems += ownership_problems(patches, root)
     if problems:
         raise ForkError("the series is not well-formed:\n  " + "\n  ".join(problems))

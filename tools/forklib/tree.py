@@ -95,8 +95,8 @@ def extract_package(wheel: Path, dest: Path) -> None:
                 path.chmod(0o755)
 
 
-def apply_patch(tree: Path, patch: Patch) -> str:
-    """Apply one patch exactly (no fuzz, no offset), add the files it owns, commit."""
+def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT) -> str:
+    """Apply one patch exactly (no fuzz, no offset), add the files it owns (from ``src``), commit."""
     check = git(tree, "apply", "--check", "-v", str(patch.path), check=False)
     problems = _apply_problems(patch, check.stderr)
     if check.returncode != 0 and not problems:
@@ -114,7 +114,7 @@ def apply_patch(tree: Path, patch: Patch) -> str:
         for own in patch.owns:
             dst = tree / own
             dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(REPO_ROOT / own, dst)
+            shutil.copyfile(src / own, dst)
         git(tree, "add", "--", *patch.owns)
         git(tree, "commit", "-q", "--amend", "--no-edit")
     return out(tree, "rev-parse", "HEAD")
@@ -161,13 +161,13 @@ def _apply_problems(patch: Patch, stderr: str) -> list[str]:
     return problems
 
 
-def fork_version(upstream_version: str, patches: list[Patch]) -> str:
+def fork_version(upstream_version: str, patches: list[Patch], src: Path = REPO_ROOT) -> str:
     """``<upstream>+fork.<number of patches>.<7 hex of the series' content>`` (PEP 440 local)."""
     h = hashlib.sha256(upstream_version.encode())
     for p in patches:
         h.update(p.path.name.encode() + b"\0" + p.path.read_bytes())
         for own in sorted(p.owns):
-            h.update(own.encode() + b"\0" + (REPO_ROOT / own).read_bytes())
+            h.update(own.encode() + b"\0" + (src / own).read_bytes())
     return f"{upstream_version}+fork.{len(patches)}.{h.hexdigest()[:7]}"
 
 
@@ -201,14 +201,16 @@ def _stamp(tree: Path, upstream_version: str, version: str, patches: list[Patch]
 
 
 def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch],
-             stamp: bool = True) -> Assembled:
+             stamp: bool = True, src: Path = REPO_ROOT) -> Assembled:
+    """Upstream root commit + one commit per patch; ``src`` is the fork repository holding
+    the owned files (another one in tests)."""
     base = import_release(tree, wheel, upstream_version)
     git(tree, "checkout", "-q", "-f", "-B", "fork", base)
     git(tree, "clean", "-qfdx")
     applied = []
     for p in patches:
-        applied.append(Applied(p, apply_patch(tree, p)))
-    version = fork_version(upstream_version, patches)
+        applied.append(Applied(p, apply_patch(tree, p, src)))
+    version = fork_version(upstream_version, patches, src)
     if stamp:
         _stamp(tree, upstream_version, version, patches)
     return Assembled(tree, upstream_version, base, applied, version, out(tree, "rev-parse", "HEAD"))
@@ -223,3 +225,34 @@ def numstat(tree: Path, parent: str, commit: str, paths: list[str] | None = None
         if a != "-":
             added, removed = added + int(a), removed + int(r)
     return added, removed
+
+
+# ---------------------------------------------------------------------------- write-back
+# Shared by `refresh` and `rebase`: a commit of the tree becomes a patch file + owned files.
+
+
+def owned_files(tree: Path, commit: str) -> list[str]:
+    """The files of ours a commit owns: the ones it adds under python/sglang (not the stamp)."""
+    added = out(tree, "diff", "--name-only", "--diff-filter=A", "--no-renames",
+                f"{commit}^", commit, "--", PKG).split()
+    return [f for f in added if f not in STAMP_FILES]
+
+
+def commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
+    """The commit as a patch of upstream files only, its header listing the files it owns.
+
+    Owns: trailers are rewritten from ``owns`` (the files the commit really adds), so a
+    header cannot keep naming a file the commit no longer carries.
+    """
+    excludes = [f":(exclude){o}" for o in owns]
+    text = out(
+        tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature",
+        "--full-index", "--", ".", *excludes,
+    ) + "\n"
+    head, sep, diff = text.partition("\n---\n")
+    head = "\n".join(line for line in head.split("\n") if not line.startswith("Owns: "))
+    trailers = [arg for own in owns for arg in ("--trailer", f"Owns: {own}")]
+    return git(
+        tree, "interpret-trailers", "--if-exists", "addIfDifferent", *trailers,
+        input=head + sep + diff,
+    ).stdout

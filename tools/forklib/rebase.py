@@ -1,0 +1,454 @@
+"""``tools/fork rebase <release>``: move the series to another upstream release with git.
+
+The scratch repository (``build/rebase/repo``) holds both releases as root commits. The
+series is assembled exactly on the pinned release (branch ``old``, one commit per patch,
+owned files inside), then each commit is cherry-picked onto the target release (branch
+``rebased``): git's three-way merge with rename detection does the replay, never ``patch``.
+Each patch is classified:
+
+  clean           the commit's diff applies exactly (no offset, no 3-way) on the target
+  merged          git merged it, but only with moved or changed context: review it
+  conflict        the merge left conflicts in the scratch worktree (files and hunks named)
+  upstream        the change is in the target already (reverse-applies, or the replay is empty)
+  new-file clash  the target ships a file at a path one of our owned files uses
+
+The last three stop the run (``--dry-run`` notes them and goes on). The person resolves in
+the scratch worktree and runs ``--continue``, or drops the patch with ``--drop``; nothing is
+dropped or rewritten silently. The repository (``patches/``, ``python/sglang/``,
+``upstream.toml``) is written only once every patch is clean, merged, resolved or dropped:
+the new files are staged in the scratch dir, the new series is assembled exactly on the
+target as a proof, and only then moved in. ``git range-diff`` of old against new is printed
+and kept in ``build/rebase/range-diff.txt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from . import REPO_ROOT, ForkError
+from .git import git, out
+from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
+from .series import Patch, check_series, load_series, parse_patch
+from .tree import _apply_problems, assemble, commit_patch, import_release, owned_files, upstream_ref
+
+# The tag the replay runs on; the other pinned tags only get their hashes recorded.
+PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
+WRITTEN = ("patches", "python/sglang", "upstream.toml")  # what a rebase may change in the repo
+STOPS = ("conflict", "upstream", "new-file clash")
+DONE = ("clean", "merged", "resolved", "dropped")
+VERSION_RE = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a rebase reads and writes: the fork repository and its scratch dir."""
+
+    root: Path = REPO_ROOT
+    scratch: Path | None = None
+
+    @property
+    def dir(self) -> Path:
+        return self.scratch or self.root / "build" / "rebase"
+
+    @property
+    def repo(self) -> Path:
+        return self.dir / "repo"
+
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "state.json"
+
+    @property
+    def series_file(self) -> Path:
+        return self.root / "patches" / "series"
+
+    @property
+    def pin_file(self) -> Path:
+        return self.root / "upstream.toml"
+
+
+def step(msg: str) -> None:
+    print(f"==> {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------- state
+
+
+def _load_state(lay: Layout) -> dict | None:
+    if not lay.state_file.exists():
+        return None
+    return json.loads(lay.state_file.read_text())
+
+
+def _save_state(lay: Layout, state: dict) -> None:
+    # Write-then-rename: a kill leaves the previous state, never half a JSON file.
+    tmp = lay.state_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    os.replace(tmp, lay.state_file)
+
+
+def _require_clean(lay: Layout) -> None:
+    dirty = out(lay.root, "status", "--porcelain", "--", *WRITTEN)
+    if dirty:
+        raise ForkError(
+            "the repository has uncommitted changes where a rebase writes (commit or stash them first):\n  "
+            + "\n  ".join(dirty.splitlines())
+        )
+
+
+def _find(state: dict, ref: str) -> int:
+    """Index of a patch by name, file name or number (``3``, ``0003``)."""
+    for i, p in enumerate(state["patches"]):
+        stem = p["name"]
+        if ref in (stem, stem + ".patch") or (ref.isdigit() and stem.startswith(f"{int(ref):04d}-")):
+            return i
+    raise ForkError(f"no patch {ref!r} in this rebase; patches: {', '.join(p['name'] for p in state['patches'])}")
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
+    """Begin a rebase onto ``target``; 0 when written back (or, dry-run, fully classified)."""
+    if _load_state(lay) is not None:
+        st = _load_state(lay)
+        raise ForkError(
+            f"a rebase onto {st['to']} is in progress in {lay.dir}: "
+            "`tools/fork rebase --continue`, `--drop <patch>` or `--abort`"
+        )
+    if not VERSION_RE.match(target):
+        raise ForkError(f"{target!r} is not a release version (like 0.5.22)")
+    if not dry_run:
+        _require_clean(lay)
+    pin = load_pin(lay.pin_file)
+    if target == pin.version:
+        raise ForkError(f"the fork is already pinned to {pin.package} {target}")
+    patches = load_series(lay.series_file)
+    check_series(patches, lay.root)
+    t0 = time.monotonic()
+    old_wheel = fetch_pinned(pin, PRIMARY_TAG)  # the pinned hash is checked here
+    new_wheel = fetch_wheel(pin.package, target, PRIMARY_TAG, sha256=None)
+
+    shutil.rmtree(lay.dir, ignore_errors=True)
+    lay.dir.mkdir(parents=True)
+    repo = lay.repo
+    step(f"assembling the series on {pin.package} {pin.version} in {repo}")
+    asm = assemble(repo, old_wheel, pin.version, patches, stamp=False, src=lay.root)
+    git(repo, "branch", "-f", "old", asm.head)
+    step(f"importing {pin.package} {target}")
+    onto = import_release(repo, new_wheel, target)
+    git(repo, "checkout", "-q", "-f", "-B", "rebased", onto)
+    git(repo, "clean", "-qfdx")
+    state = {
+        "package": pin.package,
+        "from": pin.version,
+        "to": target,
+        "dry_run": dry_run,
+        "old_wheels": pin.wheels,
+        "to_sha256": {PRIMARY_TAG: file_sha256(new_wheel)},
+        "phase": "replay",
+        "next": 0,
+        "head": onto,  # HEAD before the patch at "next": an interrupted step restarts from it
+        "stopped": False,
+        "seconds": time.monotonic() - t0,
+        "patches": [
+            {"name": a.patch.name, "commit": a.commit, "status": "pending", "detail": [], "new": None}
+            for a in asm.applied
+        ],
+    }
+    _save_state(lay, state)
+    return _replay(lay, state)
+
+
+def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
+    """``--continue`` (after resolving in the scratch worktree) and ``--drop <patch>``."""
+    state = _load_state(lay)
+    if state is None:
+        raise ForkError("no rebase in progress (start one with `tools/fork rebase <release>`)")
+    repo = lay.repo
+    if state["phase"] == "writing":
+        # Killed while moving files in: put the repository back, then write again.
+        _restore_repo(lay)
+        state["phase"] = "replay"
+    i = state["next"]
+    for ref in drop or []:
+        j = _find(state, ref)
+        if j < i or state["patches"][j]["status"] in DONE:
+            raise ForkError(f"{state['patches'][j]['name']} is already replayed; --abort and start again to drop it")
+        state["patches"][j]["status"] = "dropped"
+        state["patches"][j]["detail"] = ["dropped by --drop"]
+        print(f"dropping {state['patches'][j]['name']} (by request)")
+    if i < len(state["patches"]) and state["patches"][i]["status"] == "dropped":
+        _reset(repo, state["head"])
+        state["next"] = i + 1
+    elif i < len(state["patches"]) and state["stopped"]:
+        state["patches"][i]["new"] = _take_resolution(repo, state, state["patches"][i])
+        state["patches"][i]["status"] = "resolved"
+        state["patches"][i]["detail"].append("resolved by hand: review it")
+        state["head"] = state["patches"][i]["new"]
+        state["next"] = i + 1
+    elif i < len(state["patches"]):
+        _reset(repo, state["head"])  # an interrupted step: do it again
+    state["stopped"] = False
+    _save_state(lay, state)
+    return _replay(lay, state)
+
+
+def abort(lay: Layout = Layout()) -> None:
+    """Forget the rebase: the scratch dir goes; the repository is as it was before it."""
+    state = _load_state(lay)
+    if state is None and not lay.dir.exists():
+        raise ForkError("no rebase in progress")
+    if state is not None and state["phase"] == "writing":
+        _restore_repo(lay)
+    shutil.rmtree(lay.dir, ignore_errors=True)
+    print(f"rebase aborted; {lay.dir} removed, the repository is unchanged")
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+def _reset(repo: Path, head: str) -> None:
+    git(repo, "cherry-pick", "--quit", check=False)
+    git(repo, "reset", "-q", "--hard", head)
+    git(repo, "clean", "-qfd")
+
+
+def _replay(lay: Layout, state: dict) -> int:
+    repo = lay.repo
+    t0 = time.monotonic()
+    while state["next"] < len(state["patches"]):
+        i = state["next"]
+        entry = state["patches"][i]
+        if entry["status"] == "dropped":
+            state["next"] = i + 1
+            continue
+        status, detail = _pick(lay, state, entry)
+        entry["status"], entry["detail"] = status, detail
+        if status in STOPS and not state["dry_run"]:
+            state["stopped"] = True
+            state["seconds"] += time.monotonic() - t0
+            _save_state(lay, state)
+            print(table(state))
+            _explain_stop(lay, state, entry)
+            return 1
+        if status in STOPS:  # dry run: note it, leave it out, go on
+            _reset(repo, state["head"])
+        else:
+            entry["new"] = out(repo, "rev-parse", "HEAD")
+            state["head"] = entry["new"]
+        state["next"] = i + 1
+        _save_state(lay, state)
+    state["seconds"] += time.monotonic() - t0
+    _save_state(lay, state)
+    print(table(state))
+    if state["dry_run"]:
+        os.replace(lay.state_file, lay.dir / "result.json")  # nothing to continue: a dry run ends here
+        print(f"\n(dry run: nothing written; the replay is in {repo}, branch 'rebased')")
+        return 0 if all(p["status"] in DONE for p in state["patches"]) else 1
+    _finish(lay, state)
+    return 0
+
+
+def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
+    """Replay one commit on HEAD and classify it; leaves HEAD on the new commit when it went in."""
+    repo, commit = lay.repo, entry["commit"]
+    patch = parse_patch(lay.root / "patches" / f"{entry['name']}.patch")
+    diff = lay.dir / "current.diff"
+    diff.write_text(out(repo, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
+    to = state["to"]
+
+    # Already upstream: the whole change (owned files included) reverse-applies on the target.
+    if git(repo, "apply", "--check", "-R", str(diff), check=False).returncode == 0:
+        return "upstream", [f"its diff reverse-applies cleanly on {to}: upstream ships this change; drop it (--drop {entry['name']})"]
+    clash = [o for o in owned_files(repo, commit) if git(repo, "cat-file", "-e", f"HEAD:{o}", check=False).returncode == 0]
+    exact = git(repo, "apply", "--check", "-v", str(diff), check=False)
+    problems = [p.removesuffix(": refresh the patch against this release")
+                for p in _apply_problems(patch, exact.stderr)]
+    if exact.returncode != 0 and not problems:
+        problems = [exact.stderr.strip()]
+
+    git(repo, "cherry-pick", "--no-commit", commit, check=False)  # ort: 3-way, renames followed
+    unmerged = sorted(set(out(repo, "diff", "--name-only", "--diff-filter=U").split()))
+    if clash:
+        return "new-file clash", [
+            f"{to} ships {o}, a path this patch owns: rename ours (and fix its imports), or drop the "
+            f"patch if upstream's file is the same feature" for o in clash
+        ] + [f"{u}: conflict left in {repo / u}" for u in unmerged]
+    if unmerged:
+        return "conflict", _conflict_detail(repo, patch, unmerged, problems)
+    if git(repo, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
+        _reset(repo, state["head"])
+        return "upstream", [f"replaying it onto {to} changes nothing: upstream has the change; drop it (--drop {entry['name']})"]
+    git(repo, "commit", "-q", "--allow-empty-message", "-C", commit)
+    if exact.returncode == 0 and not problems:
+        return "clean", []
+    touched = set(out(repo, "diff", "--name-only", "HEAD^", "HEAD").split())
+    moved = sorted(touched - set(patch.files) - set(owned_files(repo, "HEAD")))
+    notes = problems + [f"git followed a rename: the change now lands in {m}" for m in moved]
+    return "merged", notes or ["git needed its 3-way merge"]
+
+
+def _conflict_detail(repo: Path, patch: Patch, unmerged: list[str], problems: list[str]) -> list[str]:
+    detail = [p for p in problems if any(p.startswith(u + ":") for u in unmerged)]
+    for u in unmerged:
+        path = repo / u
+        if not path.exists():
+            detail.append(f"{u}: deleted on one side and changed on the other (modify/delete)")
+            continue
+        lines = path.read_text(errors="replace").splitlines()
+        marks = [n + 1 for n, line in enumerate(lines) if line.startswith("<<<<<<< ")]
+        where = ", ".join(f"line {m}" for m in marks) or "no markers (binary or mode conflict)"
+        detail.append(f"{u}: conflict markers at {where} in {path}")
+    return detail
+
+
+def _take_resolution(repo: Path, state: dict, entry: dict) -> str:
+    """The commit that replaces a stopped patch: one the person made, or the staged resolution."""
+    head = out(repo, "rev-parse", "HEAD")
+    if head != state["head"]:
+        if out(repo, "rev-list", "--count", f"{state['head']}..HEAD") != "1":
+            raise ForkError(f"{repo}: make exactly one commit for {entry['name']} on top of {state['head'][:10]}")
+        return head
+    if out(repo, "ls-files", "-u"):
+        raise ForkError(
+            f"{entry['name']}: unresolved conflicts in {repo}:\n  "
+            + "\n  ".join(sorted(set(out(repo, "diff", "--name-only", "--diff-filter=U").split())))
+            + "\nresolve them and `git add` each file, then `tools/fork rebase --continue`"
+        )
+    unstaged = out(repo, "status", "--porcelain", "--untracked-files=all")
+    loose = [line for line in unstaged.splitlines() if line[1] != " " or line.startswith("??")]
+    if loose:
+        raise ForkError(f"{repo}: changes not added to the index (`git add` or remove them):\n  " + "\n  ".join(loose))
+    if git(repo, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
+        raise ForkError(
+            f"{entry['name']} ({entry['status']}): nothing to continue with in {repo}; "
+            f"resolve and `git add`, or drop it with `tools/fork rebase --drop {entry['name']}`"
+        )
+    git(repo, "cherry-pick", "--quit", check=False)
+    git(repo, "commit", "-q", "--allow-empty-message", "-C", entry["commit"])
+    return out(repo, "rev-parse", "HEAD")
+
+
+def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
+    print(f"\nstopped at {entry['name']} ({entry['status']}); the replay is in {lay.repo}")
+    for d in entry["detail"]:
+        print(f"  - {d}")
+    print(
+        "then either resolve there, `git add` the files and run `tools/fork rebase --continue`,\n"
+        f"or drop the patch: `tools/fork rebase --drop {entry['name']}` (it will be removed from the series),\n"
+        "or give up: `tools/fork rebase --abort`. Nothing has been written to the repository yet."
+    )
+
+
+def table(state: dict) -> str:
+    rows = [("patch", "result", "notes")]
+    for p in state["patches"]:
+        note = p["detail"][0] if p["detail"] else ""
+        more = f" (+{len(p['detail']) - 1} more)" if len(p["detail"]) > 1 else ""
+        rows.append((p["name"], p["status"], note + more))
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    lines = [f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}".rstrip() for r in rows]
+    lines.insert(1, f"{'-' * widths[0]}  {'-' * widths[1]}  -----")
+    head = f"{state['package']} {state['from']} -> {state['to']} ({state['seconds']:.1f} s)"
+    return head + "\n" + "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- write back
+
+
+def _new_pin(state: dict) -> tuple[Pin, list[str]]:
+    """The target's hashes for every tag the old pin had; a tag that cannot be fetched is said."""
+    wheels, warnings = dict(state["to_sha256"]), []
+    for tag in sorted(state["old_wheels"]):
+        if tag in wheels:
+            continue
+        try:
+            wheels[tag] = file_sha256(fetch_wheel(state["package"], state["to"], tag, sha256=None))
+        except ForkError as e:
+            warnings.append(f"no hash recorded for {tag}: {e}")
+    return Pin(state["package"], state["to"], wheels), warnings
+
+
+def _finish(lay: Layout, state: dict) -> None:
+    repo, root = lay.repo, lay.root
+    _require_clean(lay)
+    pin, warnings = _new_pin(state)
+    kept = [p for p in state["patches"] if p["status"] != "dropped"]
+
+    # 1. Stage every file a rebase writes, under the scratch dir.
+    staged = lay.dir / "staged"
+    shutil.rmtree(staged, ignore_errors=True)
+    (staged / "patches").mkdir(parents=True)
+    owned: set[str] = set()
+    for p in kept:
+        owns = owned_files(repo, p["new"])
+        for own in owns:
+            (staged / own).parent.mkdir(parents=True, exist_ok=True)
+            (staged / own).write_bytes(git_show(repo, p["new"], own))
+        owned.update(owns)
+        (staged / "patches" / f"{p['name']}.patch").write_text(commit_patch(repo, p["new"], owns))
+    (staged / "patches" / "series").write_text("".join(f"{p['name']}.patch\n" for p in kept))
+    (staged / "upstream.toml").write_text(render_pin(pin))
+
+    # 2. Proof: the written series applies exactly on the target (the same check as `make`).
+    new_patches = load_series(staged / "patches" / "series")
+    wheel = fetch_wheel(pin.package, pin.version, PRIMARY_TAG, pin.wheels[PRIMARY_TAG])
+    step("checking that the refreshed series applies exactly on the target")
+    assemble(repo, wheel, pin.version, new_patches, stamp=False, src=staged)
+
+    # 3. range-diff of the old series against the new one, for the reviewer.
+    rd = out(repo, "range-diff", "--no-color", f"{upstream_ref(state['from'])}..old",
+             f"{upstream_ref(state['to'])}..fork")
+    (lay.dir / "range-diff.txt").write_text(rd + "\n")
+
+    # 4. Move in. A failure or a kill midway restores the paths from git (they were clean).
+    state["phase"] = "writing"
+    _save_state(lay, state)
+    try:
+        gone = [f for f in (root / "patches").glob("*.patch") if f.name not in {f"{p['name']}.patch" for p in kept}]
+        gone += [f for f in (root / "python" / "sglang").rglob("*")
+                 if f.is_file() and "__pycache__" not in f.parts and str(f.relative_to(root)) not in owned]
+        for f in gone:
+            f.unlink()
+        for f in sorted(staged.rglob("*")):
+            if f.is_file():
+                dst = root / f.relative_to(staged)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                _move_in(f, dst)
+    except BaseException:
+        _restore_repo(lay)
+        state["phase"] = "replay"
+        _save_state(lay, state)
+        raise
+    lay.state_file.unlink()
+    print(f"\ngit range-diff {state['from']}..old {state['to']}..new (kept in {lay.dir / 'range-diff.txt'}):\n{rd}\n")
+    for w in warnings:
+        print(f"warning: {w}")
+    dropped = [p["name"] for p in state["patches"] if p["status"] == "dropped"]
+    review = [p["name"] for p in kept if p["status"] != "clean"]
+    print(f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml"
+          + (f"; dropped: {', '.join(dropped)}" if dropped else "")
+          + (f"; review: {', '.join(review)}" if review else "")
+          + ". Check `git diff`, run `make test`, then commit.")
+
+
+def git_show(repo: Path, commit: str, path: str) -> bytes:
+    return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=repo, check=True, capture_output=True).stdout
+
+
+def _move_in(src: Path, dst: Path) -> None:
+    os.replace(src, dst)  # same filesystem: each file appears whole
+
+
+def _restore_repo(lay: Layout) -> None:
+    """Put the written paths back as committed (a rebase starts only when they are clean)."""
+    git(lay.root, "checkout", "-q", "HEAD", "--", *WRITTEN)
+    git(lay.root, "clean", "-qfd", "--", *WRITTEN)
