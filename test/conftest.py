@@ -6,11 +6,23 @@ marked ``gpu`` need CUDA and are skipped without it; the GPU bundle runs them on
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+try:
+    import torch
+
+    HAS_CUDA = torch.cuda.is_available()
+except ImportError:
+    HAS_CUDA = False
+if not HAS_CUDA:
+    # Triton kernels run under its interpreter on CPU machines (small shapes). Set before any
+    # test module imports a kernel: @triton.jit reads it when the kernel is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -22,13 +34,7 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_cuda = torch.cuda.is_available()
-    except ImportError:
-        has_cuda = False
-    if has_cuda:
+    if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
