@@ -36,7 +36,7 @@ from . import REPO_ROOT, ForkError
 from .git import git, out
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
 from .series import Patch, check_series, load_series, parse_patch
-from .tree import _apply_problems, assemble, commit_patch, import_release, owned_files, upstream_ref
+from .tree import apply_problems, assemble, commit_patch, import_release, owned_files, upstream_ref
 
 # The tag the replay runs on; the other pinned tags only get their hashes recorded.
 PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
@@ -271,7 +271,7 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
     clash = [o for o in owned_files(repo, commit) if git(repo, "cat-file", "-e", f"HEAD:{o}", check=False).returncode == 0]
     exact = git(repo, "apply", "--check", "-v", str(diff), check=False)
     problems = [p.removesuffix(": refresh the patch against this release")
-                for p in _apply_problems(patch, exact.stderr)]
+                for p in apply_problems(patch, exact.stderr)]
     if exact.returncode != 0 and not problems:
         problems = [exact.stderr.strip()]
 

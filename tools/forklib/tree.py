@@ -98,7 +98,7 @@ def extract_package(wheel: Path, dest: Path) -> None:
 def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT) -> str:
     """Apply one patch exactly (no fuzz, no offset), add the files it owns (from ``src``), commit."""
     check = git(tree, "apply", "--check", "-v", str(patch.path), check=False)
-    problems = _apply_problems(patch, check.stderr)
+    problems = apply_problems(patch, check.stderr)
     if check.returncode != 0 and not problems:
         problems = [check.stderr.strip()]
     problems += [
@@ -134,7 +134,7 @@ def _hunks(patch: Patch) -> dict[str, list[str]]:
     return hunks
 
 
-def _apply_problems(patch: Patch, stderr: str) -> list[str]:
+def apply_problems(patch: Patch, stderr: str) -> list[str]:
     """Name each hunk git had to move (offset) or could not place."""
     hunks = _hunks(patch)
     problems = []
