@@ -42,7 +42,7 @@ def assemble_series(args, stamp: bool = True, tag: str | None = None,
     patches = load_series(args.series)
     check_series(patches)
     pin = load_pin()
-    wheel = fetch_pinned(pin, tag or python_tag(target_python(args)))
+    wheel = fetch_pinned(pin, tag or getattr(args, "tag", None) or python_tag(target_python(args)))
     tree = args.build / tree_name
     step(f"assembling {pin.package} {pin.version} + {len(patches)} patch(es) in {tree}")
     return assemble(tree, wheel, pin.version, patches, stamp=stamp), wheel
@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("check", help="headers complete, ownership of python/sglang files").set_defaults(fn=cmd_check)
     p = sub.add_parser("build", help="fetch, assemble build/tree, package build/dist, print the patch table")
     p.add_argument("--install", metavar="VENV", help="then install the wheel into this venv")
+    p.add_argument("--tag", help="build for this pinned wheel tag instead, e.g. cp312-cp312-manylinux_2_34_x86_64")
     p.set_defaults(fn=cmd_build)
     sub.add_parser("tree", help="assemble build/tree without the stamp, for editing").set_defaults(fn=cmd_tree)
     sub.add_parser("gpu-bundle", help="write build/gpu-bundle: GPU tests + benchmarks for a torch-only machine").set_defaults(fn=cmd_gpu_bundle)
