@@ -1,0 +1,354 @@
+"""DSpark verify cap: a per-request number of verified drafts inside the static verify.
+
+The target verify keeps its fixed [bs, gamma + 1] layout (CUDA graphs keep their shapes).
+With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 + k:
+
+* acceptance is capped at k drafts on every accept path (eager, the verify graph's folded
+  greedy accept, the sampling-accept graph, greedy and sampled), through upstream's
+  ``cutoff_verify_lens`` (CapCorrectLen, bonus from row k); the fused static accept tail
+  does not trim, so it steps aside while the cap is on;
+* sampled rows see q = 0 for every draft past k (``mask_dead_draft_probs``): the rejection
+  kernel then stops at k and draws the correction from row k, for the token-wise rule and
+  for block verification alike, so the committed tokens are an exact sample of a verify with
+  k drafts (upstream's trim after acceptance is not, for block verification);
+* in target-verify forwards the router takes the anchor row's experts for rows >= L
+  (``moe_fused_gate(live_lens=...)``), so dead rows add no experts to a layer's set.
+  Dead rows are never committed and live rows attend to earlier rows only.
+
+k is fixed (``K``) or a stopping rule on the draft confidence head (``conf:T`` or
+``conf:t2,...,tgamma``): the number of leading drafts whose running product of per-position
+survival stays >= the threshold, at least ``--speculative-dspark-verify-cap-min``. The head's
+value for draft i is computed from drafts before i only, so the cut never looks at the token
+it drops. The live length is decided on TP rank 0 and broadcast (rank-invariant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+from typing import Optional
+
+import msgspec
+import torch
+
+logger = logging.getLogger(__name__)
+
+ACCEPTED_FORMS = (
+    "K (an integer 1..gamma: verify K drafts every step), "
+    "conf:T (one threshold in [0, 1] on the running product of the confidence head's "
+    "per-position survival), or conf:t2,...,tgamma (one threshold per draft 2..gamma)"
+)
+# Requests the live buffer covers: the verify graphs' largest batch is far below.
+MAX_REQUESTS = 1024
+
+
+class VerifyCapSpec(msgspec.Struct, frozen=True):
+    fixed: Optional[int] = None
+    thresholds: Optional[tuple[float, ...]] = None  # one value, or one per draft 2..gamma
+
+
+def parse_verify_cap(value: str) -> VerifyCapSpec:
+    """Syntax of --speculative-dspark-verify-cap; raises ValueError listing the forms."""
+    text = str(value).strip()
+    try:
+        if text.startswith("conf:"):
+            vals = tuple(float(v) for v in text[len("conf:") :].split(","))
+            if not vals or any(not (0.0 <= v <= 1.0) for v in vals):
+                raise ValueError("thresholds must lie in [0, 1]")
+            return VerifyCapSpec(thresholds=vals)
+        k = int(text)
+        if k < 1:
+            raise ValueError("K must be >= 1")
+        return VerifyCapSpec(fixed=k)
+    except ValueError as e:
+        raise ValueError(
+            f"invalid --speculative-dspark-verify-cap {value!r} ({e}); accepted forms: "
+            f"{ACCEPTED_FORMS}"
+        ) from None
+
+
+def verify_cap_arg(value: str) -> str:
+    """argparse type_parser: syntax only (gamma is known after resolution)."""
+    try:
+        parse_verify_cap(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def validate_verify_cap(
+    *,
+    cap: Optional[str],
+    cap_min: Optional[int],
+    log_path: Optional[str],
+    algorithm: Optional[str],
+    gamma: Optional[int] = None,
+    ragged_mode: Optional[str] = None,
+    attn_dp_size: int = 1,
+) -> Optional[VerifyCapSpec]:
+    """Cross-flag checks (speculative_hook); raises ValueError with the reason."""
+    if cap is None:
+        if cap_min is not None or log_path:
+            raise ValueError(
+                "--speculative-dspark-verify-cap-min / --speculative-dspark-verify-cap-log "
+                "need --speculative-dspark-verify-cap."
+            )
+        return None
+    if algorithm != "DSPARK":
+        raise ValueError(
+            "--speculative-dspark-verify-cap needs --speculative-algorithm DSPARK "
+            f"(got {algorithm!r})."
+        )
+    spec = parse_verify_cap(cap)
+    if gamma is None:
+        return spec
+    if spec.fixed is not None and not (1 <= spec.fixed <= gamma):
+        raise ValueError(
+            f"--speculative-dspark-verify-cap {cap}: K must be in 1..gamma (gamma={gamma})."
+        )
+    if spec.thresholds is not None and len(spec.thresholds) not in (1, gamma - 1):
+        raise ValueError(
+            f"--speculative-dspark-verify-cap {cap}: give one threshold or gamma - 1 = "
+            f"{gamma - 1} (drafts 2..{gamma}), got {len(spec.thresholds)}."
+        )
+    cap_min = 1 if cap_min is None else int(cap_min)
+    if not (1 <= cap_min <= gamma):
+        raise ValueError(
+            f"--speculative-dspark-verify-cap-min must be in 1..gamma (gamma={gamma}), "
+            f"got {cap_min}."
+        )
+    if log_path and spec.thresholds is None:
+        raise ValueError(
+            "--speculative-dspark-verify-cap-log records the confidence stopping rule; "
+            "it needs a conf: cap."
+        )
+    if ragged_mode is not None and ragged_mode != "static":
+        raise ValueError(
+            "--speculative-dspark-verify-cap runs inside the static verify layout; it "
+            f"needs SGLANG_RAGGED_VERIFY_MODE=static (got {ragged_mode!r})."
+        )
+    if attn_dp_size > 1:
+        raise ValueError(
+            "--speculative-dspark-verify-cap needs the verify rows of one rank in the "
+            "MoE (request-major); dp attention (attn_dp_size > 1) is not supported."
+        )
+    return spec
+
+
+def threshold_vector(spec: VerifyCapSpec, gamma: int) -> torch.Tensor:
+    """Per-draft threshold [gamma]; draft 1 is always verified (threshold 0)."""
+    thr = spec.thresholds
+    vals = [thr[0]] * gamma if len(thr) == 1 else [0.0, *thr]
+    return torch.tensor(vals[:gamma], dtype=torch.float32)
+
+
+def drafts_from_confidence(
+    confidence: torch.Tensor, thresholds: torch.Tensor, k_min: int
+) -> torch.Tensor:
+    """k [bs]: leading drafts whose running product of survival stays >= threshold.
+
+    ``confidence`` [bs, gamma] is the head's per-position survival (draft i given
+    drafts before i), so the decision to verify draft i reads drafts < i only."""
+    gamma = confidence.shape[1]
+    survive = torch.cumprod(confidence.float().clamp(0.0, 1.0), dim=1)
+    keep = (survive >= thresholds.to(survive.device)).to(torch.int64)
+    k = keep.cumprod(dim=1).sum(dim=1)
+    return k.clamp(min=int(k_min), max=gamma)
+
+
+def mask_dead_draft_probs(draft_probs: torch.Tensor, live_lens: torch.Tensor) -> torch.Tensor:
+    """q = 0 for drafts past each request's live length ([bs, gamma, V] -> new tensor)."""
+    gamma = draft_probs.shape[1]
+    pos = torch.arange(gamma, device=draft_probs.device)
+    alive = pos[None, :] < (live_lens.to(draft_probs.device)[:, None] - 1)
+    return draft_probs * alive[:, :, None].to(draft_probs.dtype)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class VerifyCap:
+    """The per-process cap state: the live-length buffer [MAX_REQUESTS] (int64, L = 1 + k)
+    that the router, the accepts and the graphs read by address."""
+
+    def __init__(
+        self,
+        *,
+        spec: VerifyCapSpec,
+        gamma: int,
+        k_min: int = 1,
+        log_path: Optional[str] = None,
+        device=None,
+        tp_group=None,
+    ) -> None:
+        assert not _capturing(), (
+            "DSpark verify cap: the live-length buffer must exist before graph capture"
+        )
+        self.spec = spec
+        self.gamma = int(gamma)
+        self.stride = self.gamma + 1
+        self.k_min = int(k_min)
+        self._tp_group = tp_group
+        if device is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self.live = torch.full(
+            (MAX_REQUESTS,),
+            self.stride if spec.fixed is None else 1 + spec.fixed,
+            dtype=torch.int64,
+            device=device,
+        )
+        self.thresholds = (
+            None
+            if spec.thresholds is None
+            else threshold_vector(spec, self.gamma).to(self.live.device)
+        )
+        self._in_verify = False
+        self._log_path = log_path
+        self._log = None
+        self._warned_no_conf = False
+
+    @property
+    def needs_confidence(self) -> bool:
+        return self.thresholds is not None
+
+    def begin_step(self, bs: int, confidence: Optional[torch.Tensor]) -> None:
+        """Before the target verify: this step's live lengths (rank 0's, on every rank)."""
+        if self.thresholds is None:
+            return  # fixed K: constant buffer, identical on every rank
+        if confidence is None:
+            if not self._warned_no_conf:
+                self._warned_no_conf = True
+                logger.warning(
+                    "DSpark verify cap: the draft gave no confidence this step; "
+                    "verifying every draft."
+                )
+            self.live[:bs].fill_(self.stride)
+            return
+        k = drafts_from_confidence(confidence[:bs, : self.gamma], self.thresholds, self.k_min)
+        self.live[:bs].copy_(k + 1)
+        group = self._group()
+        if group is not None and group.world_size > 1:
+            # The head's input comes out of an all-reduce whose last bits may differ
+            # between ranks; one verify row must see one expert set on all ranks.
+            group.broadcast(self.live[:bs], src=0)
+
+    def _group(self):
+        if self._tp_group is None:
+            try:
+                from sglang.srt.distributed import get_tp_group
+
+                self._tp_group = get_tp_group()
+            except Exception:  # no distributed state (unit tests)
+                return None
+        return self._tp_group
+
+    def cutoff(self, bs: int) -> torch.Tensor:
+        return self.live[:bs]
+
+    @contextlib.contextmanager
+    def router_scope(self, forward_batch):
+        prev = self._in_verify
+        self._in_verify = bool(forward_batch.forward_mode.is_target_verify())
+        try:
+            yield
+        finally:
+            self._in_verify = prev
+
+    def router_kwargs(self, gating_output: torch.Tensor) -> dict:
+        if not self._in_verify:
+            return {}
+        m = gating_output.shape[0]
+        if m % self.stride != 0:
+            raise RuntimeError(
+                f"DSpark verify cap: a target-verify router got {m} rows, not a multiple "
+                f"of the verify stride {self.stride}; the cap needs the static layout."
+            )
+        return {"live_lens": self.live, "live_stride": self.stride}
+
+    def log_step(self, confidence: Optional[torch.Tensor], correct_len: torch.Tensor) -> None:
+        """Rank 0: per request [confidence (gamma), live length, accepted drafts] as float32.
+        Costs a device sync per step (measurement only)."""
+        if not self._log_path or confidence is None:
+            return
+        if self._log is None:
+            group = self._group()
+            rank0 = group is None or group.rank_in_group == 0
+            self._log = open(self._log_path, "ab") if rank0 else False
+        if not self._log:
+            return
+        bs = correct_len.shape[0]
+        rec = torch.cat(
+            [
+                confidence[:bs, : self.gamma].float(),
+                self.live[:bs].float().unsqueeze(1),
+                correct_len[:bs].float().unsqueeze(1),
+            ],
+            dim=1,
+        )
+        self._log.write(rec.cpu().numpy().astype("float32").tobytes())
+        self._log.flush()
+
+
+_CAP: Optional[VerifyCap] = None
+_RESOLVED = False
+
+
+def configure(cap: Optional[VerifyCap]) -> None:
+    """Install (or clear) the process's cap; tests and the first get_verify_cap() call."""
+    global _CAP, _RESOLVED
+    _CAP, _RESOLVED = cap, True
+
+
+def get_verify_cap() -> Optional[VerifyCap]:
+    """The cap from the server arguments, built at the first call; None when off."""
+    if _RESOLVED:
+        return _CAP
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        spec_ns = get_spec()
+    except ValueError:  # server arguments not published in this process (yet)
+        return None
+    value = getattr(spec_ns, "speculative_dspark_verify_cap", None)
+    if value is None:
+        configure(None)
+        return None
+    gamma = int(spec_ns.speculative_num_draft_tokens) - 1
+    cap = VerifyCap(
+        spec=parse_verify_cap(value),
+        gamma=gamma,
+        k_min=int(spec_ns.speculative_dspark_verify_cap_min or 1),
+        log_path=spec_ns.speculative_dspark_verify_cap_log,
+    )
+    configure(cap)
+    logger.info(
+        "DSpark verify cap on (%s, min %d, gamma %d): acceptance capped per request, "
+        "dead verify rows route to the anchor's experts%s",
+        value,
+        cap.k_min,
+        gamma,
+        f", per-step log {cap._log_path}" if cap._log_path else "",
+    )
+    return cap
+
+
+def verify_cap_cutoff(bs: int) -> Optional[torch.Tensor]:
+    cap = get_verify_cap()
+    return None if cap is None else cap.cutoff(bs)
+
+
+def verify_cap_needs_confidence() -> bool:
+    cap = get_verify_cap()
+    return cap is not None and cap.needs_confidence
+
+
+def verify_cap_router_scope(forward_batch):
+    cap = get_verify_cap()
+    return contextlib.nullcontext() if cap is None else cap.router_scope(forward_batch)
+
+
+def verify_cap_router_kwargs(gating_output: torch.Tensor) -> dict:
+    cap = get_verify_cap()
+    return {} if cap is None else cap.router_kwargs(gating_output)
