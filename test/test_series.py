@@ -99,7 +99,9 @@ def test_failed_build_packages_and_installs_nothing(tmp_path, series):
     text = series[0].path.read_text()
     start = text.index(header) + len(header) + 1
     (patches / series[0].path.name).write_text(text[:start] + " # drifted" + text[start:])
-    (patches / "series").write_text(series[0].path.name + "\n")
+    for later in series[1:]:  # keep the whole series, so every file under python/sglang stays owned
+        (patches / later.path.name).write_text(later.path.read_text())
+    (patches / "series").write_text("".join(p.path.name + "\n" for p in series))
     venv = tmp_path / "venv"
     r = subprocess.run(
         [sys.executable, str(REPO / "tools" / "fork"), "--series", str(patches / "series"),
