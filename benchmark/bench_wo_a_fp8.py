@@ -1,0 +1,129 @@
+"""wo_a from the fp8 twin (--dsv4-wo-a-fp8-twin) against the stock path, per M and G, 43 layers in
+a CUDA graph: upstream's ``wo_a_bf16_small_batch`` (G = 2, 2..8 rows; its MXFP8 variant beside the
+twin's), ``torch.einsum`` (what upstream runs for every other G / row count on Hopper), the twin
+kernel, and a pure read of the twin's bytes (e4m3 + exponents) in one Triton kernel, the floor
+that one kernel can reach. FORK_WO_A_SWEEP=1 also times the kernel's tile configurations.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from harness import LAYERS, floor_us, graph_us_per_call, parse_args, report, tbps
+
+from sglang.kernels.ops.gemm import dsv4_wo_a as up
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
+from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
+
+R, D = 1024, 4096
+SMALL_M = list(range(2, 9))
+MID_M = [9, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192]
+
+
+@triton.jit
+def _pure_read(W, OUT, N, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + pid, tl.sum(tl.load(W + offs, offs < N, 0)))
+
+
+def pure_read(words: torch.Tensor, out: torch.Tensor, block: int) -> None:
+    n = words.numel()
+    _pure_read[(triton.cdiv(n, block),)](words, out, n, BLOCK=block, num_warps=8)
+
+
+def twin_exact_weight(g: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(g, R, D, device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    e = torch.randint(-14, -6, (g, R // 32, D // 32), device="cuda", generator=gen)
+    scale = torch.exp2(e.float()).repeat_interleave(32, 1).repeat_interleave(32, 2)
+    return (q.float() * scale).to(torch.bfloat16)
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    sweep = os.environ.get("FORK_WO_A_SWEEP") == "1"
+    rows, sweep_rows = [], []
+    for g in (2, 8):
+        weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
+        twins = []
+        for w in weights:
+            t = make_twin(w)
+            assert t is not None
+            twins.append((*t, k.counters_for(t[0])))
+        twin_bytes = twins[0][0].numel() + twins[0][1].numel()
+        words = [torch.cat([t[0].view(torch.int32).flatten(), t[1].view(torch.int32).flatten()]) for t in twins]
+        read_us = min(
+            graph_us_per_call(
+                [lambda wd=wd, s=torch.empty(triton.cdiv(wd.numel(), b), dtype=torch.int32, device="cuda"), b=b:
+                 pure_read(wd, s, b) for wd in words], args.replays)
+            for b in (1024, 2048, 4096)
+        )
+        bf16_bytes = g * R * D * 2
+
+        def t_twin(x, cfg=None):
+            return graph_us_per_call([lambda t=t: k.wo_a_fp8_matmul(x, t[0], t[1], t[2], cfg) for t in twins],
+                                     args.replays)
+
+        if sweep:
+            for m in (2, 8):
+                x = torch.randn(m, g, D, device="cuda").to(torch.bfloat16)
+                for bn in (16, 32):
+                    for warps in (1, 2, 4, 8):
+                        cfg = (8, 16, bn, warps, 1)
+                        sweep_rows.append({"G": g, "M": m, "cfg": str(cfg), "us": t_twin(x, cfg)})
+            for m in (16, 64, 192):
+                x = torch.randn(m, g, D, device="cuda").to(torch.bfloat16)
+                for split in (2, 4, 8):
+                    for bm in (16, 32, 64):
+                        if bm > max(16, triton.next_power_of_2(m)):
+                            continue
+                        for bn in (16, 32):
+                            for warps in (4, 8):
+                                cfg = (split, bm, bn, warps, 1)
+                                sweep_rows.append({"G": g, "M": m, "cfg": str(cfg), "us": t_twin(x, cfg)})
+            best = {}
+            for r in sweep_rows:
+                if r["G"] == g:
+                    key = r["M"]
+                    if key not in best or r["us"] < best[key]["us"]:
+                        best[key] = r
+            for m, r in sorted(best.items()):
+                print(f"sweep best G={g} M={m}: {r['cfg']} {r['us']:.2f} us")
+
+        for m in SMALL_M + MID_M:
+            x = torch.randn(m, g, D, device="cuda").to(torch.bfloat16)
+            einsum = graph_us_per_call([lambda w=w: torch.einsum("tgd,grd->tgr", x, w) for w in weights], args.replays)
+            small_stock = g == 2 and m <= 8
+            stock = (graph_us_per_call([lambda w=w: up.wo_a_bf16_small_batch(x, w) for w in weights], args.replays)
+                     if small_stock else einsum)
+            twin = t_twin(x)
+            row = {"G": g, "M": m, "stock": "wo_a_bf16_small_batch" if small_stock else "einsum",
+                   "stock_us": stock, "einsum_us": einsum, "twin_us": twin, "read_us": read_us,
+                   "twin_over_read": twin / read_us, "speedup": stock / twin,
+                   "twin_TBps": tbps(twin_bytes, twin), "floor_us": floor_us(twin_bytes),
+                   "stock_mx_us": float("nan"), "twin_mx_us": float("nan")}
+            if small_stock:
+                row["stock_mx_us"] = graph_us_per_call(
+                    [lambda w=w: up.wo_a_bf16_small_batch_mxfp8(x, w) for w in weights], args.replays)
+                row["twin_mx_us"] = graph_us_per_call(
+                    [lambda t=t: up._quantize_partial(k.wo_a_fp8_partial(x, t[0], t[1], t[2])) for t in twins],
+                    args.replays)
+            rows.append(row)
+        del weights, twins, words
+        torch.cuda.empty_cache()
+    cols = ["G", "M", "stock", "stock_us", "einsum_us", "twin_us", "read_us", "twin_over_read", "speedup",
+            "twin_TBps", "floor_us", "stock_mx_us", "twin_mx_us"]
+    meta = {"layers": LAYERS, "R": R, "D": D, "small_cfg": [k.SMALL_SPLIT, k.SMALL_BM, k.SMALL_BN, k.SMALL_WARPS,
+                                                             k.SMALL_STAGES],
+            "mid_cfg": [list(c) for c in k._MID], "sweep": sweep_rows,
+            "what": "stock vs fp8 twin vs pure read of the twin's bytes; speedup = stock_us / twin_us"}
+    report("wo_a_fp8", cols, rows, args.out, meta)
+
+
+if __name__ == "__main__":
+    main()
