@@ -91,6 +91,18 @@ def test_hunk_at_an_offset_is_an_error(tmp_path, series):
         assemble(tmp_path / "tree", wheel, load_pin().version, [shifted])
 
 
+def test_editing_tree_merges_a_drifted_patch(tmp_path, series):
+    """`make tree` merges a patch that moved (git am -3) so `make refresh` can rewrite it exactly."""
+    path, header = _first_hunk(series[0].path.read_text())
+    old, new = map(int, re.match(r"@@ -(\d+),\d+ \+(\d+)", header).groups())
+    moved = header.replace(f"-{old},", f"-{old + 3},", 1).replace(f"+{new},", f"+{new + 3},", 1)
+    shifted = parse_patch(_broken_copy(tmp_path, series, lambda t: t.replace(header, moved, 1)))
+    wheel = fetch_pinned(load_pin(), TAG)
+    asm = assemble(tmp_path / "tree", wheel, load_pin().version, [shifted], stamp=False, three_way=True)
+    exact = assemble(tmp_path / "exact", wheel, load_pin().version, series[:1], stamp=False)
+    assert out(asm.tree, "rev-parse", "HEAD^{tree}") == out(exact.tree, "rev-parse", "HEAD^{tree}")
+
+
 @pytest.mark.slow
 def test_failed_build_packages_and_installs_nothing(tmp_path, series):
     path, header = _first_hunk(series[0].path.read_text())

@@ -45,7 +45,8 @@ def assemble_series(args, stamp: bool = True, tag: str | None = None,
     wheel = fetch_pinned(pin, tag or getattr(args, "tag", None) or python_tag(target_python(args)))
     tree = args.build / tree_name
     step(f"assembling {pin.package} {pin.version} + {len(patches)} patch(es) in {tree}")
-    return assemble(tree, wheel, pin.version, patches, stamp=stamp), wheel
+    # An editing tree (no stamp) merges drifted patches with git am -3, so `refresh` can fix them.
+    return assemble(tree, wheel, pin.version, patches, stamp=stamp, three_way=not stamp), wheel
 
 
 def patch_table(asm: Assembled) -> str:
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--install", metavar="VENV", help="then install the wheel into this venv")
     p.add_argument("--tag", help="build for this pinned wheel tag instead, e.g. cp312-cp312-manylinux_2_34_x86_64")
     p.set_defaults(fn=cmd_build)
-    sub.add_parser("tree", help="assemble build/tree without the stamp, for editing").set_defaults(fn=cmd_tree)
+    sub.add_parser("tree", help="assemble build/tree without the stamp, for editing (drifted patches merged with git am -3)").set_defaults(fn=cmd_tree)
     sub.add_parser("gpu-bundle", help="write build/gpu-bundle: GPU tests + benchmarks for a torch-only machine").set_defaults(fn=cmd_gpu_bundle)
     sub.add_parser("refresh", help="write build/tree's commits back to patches/ and python/sglang/").set_defaults(fn=cmd_refresh)
     p = sub.add_parser("rebase", help="replay the series onto another upstream release (build/rebase)")

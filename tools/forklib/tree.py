@@ -95,8 +95,12 @@ def extract_package(wheel: Path, dest: Path) -> None:
                 path.chmod(0o755)
 
 
-def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT) -> str:
-    """Apply one patch exactly (no fuzz, no offset), add the files it owns (from ``src``), commit."""
+def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool = False) -> str:
+    """Apply one patch exactly (no fuzz, no offset), add the files it owns (from ``src``), commit.
+
+    ``three_way`` (editing trees only, never a build): a patch that no longer applies exactly
+    is merged with ``git am -3`` instead, so ``refresh`` can write it back exactly.
+    """
     check = git(tree, "apply", "--check", "-v", str(patch.path), check=False)
     problems = apply_problems(patch, check.stderr)
     if check.returncode != 0 and not problems:
@@ -105,19 +109,33 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT) -> str:
         f"owns {own}, but upstream already ships a file there" for own in patch.owns
         if (tree / own).exists()
     ]
-    if problems:
+    clash = any("upstream already ships" in p for p in problems)
+    if problems and (clash or not three_way):
         raise PatchError(
             f"patch {patch.path.name} does not apply exactly:\n  " + "\n  ".join(problems)
         )
-    git(tree, "am", "-q", "--no-3way", str(patch.path))
+    if problems:
+        print(f"  {patch.path.name}: merged with git am -3 (" + "; ".join(problems) + ")", flush=True)
+    merged = git(tree, "am", "-q", "-3" if problems else "--no-3way", str(patch.path), check=False)
+    _copy_owned(tree, patch, src)
+    if merged.returncode != 0:
+        raise PatchError(
+            f"patch {patch.path.name} conflicts with the patches before it; the merge is left in "
+            f"{tree}: resolve the conflicts there, `git add -A` (the files it owns are already "
+            "copied in), `git am --continue`, then `git am -3` the remaining patches and "
+            f"`tools/fork refresh`.\n{merged.stdout.strip()}"
+        )
     if patch.owns:
-        for own in patch.owns:
-            dst = tree / own
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(src / own, dst)
         git(tree, "add", "--", *patch.owns)
         git(tree, "commit", "-q", "--amend", "--no-edit")
     return out(tree, "rev-parse", "HEAD")
+
+
+def _copy_owned(tree: Path, patch: Patch, src: Path) -> None:
+    for own in patch.owns:
+        dst = tree / own
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / own, dst)
 
 
 def _hunks(patch: Patch) -> dict[str, list[str]]:
@@ -201,15 +219,15 @@ def _stamp(tree: Path, upstream_version: str, version: str, patches: list[Patch]
 
 
 def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch],
-             stamp: bool = True, src: Path = REPO_ROOT) -> Assembled:
+             stamp: bool = True, src: Path = REPO_ROOT, three_way: bool = False) -> Assembled:
     """Upstream root commit + one commit per patch; ``src`` is the fork repository holding
-    the owned files (another one in tests)."""
+    the owned files (another one in tests); ``three_way`` only for editing trees."""
     base = import_release(tree, wheel, upstream_version)
     git(tree, "checkout", "-q", "-f", "-B", "fork", base)
     git(tree, "clean", "-qfdx")
     applied = []
     for p in patches:
-        applied.append(Applied(p, apply_patch(tree, p, src)))
+        applied.append(Applied(p, apply_patch(tree, p, src, three_way)))
     version = fork_version(upstream_version, patches, src)
     if stamp:
         _stamp(tree, upstream_version, version, patches)
