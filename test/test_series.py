@@ -98,8 +98,11 @@ def test_failed_build_packages_and_installs_nothing(tmp_path, series):
     patches.mkdir()
     text = series[0].path.read_text()
     start = text.index(header) + len(header) + 1
+    # The whole series (every python/sglang file must stay owned), the first patch drifted.
+    for p in series[1:]:
+        (patches / p.path.name).write_text(p.path.read_text())
     (patches / series[0].path.name).write_text(text[:start] + " # drifted" + text[start:])
-    (patches / "series").write_text(series[0].path.name + "\n")
+    (patches / "series").write_text("".join(p.path.name + "\n" for p in series))
     venv = tmp_path / "venv"
     r = subprocess.run(
         [sys.executable, str(REPO / "tools" / "fork"), "--series", str(patches / "series"),
