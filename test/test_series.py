@@ -110,6 +110,9 @@ def test_failed_build_packages_and_installs_nothing(tmp_path, series):
     patches.mkdir()
     text = series[0].path.read_text()
     start = text.index(header) + len(header) + 1
+    # The whole series (every python/sglang file must stay owned), the first patch drifted.
+    for p in series[1:]:
+        (patches / p.path.name).write_text(p.path.read_text())
     (patches / series[0].path.name).write_text(text[:start] + " # drifted" + text[start:])
     for p in series[1:]:  # the rest unchanged: every file under python/sglang keeps its owner
         (patches / p.path.name).write_text(p.path.read_text())

@@ -2,8 +2,10 @@
 
 The diff is the patch's commit in the assembled tree against its parent, so it carries the
 files of ours the patch owns as new files and nothing of any other patch. It is proven by
-``git apply --check`` in a worktree of the bare upstream commit; when it does not apply
-there, it depends on an earlier patch, which the error names.
+``git apply --check`` in a worktree of the bare upstream commit. When an earlier patch only
+sits in its context (neighbouring lines of the same file), the commit is cherry-picked onto
+bare upstream (git's three-way merge) and that replay is exported instead; when the replay
+conflicts, the patch really depends on an earlier one, which the error names.
 """
 
 from __future__ import annotations
@@ -51,32 +53,46 @@ def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None) -> tup
     diff_file = out_dir / f"{patch.name}.diff"
     tmp = diff_file.with_suffix(".diff.tmp")
     tmp.write_text(diff)
-    _check_applies(tree, asm.base, tmp, patch, patches[:i], pin.version)
+    replayed = _standalone(tree, asm.base, commit, tmp, patch, patches[:i], pin.version)
+    if set(out(tree, "diff", "--name-only", "--no-renames", asm.base, replayed).split()) != expected:
+        raise ForkError(f"{patch.name}: its replay onto upstream touches other files than its own")
+    tmp.write_text(out(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n")
     tmp.replace(diff_file)
     md_file = out_dir / f"{patch.name}.md"
-    md_file.write_text(describe(patch, new_files, pin.package, pin.version))
+    md_file.write_text(describe(patch, new_files, pin.package, pin.version,
+                                after=[p.name for p in patches[:i]] if replayed != commit else []))
     return diff_file, md_file
 
 
-def _check_applies(tree: Path, base: str, diff: Path, patch: Patch, earlier: list[Patch], version: str) -> None:
-    """``git apply --check`` in a scratch worktree of the bare upstream commit."""
+def _standalone(tree: Path, base: str, commit: str, diff: Path, patch: Patch,
+                earlier: list[Patch], version: str) -> str:
+    """The commit that holds the patch alone on bare upstream: ``commit`` itself when its diff
+    applies there, else its three-way replay onto ``base``; raises when that conflicts."""
     check = tree.parent / "check"
     git(tree, "worktree", "remove", "--force", str(check), check=False)
     shutil.rmtree(check, ignore_errors=True)
     git(tree, "worktree", "prune")
     git(tree, "worktree", "add", "-q", "--detach", str(check), base)
     try:
-        r = git(check, "apply", "--check", str(diff.resolve()), check=False)
+        if git(check, "apply", "--check", str(diff.resolve()), check=False).returncode == 0:
+            git(check, "apply", "--index", str(diff.resolve()))
+            git(check, "commit", "-q", "-C", commit)
+            return out(check, "rev-parse", "HEAD")
+        picked = git(check, "cherry-pick", "--allow-empty", commit, check=False)
+        if picked.returncode == 0:
+            return out(check, "rev-parse", "HEAD")
+        conflicts = out(check, "diff", "--name-only", "--diff-filter=U")
+        git(check, "cherry-pick", "--abort", check=False)
     finally:
         git(tree, "worktree", "remove", "--force", str(check), check=False)
-    if r.returncode != 0:
-        touched = set(patch.files)
-        deps = [p.name for p in earlier if touched & (set(p.files) | set(p.owns))]
-        raise ForkError(
-            f"{patch.name} does not apply alone to upstream {version}:\n{r.stderr.strip()}\n"
-            + (f"it depends on earlier patch(es) touching the same files: {', '.join(deps)}" if deps
-               else "no earlier patch touches these files")
-        )
+    touched = set(patch.files)
+    deps = [p.name for p in earlier if touched & (set(p.files) | set(p.owns))]
+    raise ForkError(
+        f"{patch.name} does not apply alone to upstream {version}: replaying it there conflicts in "
+        f"{conflicts or '(no file named)'}\n"
+        + (f"it depends on earlier patch(es) touching the same files: {', '.join(deps)}" if deps
+           else "no earlier patch touches these files")
+    )
 
 
 def _body(patch: Patch) -> str:
@@ -87,7 +103,8 @@ def _body(patch: Patch) -> str:
     return "\n\n".join(paragraphs).strip()
 
 
-def describe(patch: Patch, new_files: list[str], package: str, version: str) -> str:
+def describe(patch: Patch, new_files: list[str], package: str, version: str,
+             after: list[str] | None = None) -> str:
     flags = ", ".join(f"`{f}`" for f in patch.flags) or "none"
     lines = [
         f"# {patch.subject}",
@@ -117,4 +134,10 @@ def describe(patch: Patch, new_files: list[str], package: str, version: str) -> 
         "(paths are `python/sglang/...`).",
         "",
     ]
+    if after:
+        lines += [
+            "In the fork this patch comes after " + ", ".join(after) + "; this diff is its "
+            "replay onto clean upstream by git's three-way merge (only context lines differed).",
+            "",
+        ]
     return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""Scale the DSpark draft's sampling temperature (--speculative-dspark-draft-temperature-scale).
+
+WHAT IT DOES. The draft samples each request at tau * T instead of T (T: the request's
+temperature as the draft already resolves it, clamped at 1e-5); the draft probabilities q
+that every sampled accept path reads (token-wise rejection, block verification, block-wise
+rejection, and the observers) come from the same scaled tensor, and the target's
+probabilities keep T. Rejection sampling is exact for any proposal q that is the
+distribution the draft token was actually drawn from, so the emitted tokens stay
+distributed as the target at T; tau only moves the acceptance rate
+alpha(tau) = E sum_v min(p_T(v), q_tau*T(v)).
+
+THE TRAP. In the folded paths the draft sampler's ``params.temperatures`` also feeds the
+sampling-accept region's *target* temperatures (GraphSamplingInfo), so scaling that
+buffer in place would sample the target at tau * T: lossy. The draft gets its own
+persistent buffer ``draft_temperatures`` (allocated with the sampler, before capture,
+written with ``out=`` when the params are staged); the step temperatures the draft
+samples with are draft-only and are scaled in place. At tau = 1 ``draft_temperatures`` *is*
+``params.temperatures`` (same tensor, no extra kernel): bitwise upstream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_ACCEPTED = "a finite float > 0, e.g. 0.8 (1.0 = the request's own temperature)"
+
+
+def parse_draft_temperature_scale(value) -> float:
+    """type_parser of the flag: a finite float > 0."""
+    try:
+        tau = float(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"invalid draft temperature scale {value!r}: expected {_ACCEPTED}"
+        ) from None
+    if not math.isfinite(tau) or tau <= 0.0:
+        raise argparse.ArgumentTypeError(
+            f"invalid draft temperature scale {value!r}: expected {_ACCEPTED}"
+        )
+    return tau
+
+
+def validate_draft_temperature_scale(tau, speculative_algorithm) -> None:
+    """The resolution hook's check (Engine(...) bypasses argparse)."""
+    try:
+        tau = parse_draft_temperature_scale(tau)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"--speculative-dspark-draft-temperature-scale: {e}") from None
+    if tau != 1.0 and (speculative_algorithm or "").upper() != "DSPARK":
+        raise ValueError(
+            "--speculative-dspark-draft-temperature-scale applies to "
+            f"--speculative-algorithm DSPARK only (got {speculative_algorithm!r})"
+        )
+
+
+def draft_temperature_scale() -> float:
+    """tau, as resolved at startup."""
+    from sglang.srt.runtime_context import get_spec
+
+    return float(get_spec().speculative_dspark_draft_temperature_scale)
+
+
+def draft_temperature_buffer(temperatures: torch.Tensor) -> torch.Tensor:
+    """The draft's persistent temperature buffer: ``temperatures`` itself at tau = 1."""
+    tau = draft_temperature_scale()
+    if tau == 1.0:
+        return temperatures
+    logger.info(
+        "DSpark draft samples at %g x the request temperature; the target keeps it.", tau
+    )
+    return torch.empty_like(temperatures)
+
+
+def stage_draft_temperatures(params, draft_temperatures: torch.Tensor, bs: int) -> None:
+    """After ``resolve_draft_params`` staged ``params`` rows ``[:bs]``: the draft's rows."""
+    if draft_temperatures is params.temperatures:
+        return
+    tau = draft_temperature_scale()
+    torch.mul(params.temperatures[:bs], tau, out=draft_temperatures[:bs])
+    # Draft-only (0 on argmax rows stays 0).
+    params.step_temperatures[:bs].mul_(tau)
+
+
+def scale_draft_params(params):
+    """The eager proposal's fresh params with the draft's temperatures (same at tau = 1)."""
+    tau = draft_temperature_scale()
+    if tau == 1.0:
+        return params
+    return params._replace(
+        temperatures=params.temperatures * tau,
+        step_temperatures=params.step_temperatures * tau,
+    )
