@@ -204,6 +204,24 @@ WHY = {
         "`run_hook(handle_fork, ...)` right after `cfg = resolving_view(server_args)`. "
         "server_args.py merges.",
 }
+# The feature patches wire into DSpark / DeepSeek-V4 code that changed a lot between releases
+# (0.5.22 -> 0.5.23: 1382 .py files modified); a dry run classifies each patch without the
+# stopped ones before it, so a later patch also conflicts where it sits next to them.
+_FEATURE_WHY = (
+    "written against 0.5.23's DSpark / DeepSeek-V4 code; its hunks' context (imports, fields, "
+    "call sites) differs in {target}, or an earlier patch it sits next to stopped in the dry run"
+)
+_NO_SAMPLING_GRAPH = (
+    "dspark_sampling_accept_graph.py, one of the files it edits, does not exist in {target} "
+    "(0.5.23 introduced the folded sampling-accept graph): the patch has no counterpart there"
+)
+for _target in ("0.5.22", "0.5.21"):
+    for _name in ("0002-moe_fused_gate-optional-live-length-dead-verify",
+                  "0003-DSpark-per-request-verify-cap-inside", "0004-dsv4-wo_a-from-an-exact-fp8",
+                  "0007-dspark-draft-block-logits-from-an"):
+        WHY.setdefault((_target, _name), _FEATURE_WHY.format(target=_target))
+    for _name in ("0005-dspark-fence-the-folded-accept-results", "0006-dspark-scale-the-draft-s-sampling"):
+        WHY.setdefault((_target, _name), _NO_SAMPLING_GRAPH.format(target=_target))
 
 
 @pytest.mark.slow
