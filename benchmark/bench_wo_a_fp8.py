@@ -63,7 +63,6 @@ def main() -> None:
                  pure_read(wd, s, b) for wd in words], args.replays)
             for b in (1024, 2048, 4096)
         )
-        bf16_bytes = g * R * D * 2
 
         def t_twin(x, cfg=None):
             return graph_us_per_call([lambda t=t: k.wo_a_fp8_matmul(x, t[0], t[1], t[2], cfg) for t in twins],

@@ -26,6 +26,8 @@ if not HAS_CUDA:
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
+# Engine modules import sgl_kernel / deep_gemm users: the import-only stand-ins come first.
+sys.path.insert(0, str(REPO / "tools" / "standins"))
 
 
 def pytest_configure(config):

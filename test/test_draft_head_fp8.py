@@ -4,22 +4,17 @@ refusals, and the total variation of the fp8 vs bf16 head's softmax (reported)."
 
 from __future__ import annotations
 
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "standins"))
-
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (  # noqa: E402
+from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
     dequantize_head_fp8,
     draft_head_fp8_logits,
     quantize_head_fp8,
 )
-from sglang.srt.speculative.dspark_components import dspark_draft_head_fp8 as mod  # noqa: E402
+from sglang.srt.speculative.dspark_components import dspark_draft_head_fp8 as mod
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -14,35 +14,28 @@ tau * T, the target keeps T, the output distribution is the target's.
 from __future__ import annotations
 
 import argparse
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
+from scipy.stats import chisquare
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "standins"))
-
-from scipy.stats import chisquare  # noqa: E402
-
-from sglang.srt.speculative.dspark_components import (  # noqa: E402
+from sglang.srt.speculative.dspark_components import (
     dspark_draft,
     dspark_draft_tau,
     dspark_sampling_accept_graph,
 )
-from sglang.srt.speculative.dspark_components.dspark_draft import (  # noqa: E402
+from sglang.srt.speculative.dspark_components.dspark_draft import (
     DraftBlockResult,
     resolve_draft_params,
 )
-from sglang.srt.speculative.dspark_components.dspark_draft_sampler import (  # noqa: E402
+from sglang.srt.speculative.dspark_components.dspark_draft_sampler import (
     DsparkDraftSampler,
 )
-from sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph import (  # noqa: E402
+from sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph import (
     GraphSamplingInfo,
 )
-from sglang.srt.speculative.dspark_components.dspark_verify import (  # noqa: E402
-    _draft_probs,
+from sglang.srt.speculative.dspark_components.dspark_verify import (
     accept_draft_tokens,
 )
 

@@ -12,23 +12,18 @@ next replay's tokens, the fence reads this step's.
 
 from __future__ import annotations
 
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools" / "standins"))
-
-from sglang.srt.speculative.dspark_components.dspark_verify import (  # noqa: E402
+from sglang.srt.speculative.dspark_components.dspark_verify import (
     AcceptOuts,
     DsparkVerifyEpilogue,
     TargetVerifyExecutor,
     build_accept_outs,
 )
-from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite  # noqa: E402
+from sglang.srt.speculative.spec_tp_sync import SpecTpSyncSite
 
 
 class _NoTpSync:
@@ -189,8 +184,6 @@ def test_flag_declared_off_by_default():
 
 def _race(fence: bool, tries: int, bs: int = 4) -> int:
     """Tries in which the host read a later replay's tokens instead of this step's."""
-    import functools
-
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.utils import GenerationBatchResult
 
@@ -200,7 +193,6 @@ def _race(fence: bool, tries: int, bs: int = 4) -> int:
     logits = torch.zeros((bs * epi.stride, vocab), device=dev)
     candidates = torch.zeros((bs, epi.stride), dtype=torch.int64, device=dev)
     seq_lens = torch.full((bs,), 100, dtype=torch.int64, device=dev)
-    step_token = torch.zeros((), dtype=torch.int64, device=dev)
 
     def stage(step: int):
         # Every row's argmax is token (step % vocab); drafts never match (-1), so the

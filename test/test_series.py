@@ -5,7 +5,6 @@ from __future__ import annotations
 import compileall
 import hashlib
 import re
-import shutil
 import subprocess
 import sys
 import zipfile

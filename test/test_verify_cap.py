@@ -24,11 +24,8 @@ import pytest
 import torch
 
 from conftest import REPO
-
-sys.path.insert(0, str(REPO / "tools" / "standins"))
-
-from sglang.kernels.ops.speculative.dspark.chain_verify_ref import chain_verify_ref  # noqa: E402
-from sglang.srt.speculative.dspark_components import dspark_verify_cap as vc  # noqa: E402
+from sglang.kernels.ops.speculative.dspark.chain_verify_ref import chain_verify_ref
+from sglang.srt.speculative.dspark_components import dspark_verify_cap as vc
 
 GAMMA = 5
 

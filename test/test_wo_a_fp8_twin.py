@@ -11,17 +11,13 @@ dispatch therefore keeps MXFP8 calls on stock).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import pytest
 import torch
 
-from conftest import HAS_CUDA, REPO
-
-sys.path.insert(0, str(REPO / "tools" / "standins"))
-
-from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k  # noqa: E402
-from sglang.srt.models import deepseek_v4_wo_a_twin as twin_mod  # noqa: E402
+from conftest import HAS_CUDA
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
+from sglang.srt.models import deepseek_v4_wo_a_twin as twin_mod
 
 DEV = "cuda" if HAS_CUDA else "cpu"
 

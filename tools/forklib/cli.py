@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out
+from .git import out
 from .pin import fetch_pinned, load_pin, python_tag
 from .series import SERIES_FILE, check_series, load_series, read_series
 from .tree import Assembled, assemble, commit_patch, numstat, owned_files
