@@ -192,3 +192,9 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     assert r.stdout.splitlines()[0] == version
     assert f"__version__ = version = {version!r}" in r.stdout
     assert f'"version": "{version}"' in r.stdout
+
+
+def test_every_flag_is_in_the_readme_flag_table(series):
+    table = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `--")]
+    documented = {re.match(r"\| `(--[a-z0-9-]+)", line).group(1) for line in table}
+    assert {f for p in series for f in p.flags} - documented == set()
