@@ -102,6 +102,18 @@ def test_editing_tree_merges_a_drifted_patch(tmp_path, series):
     assert out(asm.tree, "rev-parse", "HEAD^{tree}") == out(exact.tree, "rev-parse", "HEAD^{tree}")
 
 
+def test_editing_tree_continues_the_series_after_a_stop(tmp_path, series):
+    """`tools/fork tree --continue` merges the patches a stopped editing tree has not applied yet."""
+    from forklib.tree import continue_assembly
+
+    wheel = fetch_pinned(load_pin(), TAG)
+    partial = assemble(tmp_path / "tree", wheel, load_pin().version, series[:1], stamp=False)
+    applied = continue_assembly(partial.tree, load_pin().version, series)
+    assert [a.patch.name for a in applied] == [p.name for p in series[1:]]
+    full = assemble(tmp_path / "full", wheel, load_pin().version, series, stamp=False)
+    assert out(partial.tree, "rev-parse", "HEAD^{tree}") == out(full.tree, "rev-parse", "HEAD^{tree}")
+
+
 @pytest.mark.slow
 def test_failed_build_packages_and_installs_nothing(tmp_path, series):
     path, header = _first_hunk(series[0].path.read_text())

@@ -84,6 +84,14 @@ def cmd_build(args) -> None:
 
 def cmd_tree(args) -> None:
     """Assemble without the version stamp, for editing: one commit per patch on branch fork."""
+    if args.cont:
+        from .tree import continue_assembly
+
+        tree = args.build / "tree"
+        applied = continue_assembly(tree, load_pin().version, load_series(args.series))
+        print(f"{tree}: merged the remaining {len(applied)} patch(es) of the series")
+        print("review, then `tools/fork refresh`")
+        return
     asm, _ = assemble_series(args, stamp=False)
     print(f"{asm.tree}: upstream at {asm.base[:10]}, branch 'fork' holds the series")
     print("edit, commit (or amend / fixup and rebase), then `tools/fork refresh`")
@@ -201,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--install", metavar="VENV", help="then install the wheel into this venv")
     p.add_argument("--tag", help="build for this pinned wheel tag instead, e.g. cp312-cp312-manylinux_2_34_x86_64")
     p.set_defaults(fn=cmd_build)
-    sub.add_parser("tree", help="assemble build/tree without the stamp, for editing (drifted patches merged with git am -3)").set_defaults(fn=cmd_tree)
+    p = sub.add_parser("tree", help="assemble build/tree without the stamp, for editing (drifted patches merged with git am -3)")
+    p.add_argument("--continue", dest="cont", action="store_true",
+                   help="after resolving a conflict there (git am --continue): merge the rest of the series")
+    p.set_defaults(fn=cmd_tree)
     sub.add_parser("gpu-bundle", help="write build/gpu-bundle: GPU tests + benchmarks for a torch-only machine").set_defaults(fn=cmd_gpu_bundle)
     sub.add_parser("refresh", help="write build/tree's commits back to patches/ and python/sglang/").set_defaults(fn=cmd_refresh)
     p = sub.add_parser("rebase", help="replay the series onto another upstream release (build/rebase)")

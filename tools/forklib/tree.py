@@ -122,8 +122,8 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
         raise PatchError(
             f"patch {patch.path.name} conflicts with the patches before it; the merge is left in "
             f"{tree}: resolve the conflicts there, `git add -A` (the files it owns are already "
-            "copied in), `git am --continue`, then `git am -3` the remaining patches and "
-            f"`tools/fork refresh`.\n{merged.stdout.strip()}"
+            "copied in), `git am --continue`, then `tools/fork tree --continue` merges the rest "
+            f"of the series; `tools/fork refresh` writes it back.\n{merged.stdout.strip()}"
         )
     if patch.owns:
         git(tree, "add", "--", *patch.owns)
@@ -232,6 +232,20 @@ def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch
     if stamp:
         _stamp(tree, upstream_version, version, patches)
     return Assembled(tree, upstream_version, base, applied, version, out(tree, "rev-parse", "HEAD"))
+
+
+def continue_assembly(tree: Path, upstream_version: str, patches: list[Patch],
+                      src: Path = REPO_ROOT) -> list[Applied]:
+    """After a conflict stopped an editing tree and the person finished ``git am --continue``:
+    merge the rest of the series (git am -3), each with the files it owns."""
+    if (tree / ".git" / "rebase-apply").exists():
+        raise PatchError(f"a `git am` is still in progress in {tree}: resolve, `git add -A`, "
+                         "`git am --continue`, then continue the tree again")
+    base = out(tree, "merge-base", "HEAD", upstream_ref(upstream_version))
+    done = len(out(tree, "rev-list", f"{base}..HEAD").split())
+    if done > len(patches):
+        raise PatchError(f"{tree} holds {done} commits above upstream, the series only {len(patches)}")
+    return [Applied(p, apply_patch(tree, p, src, three_way=True)) for p in patches[done:]]
 
 
 def numstat(tree: Path, parent: str, commit: str, paths: list[str] | None = None) -> tuple[int, int]:
