@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import shutil
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from . import REPO_ROOT, ForkError
 from .git import out
 from .pin import fetch_pinned, load_pin, python_tag
 from .series import SERIES_FILE, check_series, load_series, read_series
-from .tree import Assembled, assemble, commit_patch, numstat, owned_files
+from .tree import Assembled, assemble, commit_patch, copy_files, numstat, owned_files, upstream_ref
 from .wheel import build_wheel
 
 VENV = REPO_ROOT / ".venv"
@@ -145,7 +144,7 @@ def install_wheel(wheel: Path, venv: Path) -> None:
 def cmd_refresh(args) -> None:
     """Write the commits of build/tree's branch 'fork' back to patches/ and python/sglang/."""
     tree = args.build / "tree"
-    base = out(tree, "merge-base", "fork", f"upstream/{load_pin().version}")
+    base = out(tree, "merge-base", "fork", upstream_ref(load_pin().version))
     commits = out(tree, "rev-list", "--reverse", f"{base}..fork").split()
     if any(out(tree, "log", "-1", "--format=%s", c).startswith("fork stamp:") for c in commits):
         raise ForkError(
@@ -161,10 +160,7 @@ def cmd_refresh(args) -> None:
             name = f"{i + 1:04d}-{slug}.patch"
             names.append(name)
         owns = owned_files(tree, commit)
-        for own in owns:
-            dst = REPO_ROOT / own
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(tree / own, dst)
+        copy_files(owns, tree, REPO_ROOT)
         (args.series.parent / name).write_text(commit_patch(tree, commit, owns))
         print(f"wrote {args.series.parent / name} ({len(owns)} owned file(s))")
     args.series.write_text("\n".join(names[: len(commits)]) + "\n")

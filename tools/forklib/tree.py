@@ -105,19 +105,16 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
     problems = apply_problems(patch, check.stderr)
     if check.returncode != 0 and not problems:
         problems = [check.stderr.strip()]
-    problems += [
-        f"owns {own}, but upstream already ships a file there" for own in patch.owns
-        if (tree / own).exists()
-    ]
-    clash = any("upstream already ships" in p for p in problems)
-    if problems and (clash or not three_way):
+    clash = [f"owns {own}, but upstream already ships a file there"
+             for own in patch.owns if (tree / own).exists()]
+    if clash or (problems and not three_way):
         raise PatchError(
-            f"patch {patch.path.name} does not apply exactly:\n  " + "\n  ".join(problems)
+            f"patch {patch.path.name} does not apply exactly:\n  " + "\n  ".join(problems + clash)
         )
     if problems:
         print(f"  {patch.path.name}: merged with git am -3 (" + "; ".join(problems) + ")", flush=True)
     merged = git(tree, "am", "-q", "-3" if problems else "--no-3way", str(patch.path), check=False)
-    _copy_owned(tree, patch, src)
+    copy_files(patch.owns, src, tree)
     if merged.returncode != 0:
         raise PatchError(
             f"patch {patch.path.name} conflicts with the patches before it; the merge is left in "
@@ -131,11 +128,11 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
     return out(tree, "rev-parse", "HEAD")
 
 
-def _copy_owned(tree: Path, patch: Patch, src: Path) -> None:
-    for own in patch.owns:
-        dst = tree / own
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src / own, dst)
+def copy_files(paths: list[str], src: Path, dst: Path) -> None:
+    """Copy repository-relative ``paths`` from one root to another (owned files: repo <-> tree)."""
+    for path in paths:
+        (dst / path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / path, dst / path)
 
 
 def _hunks(patch: Patch) -> dict[str, list[str]]:
