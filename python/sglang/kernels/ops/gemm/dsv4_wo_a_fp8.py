@@ -22,10 +22,17 @@ tile): 9.4-9.6 us per layer, against 7.9-8.1 us for upstream's two kernels and 3
 read of the twin's 8.4 MB in one kernel (2.5x the read). G = 8: 21.3-22.3 us (einsum 18.3-18.6).
 A loop version with Triton's pipeliner and per-element exponent gathers measured 8.8-9.0 us at
 G = 2. The tile sweep (BN 16/32/64, 1..8 warps, 2..4 stages) moved it by < 10 %, so the cost is
-per CTA, not per byte: where it goes (register -> shared-memory layout conversion of the rebuilt
-bf16 tile, the fp8 conversions, the arrival/reduction tail) is not yet measured.
+per CTA, not per byte. Where it goes (benchmark/probe_wo_a_fp8_breakdown.py, same kernel built up
+from a pure read of its tile, G = 2, M = 4): read 4.0-4.2 us, + dequantisation in registers
++0.9-2.0 us, + the tensor-core dot with x (operands staged through shared memory) +2-3 us, + the
+split-K reduction +1.9 us; each step runs after the CTA's bytes arrive. Whole-kernel redesigns
+(swap-AB, a batched 3-D dot with one K lane per warp, 16/32 warps, a tile-contiguous twin layout,
+single-shot loads) all stayed at >= 8.9 us (G = 2) and >= 20.6 us (G = 8).
 The split partials are not bit-identical to ``_wo_a_partial``'s (measured: 16250 of 32768 differ
-in the last bits at M = 2), so callers keep upstream's kernel for the MXFP8 epilogue.
+in the last bits at M = 2), so callers keep upstream's kernel for the MXFP8 epilogue. The cause, in
+the TTGIR compiled for sm_90: Triton lays out an operand upcast from fp8 with kWidth 4 (stock's bf16
+operands: kWidth 2), which reorders K inside each MMA; a swap-AB variant with stock's splits came
+within 0-3 differing outputs of stock at M = 2..8, so bitwise needs stock's operand layout.
 """
 
 from __future__ import annotations
