@@ -27,7 +27,10 @@ from a pure read of its tile, G = 2, M = 4): read 4.0-4.2 us, + dequantisation i
 +0.9-2.0 us, + the tensor-core dot with x (operands staged through shared memory) +2-3 us, + the
 split-K reduction +1.9 us; each step runs after the CTA's bytes arrive. Whole-kernel redesigns
 (swap-AB, a batched 3-D dot with one K lane per warp, 16/32 warps, a tile-contiguous twin layout,
-single-shot loads) all stayed at >= 8.9 us (G = 2) and >= 20.6 us (G = 8).
+single-shot loads) all stayed at >= 8.9 us (G = 2) and >= 20.6 us (G = 8). The one design that
+beat stock is a probe in Gluon (benchmark/probe_wo_a_fp8_gluon.py): MMA operands loaded from global
+memory straight into registers, every load issued before the first MMA, no shared memory: 6.5-7.4
+us at G = 2 (1.1-1.2x stock), 17.7-18.4 us at G = 8; the next version of this kernel starts there.
 The split partials are not bit-identical to ``_wo_a_partial``'s (measured: 16250 of 32768 differ
 in the last bits at M = 2), so callers keep upstream's kernel for the MXFP8 epilogue. The cause, in
 the TTGIR compiled for sm_90: Triton lays out an operand upcast from fp8 with kWidth 4 (stock's bf16
