@@ -23,7 +23,7 @@ the region runs eagerly (its first step per key, a failed capture).
 
 WHY TWO SLOTS ARE ENOUGH (upstream 0.5.23, checked). Folded step N's slot is rewritten
 by folded step N+2 at the earliest, and the host synchronizes step N's ``copy_done``
-before it launches step N+1's successor:
+before it launches scheduler step N+2:
 - ``Scheduler.event_loop_overlap`` / ``event_loop_overlap_disagg_decode``
   (disaggregation/decode.py): ``run_batch(N+1)`` then ``pop_and_process()`` ->
   ``process_batch_result(N)`` -> ``BatchResultProcessor.process_batch_result_decode``
@@ -43,7 +43,8 @@ before it launches step N+1's successor:
   before its side-stream D2H, so it reads in stream order, before any later replay.
 Every other consumer (next draft input, future-map publish, mamba commit) reads on the
 forward stream before step N+2; stock already rewrites the buffers at step N+1. So the
-ring serves every folded path and the arena clone of the first version is gone.
+ring serves every folded path, and it replaced the first version's per-step arena clone
+(one allocation and copy, 10-30 us of host time per step).
 
 ONE COPY PER CONSUMED STEP. The host's count and the device counter stay equal because the
 copy is gated exactly like the fold: the verify graph copies under the epilogue's
@@ -54,9 +55,14 @@ with a stale armed gate) would hand the host the other slot, so the device count
 read back without a sync at the first consumption and every ``CHECK_EVERY`` after, and a
 mismatch raises.
 
-COST (H200, benchmark/results/folded_result_fence-NVIDIA_H200.json, per step over stock
-views): see the patch header; the ring adds no host time and one ~2 us kernel in the
-graph. LOSSLESS: the slot holds the bytes the graph wrote (tested bitwise).
+COST (H200, benchmark/results/folded_result_fence-NVIDIA_H200.json, 5,120-byte arena at
+max_bs 64, gamma 5). Host per step: 5.2-7.6 us for the ring's cached views (drift check
+included) against 10.1-17.6 us for stock's fresh views; the arena clone it replaced cost
+25-42 us, one clone per tensor 135-140 us. GPU: one 1.08 us kernel inside the graph
+(arena clone 1.8 us, clone per tensor 10-15 us). Race test: stock read another step's
+tokens in 48 of 50 steps, the ring in 0 of 50.
+
+LOSSLESS: the slot holds the bytes the graph wrote (tested bitwise).
 """
 
 from __future__ import annotations
