@@ -4,9 +4,11 @@ tau * T, the target keeps T, the output distribution is the target's.
 * tau = 1: the draft's buffer *is* params.temperatures (no kernel), bitwise stock.
 * Storage identity: the draft consumers (draft sampling, q of every accept path) read the
   scaled buffer, the target consumers the unscaled one, in the folded and eager paths.
-* Chi-square on the emitted tokens of the engine's accept (token-wise rejection; block
-  verification on the GPU) for tau in {0.5, 0.8, 1, 1.25}, and a negative control (q at T
-  while the draft samples at tau * T) that the same test rejects.
+* Chi-square on the emitted tokens of the engine's accept for tau in {0.5, 0.8, 1, 1.25},
+  and a negative control (q at T while the draft samples at tau * T) that the same test
+  rejects, on every sampled accept path: token-wise rejection, block-wise rejection
+  (SGLANG_OPT_DSV41_BLOCKWISE_REJECTION: ``accept_draft_tokens`` with a RejectionNoise; its
+  torch reference on CPU, the Triton kernels on the GPU) and block verification (GPU).
 * alpha(tau) = E sum min(p_T, q_{tau T}) on synthetic logits (printed; real gains need real
   draft/target logits).
 """
@@ -20,6 +22,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from sglang.kernels.ops.speculative.dspark.blockwise_rejection import make_rejection_noise
 from sglang.srt.speculative.dspark_components import (
     dspark_draft,
     dspark_draft_tau,
@@ -181,10 +184,16 @@ def _logits(gen, device):
     return zp.to(device), zq.to(device)
 
 
-def _emitted(t: float, n: int, *, control: bool, device="cpu", block_verification=False,
+ACCEPTS = ("token", "blockwise", "block")
+
+
+def _emitted(t: float, n: int, *, control: bool, device="cpu", accept="token",
              seed=0) -> tuple[torch.Tensor, torch.Tensor]:
     """First emitted token of n requests (gamma = 1) through the engine's accept, with the
-    draft temperature staged by the sampler at tau = t. control: q computed at T instead."""
+    draft temperature staged by the sampler at tau = t. control: q computed at T instead.
+    accept: token-wise rejection, block-wise rejection (a RejectionNoise, as the worker
+    passes it under SGLANG_OPT_DSV41_BLOCKWISE_REJECTION) or block verification."""
+    assert accept in ACCEPTS, accept
     gen = torch.Generator().manual_seed(1234)
     zp, zq = _logits(gen, device)
     dspark_draft_tau.draft_temperature_scale = lambda: t  # restored by the caller's fixture
@@ -201,12 +210,15 @@ def _emitted(t: float, n: int, *, control: bool, device="cpu", block_verificatio
                              greedy_mask=s.params.greedy_mask[:n], temperatures=q_temps,
                              greedy_draft=False)
     candidates = torch.stack([torch.zeros_like(draft), draft], 1)
+    noise = make_rejection_noise(seed, device) if accept == "blockwise" else None
     target_logits = zp.view(1, V).expand(2 * n, V).contiguous()
     correct_len, bonus, _ = accept_draft_tokens(
         candidates=candidates, target_logits=target_logits, draft_block=block,
         sampling_info=GraphSamplingInfo(temperatures=s.params.temperatures[:n]),
         draft_input=None, gamma=1, verify_num_draft_tokens=2,
-        block_verification=block_verification)
+        block_verification=accept == "block", rejection_noise=noise)
+    if noise is not None:  # the block-wise path ran (each call advances its counter)
+        assert int(noise.counter[0]) == 1
     first = torch.where(correct_len >= 1, draft, bonus)
     return first.cpu(), torch.softmax(zp.float().cpu() / T, -1)
 
@@ -240,6 +252,21 @@ def test_chi_square_rejects_the_negative_control(restore_tau):
     assert _pvalue(first, p) < 1e-4
 
 
+# Block-wise rejection's CPU path is its torch reference (no interpreter): a larger n.
+N_BLOCKWISE_CPU = 20_000
+
+
+@pytest.mark.parametrize("t", [0.5, 0.8, 1.0, 1.25])
+def test_chi_square_blockwise_rejection_follows_the_target(restore_tau, t):
+    first, p = _emitted(t, N_BLOCKWISE_CPU, control=False, accept="blockwise")
+    assert _pvalue(first, p) > 1e-3, t
+
+
+def test_chi_square_blockwise_rejection_rejects_the_negative_control(restore_tau):
+    first, p = _emitted(0.5, N_BLOCKWISE_CPU, control=True, accept="blockwise")
+    assert _pvalue(first, p) < 1e-6
+
+
 def test_alpha_of_tau_on_synthetic_logits():
     """alpha(tau) = E sum_v min(p_T, q_{tau T}) over random target/draft pairs (report)."""
     gen = torch.Generator().manual_seed(7)
@@ -255,13 +282,11 @@ def test_alpha_of_tau_on_synthetic_logits():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_verification", [False, True])
-def test_gpu_chi_square(restore_tau, block_verification):
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_gpu_chi_square(restore_tau, accept):
     n = 200_000
     for t in (0.5, 0.8, 1.0, 1.25):
-        first, p = _emitted(t, n, control=False, device="cuda",
-                            block_verification=block_verification)
-        assert _pvalue(first, p) > 1e-3, (t, block_verification)
-    first, p = _emitted(0.5, n, control=True, device="cuda",
-                        block_verification=block_verification)
-    assert _pvalue(first, p) < 1e-6
+        first, p = _emitted(t, n, control=False, device="cuda", accept=accept)
+        assert _pvalue(first, p) > 1e-3, (t, accept)
+    first, p = _emitted(0.5, n, control=True, device="cuda", accept=accept)
+    assert _pvalue(first, p) < 1e-6, accept

@@ -1,13 +1,16 @@
-"""--speculative-dspark-fence-accept-results: the folded accept results are a snapshot,
-not views of the verify graph's persistent buffers.
+"""--speculative-dspark-fence-accept-results: the folded accept results live in a two-slot
+ring the graph copies into, not in the verify graph's persistent buffers.
 
-CPU: with the fence on, no tensor handed to GenerationBatchResult / the observers shares
-storage with the epilogue's buffers, the in-graph writers still land in them, and the
-snapshot keeps step N's values when the buffers are rewritten; with it off the stock views
-are returned (the same storage, the race's precondition).
-GPU: the real epilogue's folded accept captured in a CUDA graph, the scheduler's own
+CPU (the ring kernel under TRITON_INTERPRET): with the fence on, no tensor handed to
+GenerationBatchResult / the observers shares storage with the epilogue's buffers; the
+slot alternates step by step; the values equal the real static epilogue's output
+(``run_static``, bitwise, against a stock epilogue given the same inputs); a disarmed
+gate copies nothing; a consumption without its copy fails loud. With it off the stock
+views are returned (the same storage, the race's precondition).
+GPU: the real epilogue's folded accept captured in a CUDA graph, driven like the overlap
+loop (launch step N+1, then process step N) through the scheduler's own
 ``_copy_result_to_cpu`` with its copy stream held back by queued work: stock reads the
-next replay's tokens, the fence reads this step's.
+next replay's tokens, the ring reads each step's own.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 from sglang.srt.speculative.dspark_components.dspark_verify import (
     AcceptOuts,
     DsparkVerifyEpilogue,
+    StaticVerifyIO,
     TargetVerifyExecutor,
     build_accept_outs,
 )
@@ -54,8 +58,44 @@ def _storages(tensors) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in tensors}
 
 
-def _write_step(epi, bs: int, step: int) -> None:
-    """What the folded accept writes in the graph: build_accept_outs(out=read_accept(bs))."""
+class _Io:
+    """A static verify graph's inputs for one batch size (what run_static reads)."""
+
+    def __init__(self, epi, bs: int, vocab: int = 64, device="cpu"):
+        self.bs, self.vocab = bs, vocab
+        n = bs * epi.stride
+        self.io = StaticVerifyIO(
+            candidates=torch.zeros((bs, epi.stride), dtype=torch.int64, device=device),
+            logits=torch.zeros((n, vocab), device=device),
+            hidden=torch.zeros((n, 8), device=device),
+            seq_lens=torch.zeros((bs,), dtype=torch.int64, device=device),
+            req_pool_indices=torch.zeros((bs,), dtype=torch.int64, device=device),
+            out_cache_loc=torch.zeros((n,), dtype=torch.int64, device=device),
+            positions=torch.zeros((n,), dtype=torch.int64, device=device),
+        )
+
+    def stage(self, step: int) -> None:
+        """Row r of step s: target argmax (s + r) % vocab, the first draft matches it on
+        even steps, seq lens 100 + s: every output field moves with the step."""
+        io, v = self.io, self.vocab
+        tok = (step + torch.arange(self.bs, device=io.logits.device)) % v
+        io.logits.zero_()
+        io.logits.view(self.bs, -1, v).scatter_(
+            2, tok.view(-1, 1, 1).expand(self.bs, io.logits.shape[0] // self.bs, 1), 1.0)
+        io.candidates.fill_(-1)
+        if step % 2 == 0:
+            io.candidates[:, 1] = tok
+        io.seq_lens.fill_(100 + step)
+
+
+def _run_static(epi, io: _Io) -> None:
+    """The static verify graph's epilogue (the real code the graph captures)."""
+    epi.run_static(io.io, accept=epi._accept_static_greedy, gate=epi.inject_gate_buf)
+
+
+def _write_step(epi, bs: int, step: int, gate=None) -> None:
+    """What a folded accept writes in the graph: build_accept_outs(out=read_accept(bs)),
+    then (fence on) the ring copy under the path's gate."""
     g = epi.gamma
     correct_len = torch.full((bs,), step % (g + 1), dtype=torch.int64)
     build_accept_outs(
@@ -71,6 +111,8 @@ def _write_step(epi, bs: int, step: int) -> None:
         out=epi.read_accept(bs),
         block_accept_lens_out=epi.read_block_accept_lens(bs),
     )
+    if epi.result_fence is not None:
+        epi.result_fence.copy_in(torch.ones(1, dtype=torch.int32) if gate is None else gate)
 
 
 def _executor(epi) -> TargetVerifyExecutor:
@@ -102,7 +144,7 @@ def test_flag_off_returns_stock_views():
 
 
 @pytest.mark.parametrize("block_lens", [False, True])
-def test_fence_results_share_no_storage_with_persistent_buffers(monkeypatch, block_lens):
+def test_ring_results_are_the_graph_output_in_alternating_slots(monkeypatch, block_lens):
     from sglang.srt.environ import envs
 
     monkeypatch.setattr(
@@ -110,32 +152,66 @@ def test_fence_results_share_no_storage_with_persistent_buffers(monkeypatch, blo
     )
     stock, epi = _epilogue(fence=False), _epilogue(fence=True)
     assert (epi.block_accept_lens_buf is not None) == block_lens
-    for bs in (1, 3, 8):
-        _write_step(stock, bs, 2)
-        _write_step(epi, bs, 2)
+    ring = epi.result_fence
+    slot_bytes = ring.ring[1].data_ptr() - ring.ring[0].data_ptr()
+    prev = None
+    for step, bs in enumerate((3, 3, 8, 1, 8, 8)):
+        stock_io, io = _Io(stock, bs), _Io(epi, bs)
+        for e, x in ((stock, stock_io), (epi, io)):
+            e.begin_static_step(bs, True)  # the step folds: the verify graph's gate armed
+            x.stage(step)
+            _run_static(e, x)
         acc = _folded(epi, bs)
         ref = stock.read_accept(bs)
         results = _fields(acc)
-        block = epi.result_fence.block_accept_lens(bs)
+        block = ring.block_accept_lens(bs)
         if block_lens:
             assert torch.equal(block, stock.read_block_accept_lens(bs))
             results.append(block)
         else:
             assert block is None
-        # No returned tensor shares storage with the epilogue's persistent buffers.
+        # No returned tensor shares storage with the epilogue's persistent buffers ...
         assert not (_storages(results) & _storages(_persistent(epi))), bs
+        # ... they sit in ring slot (step % 2) ...
+        base = ring.ring[step % 2].data_ptr()
+        assert all(base <= t.data_ptr() < base + slot_bytes for t in results), step
+        # ... and hold, bit for bit, what the real epilogue wrote (stock's views).
         for got, want in zip(_fields(acc), _fields(ref)):
             assert got.dtype == want.dtype and got.shape == want.shape
             assert torch.equal(got, want)
-        # The next replay rewrites the buffers; the snapshot keeps this step's values.
-        before = [t.clone() for t in results]
-        _write_step(epi, bs, 3)
-        assert not torch.equal(epi.bonus_buf[:bs], before[1])
-        for t, b in zip(results, before):
-            assert torch.equal(t, b)
+        # The next step's copy went to the other slot: the previous results still hold.
+        if prev is not None:
+            for t, b in zip(*prev):
+                assert torch.equal(t, b)
+        prev = (results, [t.clone() for t in results])
+    assert int(ring.counter[0]) == ring.count == 6
 
 
-def test_sampling_accept_region_returns_the_snapshot():
+def test_disarmed_gate_copies_nothing():
+    """The verify graph of a step that does not fold (gate 0) leaves the ring and its
+    counter alone; the sampling-accept region's copy (all-ones gate) is the step's one."""
+    epi = _epilogue(fence=True)
+    ring = epi.result_fence
+    io = _Io(epi, 4)
+    epi.begin_static_step(4, False)
+    io.stage(1)
+    _run_static(epi, io)
+    assert int(ring.counter[0]) == 0 and not ring.ring.any()
+    _write_step(epi, 4, 2)  # the region, after the verify graph
+    acc = _folded(epi, 4)
+    assert torch.equal(acc.bonus, torch.arange(4) + 2000)
+
+
+def test_consuming_without_a_copy_fails_loud():
+    epi = _epilogue(fence=True)
+    _write_step(epi, 4, 1)
+    _folded(epi, 4)
+    _write_step(epi, 4, 2, gate=torch.zeros(1, dtype=torch.int32))  # a copy that never ran
+    with pytest.raises(RuntimeError, match="ring out of step"):
+        _folded(epi, 4)
+
+
+def test_sampling_accept_region_returns_the_ring_slot():
     from sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph import (
         DsparkSamplingAcceptGraph,
     )
@@ -155,7 +231,7 @@ def test_sampling_accept_region_returns_the_snapshot():
     region._fused_argmax = region._block_verification = False
     region._rejection_noise = None
     region._gate = torch.ones(1, dtype=torch.int32)
-    region._run = lambda key, fn: _write_step(epi, 4, 5)
+    region._run = lambda key, fn: _write_step(epi, 4, 5, gate=region._gate)
     acc = region.run(bs=4, target_logits=io.logits)
     assert not (_storages(_fields(acc)) & _storages(_persistent(epi)))
     assert torch.equal(acc.bonus, torch.arange(4) + 5000)
@@ -183,34 +259,25 @@ def test_flag_declared_off_by_default():
 
 
 def _race(fence: bool, tries: int, bs: int = 4) -> int:
-    """Tries in which the host read a later replay's tokens instead of this step's."""
+    """Steps whose tokens the host read wrong, driving the overlap loop's order: launch
+    step N+1 (its folded accept consumed), then process step N (sync its copy_done)."""
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.utils import GenerationBatchResult
 
     dev = torch.device("cuda")
     epi = _epilogue(fence, device=dev, max_bs=8, stride=4)
-    vocab = 64
-    logits = torch.zeros((bs * epi.stride, vocab), device=dev)
-    candidates = torch.zeros((bs, epi.stride), dtype=torch.int64, device=dev)
-    seq_lens = torch.full((bs,), 100, dtype=torch.int64, device=dev)
-
-    def stage(step: int):
-        # Every row's argmax is token (step % vocab); drafts never match (-1), so the
-        # step emits that token as its bonus and out_tokens[:, 0].
-        logits.zero_()
-        logits[:, step % vocab] = 1.0
-        candidates.fill_(-1)
-
+    io = _Io(epi, bs, device=dev)
     fwd = torch.cuda.Stream()
     copy = torch.cuda.Stream()
     with torch.cuda.stream(fwd):
-        stage(1)
-        epi._accept(candidates=candidates, logits=logits,
-                    draft_tokens=candidates[:, 1:].contiguous(), seq_lens=seq_lens)
+        # Warm up (compiles) with the gate disarmed, as at server start; then capture.
+        epi.begin_static_step(bs, False)
+        io.stage(1)
+        _run_static(epi, io)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=fwd):
-            epi._accept(candidates=candidates, logits=logits,
-                        draft_tokens=candidates[:, 1:].contiguous(), seq_lens=seq_lens)
+            _run_static(epi, io)
+        epi.begin_static_step(bs, True)
     torch.cuda.synchronize()
     sched = types.SimpleNamespace(
         copy_stream=copy, forward_stream=fwd,
@@ -220,11 +287,10 @@ def _race(fence: bool, tries: int, bs: int = 4) -> int:
         return_logprob=False, return_hidden_states=False,
         spec_algorithm=types.SimpleNamespace(is_dspark=lambda: True),
     )
-    wrong = 0
-    for i in range(tries):
-        step = 2 * i + 2
+    wrong, pending = 0, None
+    for step in range(2, tries + 3):
         with torch.cuda.stream(fwd):
-            stage(step)
+            io.stage(step)
             graph.replay()
             acc = _folded(epi, bs)
             result = GenerationBatchResult(
@@ -234,14 +300,18 @@ def _race(fence: bool, tries: int, bs: int = 4) -> int:
             torch.cuda._sleep(2_000_000)  # work queued ahead on the copy stream
         result.copy_done = torch.cuda.Event()  # as the scheduler's run_batch sets it
         Scheduler._copy_result_to_cpu(sched, result, batch)
-        done = result.copy_done
-        with torch.cuda.stream(fwd):
-            stage(step + 1)  # the next step's replay does not wait for the copy
-            graph.replay()
-        done.synchronize()
-        got = result.next_token_ids.view(bs, epi.stride)[:, 0]
-        wrong += int(not bool((got == step % vocab).all()))
+        if pending is not None:  # process the previous step, as pop_and_process does
+            prev, prev_step = pending
+            prev.copy_done.synchronize()
+            want = (prev_step + torch.arange(bs)) % io.vocab
+            got = prev.next_token_ids.view(bs, epi.stride)[:, 0]
+            lens = prev.accept_lens.cpu()
+            wrong += int(not (torch.equal(got, want)
+                              and bool((lens == (2 if prev_step % 2 == 0 else 1)).all())))
+        pending = (result, step)
     torch.cuda.synchronize()
+    if fence:
+        assert int(epi.result_fence.counter[0]) == epi.result_fence.count
     return wrong
 
 
@@ -250,6 +320,17 @@ def test_gpu_race_with_stock_and_none_with_the_fence():
     tries = 50
     stock = _race(False, tries)
     fenced = _race(True, tries)
-    print(f"host read a later replay's tokens: stock {stock}/{tries}, fence {fenced}/{tries}")
+    print(f"host read another step's tokens: stock {stock}/{tries}, ring {fenced}/{tries}")
     assert stock > tries // 2, "the stand-in did not reproduce the race"
     assert fenced == 0
+
+
+@pytest.mark.gpu
+def test_gpu_drift_check_fails_loud_without_a_sync():
+    """On CUDA the counter is read back asynchronously (first step, every CHECK_EVERY):
+    a consumption whose copy never ran is reported at a later step."""
+    epi = _epilogue(True, device=torch.device("cuda"))
+    epi.result_fence.snapshot(4)  # no copy ran: device 0, host 1
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="ring out of step"):
+        epi.result_fence.snapshot(4)
