@@ -30,20 +30,28 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Rows the fp8 head serves. Measured on the H200 (benchmark/results/draft_head_fp8-*.json):
-# 1.42-1.50x over cuBLAS bf16 at 1..16 rows (TP4 shard), 1.43-1.68x (TP1), but 0.86-0.92x at
-# 20 rows and slower beyond (each extra 16-row tile adds its dots to the same pass), so
-# calls of more than one row tile keep the bf16 head: never slower than stock.
-MAX_ROWS = 16
+# Rows the fp8 head serves: the kernel streams the head once for up to 64 rows (16-row tiles
+# sharing each dequantized weight tile); above MAX_ROWS it was measured slower than cuBLAS
+# bf16 on the H200 (benchmark/results/draft_head_fp8-*.json), so larger calls keep the bf16
+# head: never slower than stock.
+MAX_ROWS = 32
 
 
 class DraftHeadFp8:
     """The fp8 copy of one rank's LM head shard and the call that reads it."""
 
     def __init__(self, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
-        from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import quantize_head_fp8
+        from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
+            MAX_SCALE,
+            quantize_head_fp8,
+        )
 
         self.q, self.scales = quantize_head_fp8(weight.detach())
+        if float(self.scales.max()) > MAX_SCALE:  # the kernel's scale * 2**112 must stay finite
+            raise ValueError(
+                f"--speculative-dspark-draft-head-fp8: LM head block scale {float(self.scales.max())} "
+                f"> {MAX_SCALE} (|weight| up to {float(weight.abs().max())}): not supported"
+            )
         self.max_rows = int(max_rows)
         self.out_dtype = weight.dtype
         self.nbytes = self.q.numel() + self.scales.numel() * 4
@@ -56,8 +64,10 @@ class DraftHeadFp8:
             draft_head_fp8_logits,
         )
 
-        logits = draft_head_fp8_logits(x.to(torch.bfloat16).contiguous(), self.q, self.scales)
-        return logits.to(self.out_dtype)
+        # Logits in the head's dtype straight from the kernel (rounded once from fp32).
+        return draft_head_fp8_logits(
+            x.to(torch.bfloat16).contiguous(), self.q, self.scales, out_dtype=self.out_dtype
+        )
 
 
 def check_draft_head_fp8_applies(model, lm_head) -> None:
