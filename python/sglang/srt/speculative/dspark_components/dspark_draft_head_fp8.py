@@ -7,9 +7,14 @@ head (TP4 shard 32320 x 5120 = 331 MB: ~100 us on the H200; TP1 1.3 GB: 310-400 
 
 WHAT IT DOES. When the draft attaches the target's head, it builds (before CUDA-graph
 capture) an e4m3 copy with one power-of-two scale per 32x32 block, held by the draft; the
-draft's logits for up to ``MAX_ROWS`` (16) rows come from it through a Triton kernel that
+draft's logits for up to ``MAX_ROWS`` (32) rows come from it through a Triton kernel that
 streams it once per call with the same bits per row whatever the row count (16-row tiles,
-fixed K order), so batching never changes a draft token. Larger calls keep the bf16 head.
+exact bf16 products, fixed K order), so batching within 1..MAX_ROWS never changes a draft
+token. Larger calls keep the bf16 head (their logits are the bf16 head's).
+
+SPEED (H200, benchmark/results/draft_head_fp8-NVIDIA_H200.json, vs cuBLAS bf16 in one
+CUDA graph): 1..16 rows 1.63-1.66x on the TP4 shard (51 vs 84 us), 1.68-1.88x at TP1
+(182-185 vs 306-349 us); 17..32 rows 1.28-1.32x (66 vs 86 us, 254 vs 334 us).
 The target keeps its bf16 head: the output stays lossless because the draft samples and
 computes q from the same fp8 logits (rejection sampling is exact for any proposal).
 
@@ -30,10 +35,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Rows the fp8 head serves: the kernel streams the head once for up to 64 rows (16-row tiles
-# sharing each dequantized weight tile); above MAX_ROWS it was measured slower than cuBLAS
-# bf16 on the H200 (benchmark/results/draft_head_fp8-*.json), so larger calls keep the bf16
-# head: never slower than stock.
+# Rows the fp8 head serves. The kernel streams the head once for up to 64 rows (16-row tiles
+# sharing each dequantized weight tile), but each tile adds ~15 us of MMA: on the H200
+# (benchmark/results/draft_head_fp8-*.json) 33..48 rows were only 1.04-1.06x cuBLAS bf16 and
+# 49..64 rows 0.95-1.01x, so calls above 32 rows keep the bf16 head: never slower than stock.
 MAX_ROWS = 32
 
 

@@ -1,23 +1,32 @@
 """fp8 copy of the draft's LM head (e4m3, one power-of-two scale per 32x32 block) and the
 draft-logits GEMM that reads it (--speculative-dspark-draft-head-fp8).
 
-EXACT. Each weight tile is dequantized in registers to bf16 (e4m3 -> f16 is exact, the f16
-bits move into bf16 position and one packed bf16 multiply applies the block's power-of-two
-scale, which also carries the 2**112 exponent-bias change: exact for every weight whose
-dequantized value is a bf16 normal). bf16 x bf16 products are exact in the fp32
-accumulator of mma.sync m16n8k16, and K is summed in one fixed order. A row's logits are
-one 16-row tile's HMMA chain whatever the other rows hold, so they are the same bits
-whatever the row count (CUDA graph included): batching never changes a draft token.
+EXACT. Each weight tile is dequantized in registers to bf16: e4m3 -> f16 is exact, the f16's
+exponent and mantissa move right by 3 bits into bf16 position (its sign stays), and one
+packed bf16 multiply applies the block's power-of-two scale, which also carries the 2**112
+exponent-bias change: exact for every weight whose dequantized value is a bf16 normal. bf16
+x bf16 products are exact in the fp32 accumulator of mma.sync m16n8k16, and K is summed in
+one fixed order (the k16 steps of one HMMA chain, whatever BLOCK_K). A row's logits are its
+16-row tile's chain whatever the other rows hold, so they are the same bits at every row
+count and with every CONFIGS entry (tested on the H200 at 1, 2, 5, 16, 17, 20, 32, 33, 48
+and 64 rows, eager and in a CUDA graph): batching never changes a draft token.
 
-FAST. The head streams from HBM once per call for up to ROW_TILE * MAX_M_TILES rows: each
-weight tile is converted once and feeds every 16-row tile (one mma.sync chain each, warps
-spread along N so no weight is converted twice). What the earlier tf32 kernel lost to: fp8
--> fp32 conversions and fp32 multiplies per weight (twice the registers and shared-memory
-operand traffic of bf16) and tf32 MMAs at half the bf16 rate; and Triton's own e4m3 -> bf16
-path goes through a scalar F2F (quarter-rate) per weight, which the packed asm replaces with
-integer bit moves. Grid: one program per BLOCK_N columns of the vocab shard, K streamed
-through NUM_STAGES cp.async stages. Tiles/stages per M_TILES in CONFIGS; measured numbers
-in benchmark/results/draft_head_fp8-NVIDIA_H200.json (see CONFIGS).
+FAST (H200, benchmark/results/draft_head_fp8-NVIDIA_H200.json, tune_draft_head_fp8-*.json).
+The head streams from HBM once per call for up to 64 rows: each weight tile is converted
+once and feeds every 16-row tile. At 1..16 rows (one tile) the kernel runs at 3.2 TB/s on
+the TP4 shard (51 us vs cuBLAS bf16 84 us, 1.63-1.66x; floor 40.6 us) and 3.6 TB/s at TP1
+(182-185 us vs 306-349 us, 1.68-1.88x). What made it fast, against the tf32 kernel before
+it (57-59 us): bf16 dot operands instead of fp32 (half the registers and operand traffic,
+twice the MMA rate); the e4m3 -> bf16 conversion in packed asm (cvt.rn.f16x2.e4m3x2, shift,
+two LOP3, HMUL2.BF16: 2.5 instructions per weight) instead of Triton's path through a
+quarter-rate scalar F2F per weight (63.8 -> 54.7 us at the same tiles); 128 x 256 tiles with
+8 warps and 3 stages, the weights by TMA (52.7 -> 51.0 us). Each further row tile adds its
+16-row HMMA chain (mma.sync; Triton uses wgmma only from 64 rows per warpgroup) and ~15 us:
+2 tiles 66 us (2.5 TB/s, 1.28-1.32x), 3 tiles 82 us (1.04-1.06x), 4 tiles 92 us
+(0.95-1.01x), so the flag's gate serves up to 32 rows.
+
+Grid: one program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K steps through
+NUM_STAGES stages; tiles per number of 16-row tiles in CONFIGS (chosen by the sweep).
 """
 
 from __future__ import annotations
@@ -35,12 +44,13 @@ MAX_M_TILES = 4  # up to 64 rows per call with the head streamed once
 # Largest scale with scale * 2**112 finite in bf16 (the packed conversion's bias change).
 MAX_SCALE = 2.0**15
 
-# (block_n, block_k, num_warps, num_stages) per number of 16-row tiles, chosen on the H200.
-CONFIGS: dict[int, tuple[int, int, int, int]] = {
-    1: (128, 128, 8, 4),
-    2: (128, 128, 8, 4),
-    3: (128, 128, 8, 4),
-    4: (128, 128, 8, 4),
+# (block_n, block_k, num_warps, num_stages, weights by TMA) per number of 16-row tiles: the
+# best worst case over both shards in benchmark/tune_draft_head_fp8.py on the H200.
+CONFIGS: dict[int, tuple[int, ...]] = {
+    1: (128, 256, 8, 3, 1),
+    2: (128, 128, 4, 4, 0),
+    3: (256, 128, 8, 4, 1),
+    4: (128, 128, 4, 4, 0),
 }
 
 # e4m3 x4 -> bf16 x4 times a bf16 scale that carries 2**112: cvt to f16x2 (exact), then each
@@ -171,17 +181,15 @@ def _draft_head_fp8_kernel(
         _tile_store(out_ptr, stride_om, 48, M, offs_n, n_mask, acc3)
 
 
-_DESCRIPTORS: dict[tuple, object] = {}
-
-
 def _weight_descriptor(q: torch.Tensor, block_n: int, block_k: int):
-    """The head's TMA descriptor, built once per (head, box): the head is persistent."""
+    """The head's TMA descriptor per box, built once and kept on the head tensor itself
+    (the head is persistent; the cache goes with it)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    key = (q.data_ptr(), tuple(q.shape), block_n, block_k)
-    desc = _DESCRIPTORS.get(key)
+    cache = q.__dict__.setdefault("_draft_head_fp8_tma", {})
+    desc = cache.get((block_n, block_k))
     if desc is None:
-        desc = _DESCRIPTORS[key] = TensorDescriptor.from_tensor(q, [block_n, block_k])
+        desc = cache[(block_n, block_k)] = TensorDescriptor.from_tensor(q, [block_n, block_k])
     return desc
 
 
@@ -210,9 +218,10 @@ def draft_head_fp8_logits(
     assert 1 <= m <= ROW_TILE * MAX_M_TILES, f"{m} rows: the fp8 head serves 1..{ROW_TILE * MAX_M_TILES}"
     m_tiles = triton.cdiv(m, ROW_TILE)
     block_n, block_k, num_warps, num_stages, *rest = config or CONFIGS[m_tiles]
-    w_tma = bool(rest and rest[0]) and not _interpreting()
     block_k = min(block_k, k)
-    assert block_k % BLOCK == 0 and k % block_k == 0, (k, block_k)
+    assert block_k % BLOCK == 0 and k % block_k == 0 and block_k & (block_k - 1) == 0, (k, block_k)
+    # TMA boxes for the weights where the shard holds a whole box (the real shards do)
+    w_tma = bool(rest and rest[0]) and n >= block_n and not _interpreting()
     if cvt is None:
         cvt = CVT_EMULATED if _interpreting() else CVT_ASM
     if out is None:
