@@ -2,13 +2,16 @@
 
 Shapes: the TP4 shard (32320 x 5120) and TP1 (129280 x 5120). Distinct copies rotate so
 the head streams from HBM (each copy is larger than the 60 MB L2). CUDA-graph replay,
-median. Floors: bf16 head bytes / fp8 head + scale bytes at 4.09 TB/s. A few kernel
-configurations are swept in the same run; the best per row count is reported next to the
-shipped default (block_n 64, block_k 128, 4 warps, 4 stages).
+median; both write bf16 logits, as the draft's call site does. Floors: bf16 head bytes /
+fp8 head + scale bytes at 4.09 TB/s. ``served`` says whether the flag's row gate
+(dspark_draft_head_fp8.MAX_ROWS) sends that row count to the fp8 kernel. The kernel runs
+with its shipped CONFIGS unless --configs names a JSON {m_tiles: [block_n, block_k,
+num_warps, num_stages]} (tuning).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from functools import partial
 from pathlib import Path
@@ -20,51 +23,74 @@ sys.path.insert(0, str(REPO / "benchmark"))
 import torch  # noqa: E402
 
 import harness  # noqa: E402
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (  # noqa: E402
-    draft_head_fp8_logits,
-    quantize_head_fp8,
-)
+from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern  # noqa: E402
+from sglang.srt.speculative.dspark_components.dspark_draft_head_fp8 import MAX_ROWS  # noqa: E402
 
-# (block_n, block_k, num_warps, num_stages); the first is the shipped default.
-CONFIGS = [(64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 6), (128, 128, 8, 3), (64, 256, 8, 3), (64, 32, 4, 6)]
-ROWS = [1, 2, 4, 5, 8, 10, 15, 16, 20, 32, 64]
+K = 5120
+SHAPES = ((32320, 6), (129280, 2))  # (N, copies rotated per graph)
+ROWS = [1, 2, 4, 5, 8, 16, 20, 32, 48, 64]
+
+
+def heads(n: int, copies: int):
+    ws = [(torch.randn(n, K, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    return ws, [kern.quantize_head_fp8(w) for w in ws]
+
+
+def fp8_us(x, qs, configs, replays: int) -> float:
+    m, n = x.shape[0], qs[0][0].shape[0]
+    cfg = configs.get(kern.triton.cdiv(m, kern.ROW_TILE)) if configs else None
+    outs = [torch.empty((m, n), device="cuda", dtype=torch.bfloat16) for _ in qs]
+    return harness.graph_us_per_call(
+        [partial(kern.draft_head_fp8_logits, x, q, s, out=o, config=cfg) for (q, s), o in zip(qs, outs)],
+        replays)
+
+
+def stock_us(x, ws, replays: int) -> float:
+    outs = [torch.empty((x.shape[0], w.shape[0]), device="cuda", dtype=torch.bfloat16) for w in ws]
+    return harness.graph_us_per_call(
+        [partial(torch.matmul, x, w.T, out=o) for w, o in zip(ws, outs)], replays)
+
+
+def measure(configs: dict[int, tuple] | None, replays: int, rows=ROWS) -> list[dict]:
+    out = []
+    for n, copies in SHAPES:
+        ws, qs = heads(n, copies)
+        bf16_bytes, fp8_bytes = n * K * 2, n * K + qs[0][1].numel() * 4
+        for m in rows:
+            x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
+            stock, ours = stock_us(x, ws, replays), fp8_us(x, qs, configs, replays)
+            cfg = (configs or {}).get(kern.triton.cdiv(m, kern.ROW_TILE)) or kern.CONFIGS[
+                kern.triton.cdiv(m, kern.ROW_TILE)]
+            out.append({
+                "N": n, "rows": m, "served": m <= MAX_ROWS, "cfg": "x".join(map(str, cfg)),
+                "stock_us": stock, "stock_TBps": harness.tbps(bf16_bytes, stock),
+                "fp8_us": ours, "fp8_TBps": harness.tbps(fp8_bytes, ours), "ratio": stock / ours,
+                "floor_bf16_us": harness.floor_us(bf16_bytes), "floor_fp8_us": harness.floor_us(fp8_bytes),
+            })
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in out[-1].items()), flush=True)
+        del ws, qs
+        torch.cuda.empty_cache()
+    return out
 
 
 def main() -> None:
-    args = harness.parse_args(__doc__)
-    k = 5120
-    rows_out = []
-    for n, copies in ((32320, 6), (129280, 2)):
-        ws = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
-        qs = [quantize_head_fp8(w) for w in ws]
-        bf16_bytes, fp8_bytes = n * k * 2, n * k + qs[0][1].numel() * 4
-        for m in ROWS:
-            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-            outs = [torch.empty((m, n), device="cuda", dtype=torch.bfloat16) for _ in ws]
-            stock = harness.graph_us_per_call(
-                [partial(torch.matmul, x, w.T, out=o) for w, o in zip(ws, outs)], args.replays)
-            fouts = [torch.empty((m, n), device="cuda", dtype=torch.float32) for _ in ws]
-            times = {}
-            for bn, bk, nw, ns in CONFIGS:
-                times[(bn, bk, nw, ns)] = harness.graph_us_per_call(
-                    [partial(draft_head_fp8_logits, x, q, s, out=o, block_n=bn, block_k=bk,
-                             num_warps=nw, num_stages=ns) for (q, s), o in zip(qs, fouts)],
-                    args.replays)
-            best = min(times, key=times.get)
-            ours = times[CONFIGS[0]]
-            rows_out.append({
-                "N": n, "rows": m, "stock_us": stock, "stock_TBps": harness.tbps(bf16_bytes, stock),
-                "fp8_us": ours, "fp8_TBps": harness.tbps(fp8_bytes, ours),
-                "ratio": stock / ours, "best_cfg": "x".join(map(str, best)),
-                "best_us": times[best], "best_ratio": stock / times[best],
-                "floor_bf16_us": harness.floor_us(bf16_bytes), "floor_fp8_us": harness.floor_us(fp8_bytes),
-            })
-        del ws, qs
-        torch.cuda.empty_cache()
-    harness.report("draft_head_fp8", ["N", "rows", "stock_us", "stock_TBps", "fp8_us", "fp8_TBps",
-                                      "ratio", "best_cfg", "best_us", "best_ratio",
-                                      "floor_bf16_us", "floor_fp8_us"], rows_out, args.out,
-                   {"K": k, "configs": CONFIGS, "default_cfg": "x".join(map(str, CONFIGS[0]))})
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--out", type=Path, default=Path("benchmark/results"))
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--configs", type=Path, default=None)
+    args = p.parse_args()
+    configs = None
+    if args.configs:
+        configs = {int(k): tuple(v) for k, v in json.loads(args.configs.read_text()).items()}
+    rows = measure(configs, args.replays)
+    shipped = configs or kern.CONFIGS
+    harness.report("draft_head_fp8", ["N", "rows", "served", "cfg", "stock_us", "stock_TBps", "fp8_us",
+                                      "fp8_TBps", "ratio", "floor_bf16_us", "floor_fp8_us"], rows, args.out,
+                   {"K": K, "max_rows_served": MAX_ROWS,
+                    "configs": {str(k): list(v) for k, v in shipped.items()}})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """--speculative-dspark-draft-head-fp8: quantizer, kernel vs an fp32 reference, row
 invariance (CPU interpreted at small shapes; GPU at the real shard inside a CUDA graph),
-refusals, and the total variation of the fp8 vs bf16 head's softmax (reported)."""
+the row gate, refusals, and the total variation of the fp8 vs bf16 head's softmax (reported)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern
 from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
     dequantize_head_fp8,
     draft_head_fp8_logits,
@@ -17,6 +18,8 @@ from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
 from sglang.srt.speculative.dspark_components import dspark_draft_head_fp8 as mod
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# Small tiles for the CPU interpreter (the shipped CONFIGS are for the real shard).
+SMALL = (32, 64, 4, 2)
 
 
 def _head(n, k, seed=0, device=DEV):
@@ -24,6 +27,7 @@ def _head(n, k, seed=0, device=DEV):
     w = torch.randn(n, k, generator=g) * 0.02
     w[:32, :32] *= 1000  # one block far larger than the rest
     w[32:64, 32:64] = 0  # an all-zero block
+    w[64:96, :32] *= 1e-3  # a block of tiny weights (a small scale)
     return w.to(torch.bfloat16).to(device)
 
 
@@ -42,32 +46,47 @@ def test_quantizer_power_of_two_scales_bounded_exact_dequant():
     amax = w.float().abs().reshape(-1)
     assert float((deq - w.float()).abs().max()) <= float(amax.max()) * 2**-3
     assert bool((s[1, 1] == 1.0))  # zero block
+    assert float(s.max()) <= kern.MAX_SCALE
 
 
-@pytest.mark.parametrize("rows", [1, 5, 20, 40])
+@pytest.mark.parametrize("rows", [1, 5, 20, 40, 64])
 def test_kernel_matches_fp32_reference(rows):
     w = _head(96, 128)
     q, s = quantize_head_fp8(w)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEV)
-    got = draft_head_fp8_logits(x, q, s)
+    cfg = None if DEV == "cuda" else SMALL
+    got = draft_head_fp8_logits(x, q, s, config=cfg)
     ref = x.double() @ dequantize_head_fp8(q, s).double().T
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
     assert float((got.double() - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
+    # bf16 logits (the call site's dtype) are the fp32 sums rounded once (to nearest on the
+    # GPU; the CPU interpreter truncates, so there within one bf16 ulp).
+    got16 = draft_head_fp8_logits(x, q, s, config=cfg, out_dtype=torch.bfloat16)
+    if DEV == "cuda":
+        assert torch.equal(got16, got.to(torch.bfloat16))
+    else:
+        assert bool(((got16.float() - got).abs() <= got.abs() * 2**-7).all())
 
 
 def test_row_invariance_small():
     w = _head(64, 96)
     q, s = quantize_head_fp8(w)
-    x = torch.randn(60, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
-    full = draft_head_fp8_logits(x, q, s)
-    for m in (1, 5, 17, 33):
-        assert torch.equal(draft_head_fp8_logits(x[:m].contiguous(), q, s), full[:m]), m
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
+    cfg = (32, 32, 4, 2)  # K = 96: a block_k that divides it
+    full = draft_head_fp8_logits(x, q, s, config=cfg)
+    for m in (1, 5, 17, 33, 60):
+        assert torch.equal(draft_head_fp8_logits(x[:m].contiguous(), q, s, config=cfg), full[:m]), m
 
 
-def test_refusals():
+def test_row_gate_and_refusals():
     head = types.SimpleNamespace(weight=torch.zeros(64, 64, dtype=torch.bfloat16), quant_method=None)
     model = types.SimpleNamespace(uses_own_vocab_modules=False, _use_fp32_lm_head=False)
     assert mod.maybe_build_draft_head_fp8(model, head, False) is None
+    # The gate serves 1..MAX_ROWS (the kernel covers them all in one pass over the head).
+    assert 20 <= mod.MAX_ROWS <= kern.ROW_TILE * kern.MAX_M_TILES
+    gate = types.SimpleNamespace(max_rows=mod.MAX_ROWS)
+    assert mod.DraftHeadFp8.serves(gate, 1) and mod.DraftHeadFp8.serves(gate, 20)
+    assert not mod.DraftHeadFp8.serves(gate, 0) and not mod.DraftHeadFp8.serves(gate, mod.MAX_ROWS + 1)
     with pytest.raises(ValueError, match="own vocab modules"):
         mod.check_draft_head_fp8_applies(types.SimpleNamespace(uses_own_vocab_modules=True), head)
     with pytest.raises(ValueError, match="FP32_LM_HEAD"):
@@ -88,29 +107,42 @@ def test_refusals():
     assert Spec.__struct_defaults__[i] is False
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [32320, 129280])
-def test_gpu_row_invariance_in_a_cuda_graph_and_tv(n):
+def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 20, 32, 33, 48, 64)):
+    """Each row's logits (fp32 and bf16) are the same bits at every row count, eager and
+    replayed from a CUDA graph; returns (fp8 head, x, fp32 logits of 64 rows)."""
     k = 5120
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     head = mod.DraftHeadFp8(w)
     x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
-    ref = draft_head_fp8_logits(x, head.q, head.scales)
-    outs = {}
-    for m in (1, 5, 16, 20, 60, 64):
-        xm = x[:m].clone()
-        out = torch.empty((m, n), dtype=torch.float32, device="cuda")
-        draft_head_fp8_logits(xm, head.q, head.scales, out=out)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            draft_head_fp8_logits(xm, head.q, head.scales, out=out)
-        out.zero_()
-        g.replay()
-        torch.cuda.synchronize()
-        outs[m] = out
-        assert torch.equal(out, ref[:m]), m
+    def cfg(m):
+        mt = kern.triton.cdiv(m, kern.ROW_TILE)
+        return (configs or {}).get(mt) or kern.CONFIGS[mt]
+
+    ref = draft_head_fp8_logits(x, head.q, head.scales, config=cfg(64))
+    for m in rows:
+        for dtype in (torch.float32, torch.bfloat16):
+            xm = x[:m].clone()
+            out = torch.empty((m, n), dtype=dtype, device="cuda")
+            draft_head_fp8_logits(xm, head.q, head.scales, out=out, config=cfg(m))
+            assert torch.equal(out, ref[:m].to(dtype)), (n, m, dtype, "eager")
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                draft_head_fp8_logits(xm, head.q, head.scales, out=out, config=cfg(m))
+            out.zero_()
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, ref[:m].to(dtype)), (n, m, dtype, "graph")
     exact = x.double() @ dequantize_head_fp8(head.q, head.scales).double().T
     assert float((ref.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+    return w, head, x, ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [32320, 129280])
+def test_gpu_row_invariance_in_a_cuda_graph_and_tv(n):
+    w, head, x, ref = check_row_invariance_in_graphs(n)
+    # The call site's path: bf16 logits from the gate's kernel, same bits as the fp32 ones rounded.
+    assert torch.equal(head(x[:20]), ref[:20].to(torch.bfloat16))
     bf16 = (x @ w.T).float()
     tv = 0.5 * (torch.softmax(ref, -1) - torch.softmax(bf16, -1)).abs().sum(-1)
     print(f"N={n}: TV(softmax fp8 head, softmax bf16 head) mean {float(tv.mean()):.2e} "

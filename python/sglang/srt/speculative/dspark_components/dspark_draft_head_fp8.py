@@ -7,9 +7,14 @@ head (TP4 shard 32320 x 5120 = 331 MB: ~100 us on the H200; TP1 1.3 GB: 310-400 
 
 WHAT IT DOES. When the draft attaches the target's head, it builds (before CUDA-graph
 capture) an e4m3 copy with one power-of-two scale per 32x32 block, held by the draft; the
-draft's logits for up to ``MAX_ROWS`` (16) rows come from it through a Triton kernel that
+draft's logits for up to ``MAX_ROWS`` (32) rows come from it through a Triton kernel that
 streams it once per call with the same bits per row whatever the row count (16-row tiles,
-fixed K order), so batching never changes a draft token. Larger calls keep the bf16 head.
+exact bf16 products, fixed K order), so batching within 1..MAX_ROWS never changes a draft
+token. Larger calls keep the bf16 head (their logits are the bf16 head's).
+
+SPEED (H200, benchmark/results/draft_head_fp8-NVIDIA_H200.json, vs cuBLAS bf16 in one
+CUDA graph): 1..16 rows 1.63-1.66x on the TP4 shard (51 vs 84 us), 1.68-1.88x at TP1
+(182-185 vs 306-349 us); 17..32 rows 1.28-1.32x (66 vs 86 us, 254 vs 334 us).
 The target keeps its bf16 head: the output stays lossless because the draft samples and
 computes q from the same fp8 logits (rejection sampling is exact for any proposal).
 
@@ -30,20 +35,28 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Rows the fp8 head serves. Measured on the H200 (benchmark/results/draft_head_fp8-*.json):
-# 1.42-1.50x over cuBLAS bf16 at 1..16 rows (TP4 shard), 1.43-1.68x (TP1), but 0.86-0.92x at
-# 20 rows and slower beyond (each extra 16-row tile adds its dots to the same pass), so
-# calls of more than one row tile keep the bf16 head: never slower than stock.
-MAX_ROWS = 16
+# Rows the fp8 head serves. The kernel streams the head once for up to 64 rows (16-row tiles
+# sharing each dequantized weight tile), but each tile adds ~15 us of MMA: on the H200
+# (benchmark/results/draft_head_fp8-*.json) 33..48 rows were only 1.04-1.06x cuBLAS bf16 and
+# 49..64 rows 0.95-1.01x, so calls above 32 rows keep the bf16 head: never slower than stock.
+MAX_ROWS = 32
 
 
 class DraftHeadFp8:
     """The fp8 copy of one rank's LM head shard and the call that reads it."""
 
     def __init__(self, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
-        from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import quantize_head_fp8
+        from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
+            MAX_SCALE,
+            quantize_head_fp8,
+        )
 
         self.q, self.scales = quantize_head_fp8(weight.detach())
+        if float(self.scales.max()) > MAX_SCALE:  # the kernel's scale * 2**112 must stay finite
+            raise ValueError(
+                f"--speculative-dspark-draft-head-fp8: LM head block scale {float(self.scales.max())} "
+                f"> {MAX_SCALE} (|weight| up to {float(weight.abs().max())}): not supported"
+            )
         self.max_rows = int(max_rows)
         self.out_dtype = weight.dtype
         self.nbytes = self.q.numel() + self.scales.numel() * 4
@@ -56,8 +69,10 @@ class DraftHeadFp8:
             draft_head_fp8_logits,
         )
 
-        logits = draft_head_fp8_logits(x.to(torch.bfloat16).contiguous(), self.q, self.scales)
-        return logits.to(self.out_dtype)
+        # Logits in the head's dtype straight from the kernel (rounded once from fp32).
+        return draft_head_fp8_logits(
+            x.to(torch.bfloat16).contiguous(), self.q, self.scales, out_dtype=self.out_dtype
+        )
 
 
 def check_draft_head_fp8_applies(model, lm_head) -> None:

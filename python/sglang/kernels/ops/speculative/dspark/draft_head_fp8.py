@@ -1,14 +1,37 @@
 """fp8 copy of the draft's LM head (e4m3, one power-of-two scale per 32x32 block) and the
 draft-logits GEMM that reads it (--speculative-dspark-draft-head-fp8).
 
-Partial sums stay in FP32: each K chunk of a 16-row tile is one tf32 dot of the bf16
-activation with the weights dequantized by their power-of-two block scales (both exact in
-tf32, so the products are exact), added in a fixed K order, so a row's logits never
-depend on how many rows share the call. All row tiles of a call reuse each weight tile
-loaded once, so the head streams from HBM once per call for up to 16 * MAX_M_TILES rows.
+EXACT. Each weight tile is dequantized in registers to bf16: e4m3 -> f16 is exact, the f16's
+exponent and mantissa move right by 3 bits into bf16 position (its sign stays), and one
+packed bf16 multiply applies the block's power-of-two scale, which also carries the 2**112
+exponent-bias change: exact for every weight whose dequantized value is a bf16 normal. bf16
+x bf16 products are exact in the fp32 accumulator of mma.sync m16n8k16, and K is summed in
+one fixed order (the k16 steps of one HMMA chain, whatever BLOCK_K). A row's logits are its
+16-row tile's chain whatever the other rows hold, so they are the same bits at every row
+count and with every CONFIGS entry (tested on the H200 at 1, 2, 5, 16, 17, 20, 32, 33, 48
+and 64 rows, eager and in a CUDA graph): batching never changes a draft token.
+
+FAST (H200, benchmark/results/draft_head_fp8-NVIDIA_H200.json, tune_draft_head_fp8-*.json).
+The head streams from HBM once per call for up to 64 rows: each weight tile is converted
+once and feeds every 16-row tile. At 1..16 rows (one tile) the kernel runs at 3.2 TB/s on
+the TP4 shard (51 us vs cuBLAS bf16 84 us, 1.63-1.66x; floor 40.6 us) and 3.6 TB/s at TP1
+(182-185 us vs 306-349 us, 1.68-1.88x). What made it fast, against the tf32 kernel before
+it (57-59 us): bf16 dot operands instead of fp32 (half the registers and operand traffic,
+twice the MMA rate); the e4m3 -> bf16 conversion in packed asm (cvt.rn.f16x2.e4m3x2, shift,
+two LOP3, HMUL2.BF16: 2.5 instructions per weight) instead of Triton's path through a
+quarter-rate scalar F2F per weight (63.8 -> 54.7 us at the same tiles); 128 x 256 tiles with
+8 warps and 3 stages, the weights by TMA (52.7 -> 51.0 us). Each further row tile adds its
+16-row HMMA chain (mma.sync; Triton uses wgmma only from 64 rows per warpgroup) and ~15 us:
+2 tiles 66 us (2.5 TB/s, 1.28-1.32x), 3 tiles 82 us (1.04-1.06x), 4 tiles 92 us
+(0.95-1.01x), so the flag's gate serves up to 32 rows.
+
+Grid: one program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K steps through
+NUM_STAGES stages; tiles per number of 16-row tiles in CONFIGS (chosen by the sweep).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -18,6 +41,40 @@ BLOCK = 32  # quantization block (rows and columns)
 FP8_MAX = 448.0
 ROW_TILE = 16
 MAX_M_TILES = 4  # up to 64 rows per call with the head streamed once
+# Largest scale with scale * 2**112 finite in bf16 (the packed conversion's bias change).
+MAX_SCALE = 2.0**15
+
+# (block_n, block_k, num_warps, num_stages, weights by TMA) per number of 16-row tiles: the
+# best worst case over both shards in benchmark/tune_draft_head_fp8.py on the H200.
+CONFIGS: dict[int, tuple[int, ...]] = {
+    1: (128, 256, 8, 3, 1),
+    2: (128, 128, 4, 4, 0),
+    3: (256, 128, 8, 4, 1),
+    4: (128, 128, 4, 4, 0),
+}
+
+# e4m3 x4 -> bf16 x4 times a bf16 scale that carries 2**112: cvt to f16x2 (exact), then each
+# f16's sign stays and its exponent/mantissa shift right by 3 into bf16 position (the
+# exponent keeps the f16 bias: 2**-112, undone by the scale). 5 ops per 2 weights, no F2F.
+_E4M3X4_TO_BF16_ASM = tl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 h0, h1, a0, a1;
+mov.b32 {lo, hi}, $2;
+cvt.rn.f16x2.e4m3x2 h0, lo;
+cvt.rn.f16x2.e4m3x2 h1, hi;
+and.b32 a0, h0, 0x7FFF7FFF;
+and.b32 a1, h1, 0x7FFF7FFF;
+shr.b32 a0, a0, 3;
+shr.b32 a1, a1, 3;
+and.b32 h0, h0, 0x80008000;
+and.b32 h1, h1, 0x80008000;
+or.b32 a0, a0, h0;
+or.b32 a1, a1, h1;
+mul.rn.bf16x2 $0, a0, $3;
+mul.rn.bf16x2 $1, a1, $4;
+}""")
+
+CVT_TRITON, CVT_ASM, CVT_EMULATED = 0, 1, 2
 
 
 def quantize_head_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,18 +102,41 @@ def dequantize_head_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _tile_dot(acc, x_ptr, stride_xm, m0, M, k0, offs_k, w_deq):
-    rows = m0 + tl.arange(0, 16)
-    x = tl.load(
-        x_ptr + rows[:, None] * stride_xm + (k0 + offs_k)[None, :],
-        mask=rows[:, None] < M,
-        other=0.0,
-    )
-    # bf16 activations and dequantized e4m3 weights are exact in tf32: exact products.
-    return acc + tl.dot(x.to(tl.float32), tl.trans(w_deq), input_precision="tf32")
+def _dequant_bf16(q, s, CVT: tl.constexpr):
+    """q [BN, BK/32, 32] e4m3, s [BN, BK/32] fp32 powers of two -> q * s in bf16 (exact)."""
+    if CVT == 0:  # Triton's conversion (a scalar F2F per weight)
+        return q.to(tl.bfloat16) * s.to(tl.bfloat16)[:, :, None]
+    elif CVT == 1:
+        s_b = tl.broadcast_to((s * 5.192296858534828e33).to(tl.bfloat16)[:, :, None], q.shape)  # * 2**112
+        return tl.inline_asm_elementwise(
+            _E4M3X4_TO_BF16_ASM, "=r,=r,r,r,r", [q.to(tl.uint8, bitcast=True), s_b],
+            dtype=tl.bfloat16, is_pure=True, pack=4,
+        )
+    else:  # the asm's bit moves in Triton ops, the multiply in fp32 (exact either way): the
+        # CPU interpreter has no inline asm and no bf16 arithmetic
+        h = q.to(tl.float16).to(tl.uint16, bitcast=True)
+        b = (((h & 0x7FFF) >> 3) | (h & 0x8000)).to(tl.uint16)
+        w = b.to(tl.bfloat16, bitcast=True).to(tl.float32) * (s * 5.192296858534828e33)[:, :, None]
+        return w.to(tl.bfloat16)
 
 
 @triton.jit
+def _tile_dot(acc, x_ptr, stride_xm, m0, M, offs_k, w_t, CVT: tl.constexpr):
+    rows = m0 + tl.arange(0, 16)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=rows[:, None] < M, other=0.0)
+    if CVT == 2:  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
+        return tl.dot(x.to(tl.float32), w_t.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(x, w_t, acc)  # bf16 x bf16 -> fp32: exact products, fixed K order
+
+
+@triton.jit
+def _tile_store(out_ptr, stride_om, m0, M, offs_n, n_mask, acc):
+    rows = m0 + tl.arange(0, 16)
+    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & n_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
 def _draft_head_fp8_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr,
     M, N, K: tl.constexpr,
@@ -64,54 +144,57 @@ def _draft_head_fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_TILES: tl.constexpr,
+    CVT: tl.constexpr,
+    W_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
     offs_kb = tl.arange(0, BLOCK_K // 32)
     acc0 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = tl.load(
-            w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :],
-            mask=n_mask[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        s = tl.load(
-            s_ptr + (offs_n // 32)[:, None] * stride_sn + (k0 // 32 + offs_kb)[None, :],
-            mask=n_mask[:, None],
-            other=0.0,
-        )
-        # One power-of-two scale per 32 columns: exact dequantisation.
-        w_deq = tl.reshape(
-            tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * s[:, :, None], (BLOCK_N, BLOCK_K)
-        )
-        acc0 = _tile_dot(acc0, x_ptr, stride_xm, 0, M, k0, offs_k, w_deq)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if W_TMA:  # w_ptr is a TensorDescriptor [N, K] with [BLOCK_N, BLOCK_K] boxes (zero past N)
+            q = w_ptr.load([pid * BLOCK_N, k0])
+        else:
+            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None], other=0.0)
+        s = tl.load(s_ptr + (offs_n // 32)[:, None] * stride_sn + (k0 // 32 + offs_kb)[None, :],
+                    mask=n_mask[:, None], other=1.0)
+        w = _dequant_bf16(tl.reshape(q, (BLOCK_N, BLOCK_K // 32, 32)), s, CVT)
+        w_t = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))  # converted once, shared by every row tile
+        acc0 = _tile_dot(acc0, x_ptr, stride_xm, 0, M, offs_k, w_t, CVT)
         if M_TILES >= 2:
-            acc1 = _tile_dot(acc1, x_ptr, stride_xm, 16, M, k0, offs_k, w_deq)
+            acc1 = _tile_dot(acc1, x_ptr, stride_xm, 16, M, offs_k, w_t, CVT)
         if M_TILES >= 3:
-            acc2 = _tile_dot(acc2, x_ptr, stride_xm, 32, M, k0, offs_k, w_deq)
+            acc2 = _tile_dot(acc2, x_ptr, stride_xm, 32, M, offs_k, w_t, CVT)
         if M_TILES >= 4:
-            acc3 = _tile_dot(acc3, x_ptr, stride_xm, 48, M, k0, offs_k, w_deq)
-    rows = tl.arange(0, 16)
-    out_cols = offs_n[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + out_cols, acc0,
-             mask=(rows[:, None] < M) & n_mask[None, :])
+            acc3 = _tile_dot(acc3, x_ptr, stride_xm, 48, M, offs_k, w_t, CVT)
+    _tile_store(out_ptr, stride_om, 0, M, offs_n, n_mask, acc0)
     if M_TILES >= 2:
-        r = rows + 16
-        tl.store(out_ptr + r[:, None] * stride_om + out_cols, acc1,
-                 mask=(r[:, None] < M) & n_mask[None, :])
+        _tile_store(out_ptr, stride_om, 16, M, offs_n, n_mask, acc1)
     if M_TILES >= 3:
-        r = rows + 32
-        tl.store(out_ptr + r[:, None] * stride_om + out_cols, acc2,
-                 mask=(r[:, None] < M) & n_mask[None, :])
+        _tile_store(out_ptr, stride_om, 32, M, offs_n, n_mask, acc2)
     if M_TILES >= 4:
-        r = rows + 48
-        tl.store(out_ptr + r[:, None] * stride_om + out_cols, acc3,
-                 mask=(r[:, None] < M) & n_mask[None, :])
+        _tile_store(out_ptr, stride_om, 48, M, offs_n, n_mask, acc3)
+
+
+def _weight_descriptor(q: torch.Tensor, block_n: int, block_k: int):
+    """The head's TMA descriptor per box, built once and kept on the head tensor itself
+    (the head is persistent; the cache goes with it)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cache = q.__dict__.setdefault("_draft_head_fp8_tma", {})
+    desc = cache.get((block_n, block_k))
+    if desc is None:
+        desc = cache[(block_n, block_k)] = TensorDescriptor.from_tensor(q, [block_n, block_k])
+    return desc
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def draft_head_fp8_logits(
@@ -119,29 +202,37 @@ def draft_head_fp8_logits(
     q: torch.Tensor,
     scales: torch.Tensor,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
-    block_k: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 4,
+    out_dtype: torch.dtype = torch.float32,
+    config: tuple[int, ...] | None = None,
+    cvt: int | None = None,
 ) -> torch.Tensor:
-    """fp32 logits [M, N] = x [M, K] (bf16) @ dequant(q, scales)^T for M <= 64."""
+    """logits [M, N] (fp32 / bf16 / fp16, rounded once from the fp32 sums) = x [M, K] (bf16)
+    @ dequant(q, scales)^T, for 1 <= M <= 64. ``config`` overrides CONFIGS (block_n,
+    block_k, num_warps, num_stages); ``cvt`` the dequantization path (tests, tuning)."""
     m, k = x.shape
     n = q.shape[0]
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1, (x.dtype, x.stride())
     assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and q.shape[1] == k
     assert scales.dtype == torch.float32 and scales.shape == (triton.cdiv(n, BLOCK), k // BLOCK)
     assert x.device == q.device == scales.device
-    assert 1 <= m <= ROW_TILE * MAX_M_TILES, f"{m} rows: the fp8 head serves 1..64"
-    if block_k is None:
-        block_k = next(b for b in (128, 64, 32) if k % b == 0)
-    assert block_k % BLOCK == 0 and k % block_k == 0, (k, block_k)
+    assert 1 <= m <= ROW_TILE * MAX_M_TILES, f"{m} rows: the fp8 head serves 1..{ROW_TILE * MAX_M_TILES}"
+    m_tiles = triton.cdiv(m, ROW_TILE)
+    block_n, block_k, num_warps, num_stages, *rest = config or CONFIGS[m_tiles]
+    block_k = min(block_k, k)
+    assert block_k % BLOCK == 0 and k % block_k == 0 and block_k & (block_k - 1) == 0, (k, block_k)
+    # TMA boxes for the weights where the shard holds a whole box (the real shards do)
+    w_tma = bool(rest and rest[0]) and n >= block_n and not _interpreting()
+    if cvt is None:
+        cvt = CVT_EMULATED if _interpreting() else CVT_ASM
     if out is None:
-        out = torch.empty((m, n), dtype=torch.float32, device=x.device)
-    assert out.shape == (m, n) and out.dtype == torch.float32 and out.stride(1) == 1
+        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, out.stride())
+    assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
+    w = _weight_descriptor(q, block_n, block_k) if w_tma else q
     _draft_head_fp8_kernel[(triton.cdiv(n, block_n),)](
-        x, q, scales, out, m, n, k,
+        x, w, scales, out, m, n, k,
         x.stride(0), q.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, M_TILES=triton.cdiv(m, ROW_TILE),
+        BLOCK_N=block_n, BLOCK_K=block_k, M_TILES=m_tiles, CVT=cvt, W_TMA=w_tma,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
