@@ -23,7 +23,9 @@ quarter-rate scalar F2F per weight (63.8 -> 54.7 us at the same tiles); 128 x 25
 8 warps and 3 stages, the weights by TMA (52.7 -> 51.0 us). Each further row tile adds its
 16-row HMMA chain (mma.sync; Triton uses wgmma only from 64 rows per warpgroup) and ~15 us:
 2 tiles 66 us (2.5 TB/s, 1.28-1.32x), 3 tiles 82 us (1.04-1.06x), 4 tiles 92 us
-(0.95-1.01x), so the flag's gate serves up to 32 rows.
+(0.95-1.01x), so the flag's gate serves up to 32 rows. Swapping the operands so Triton takes
+wgmma (vocab rows as M from registers, draft rows as a fixed N = 32) stays row invariant but runs
+69-98 us at TP4 (benchmark/probe_draft_head_fp8_wgmma.py): slower than one mma.sync tile.
 
 Grid: one program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K steps through
 NUM_STAGES stages; tiles per number of 16-row tiles in CONFIGS (chosen by the sweep).
