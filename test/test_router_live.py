@@ -14,7 +14,8 @@ from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate
 
 
 def _route(scores, bias, topk, **kw):
-    packed = torch.empty((scores.shape[0], topk), dtype=torch.int32, device=scores.device)
+    # Poisoned outputs: a row the kernel forgot to write shows up.
+    packed = torch.full((scores.shape[0], topk), 7, dtype=torch.int32, device=scores.device)
     w, i = moe_fused_gate(
         scores, bias, topk, scoring_func="sqrtsoftplus", renormalize=True,
         routed_scaling_factor=1.5, apply_routed_scaling_factor_on_output=True,
@@ -23,13 +24,21 @@ def _route(scores, bias, topk, **kw):
     return w, i, packed
 
 
-def _check(bs, stride, n_experts, topk, device, seed=0):
+def _check(bs, stride, n_experts, topk, device, seed=0, token_bias=False, padded=False):
     g = torch.Generator(device="cpu").manual_seed(seed)
     scores = torch.randn((bs * stride, n_experts), generator=g).to(device)
     bias = (0.1 * torch.randn((n_experts,), generator=g)).to(torch.bfloat16).to(device)
+    kw = {}
+    if token_bias:  # DeepSeek-V4.1 vision routing: image tokens use a second bias
+        kw = dict(bias_alt=torch.randn((n_experts,), generator=g).to(torch.bfloat16).to(device),
+                  input_ids=torch.randint(0, 2, (bs * stride,), generator=g).to(device),
+                  bias_alt_token_id=1)
+    if padded:  # CUDA-graph padding: the last request's rows are masked (0 / -1)
+        kw["num_token_non_padded"] = torch.tensor([(bs - 1) * stride], dtype=torch.int32,
+                                                  device=device)
     live = torch.randint(1, stride + 1, (bs + 3,), generator=g).to(device)  # spare entries
-    stock = _route(scores, bias, topk)
-    ours = _route(scores, bias, topk, live_lens=live, live_stride=stride)
+    stock = _route(scores, bias, topk, **kw)
+    ours = _route(scores, bias, topk, live_lens=live, live_stride=stride, **kw)
     rows = torch.arange(bs * stride, device=device)
     req, pos = rows // stride, rows % stride
     dead = pos >= live[req]
@@ -40,15 +49,17 @@ def _check(bs, stride, n_experts, topk, device, seed=0):
         assert torch.equal(o, s[src]), "dead rows differ from their anchor row"
     # All live: bitwise the stock call.
     full = torch.full_like(live, stride)
-    for s, o in zip(stock, _route(scores, bias, topk, live_lens=full, live_stride=stride)):
+    for s, o in zip(stock, _route(scores, bias, topk, live_lens=full, live_stride=stride, **kw)):
         assert torch.equal(o, s)
     # Experts per layer: the dead rows add none.
     ids = ours[1]
     assert set(ids.flatten().tolist()) == set(stock[1][~dead].flatten().tolist())
 
 
-def test_router_live_cpu_interpreted():
-    _check(bs=3, stride=4, n_experts=32, topk=4, device="cpu")
+@pytest.mark.parametrize("token_bias, padded", [(False, False), (True, False), (False, True)])
+def test_router_live_cpu_interpreted(token_bias, padded):
+    _check(bs=3, stride=4, n_experts=32, topk=4, device="cpu", token_bias=token_bias,
+           padded=padded)
 
 
 def test_router_live_rejects_bad_layout():
@@ -60,6 +71,8 @@ def test_router_live_rejects_bad_layout():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("token_bias, padded", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("bs", [1, 4, 16, 64])
-def test_router_live_gpu(bs):
-    _check(bs=bs, stride=6, n_experts=384, topk=6, device="cuda", seed=bs)
+def test_router_live_gpu(bs, token_bias, padded):
+    _check(bs=bs, stride=6, n_experts=384, topk=6, device="cuda", seed=bs, token_bias=token_bias,
+           padded=padded and bs > 1)
