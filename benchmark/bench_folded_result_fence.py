@@ -97,22 +97,7 @@ def _gpu_us(fn, n=200, reps=15) -> float:
 def _ring_gpu_us(fence, n=200, reps=15) -> float:
     """The ring copy as the verify graph runs it: n copies in one captured graph."""
     gate = torch.ones((1,), dtype=torch.int32, device=fence.arena.device)
-    fence.copy_in(gate)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            fence.copy_in(gate)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / n)
-    return statistics.median(times)
+    return harness.graph_us_per_call([lambda: fence.copy_in(gate)] * n, reps)
 
 
 def main() -> None:
