@@ -68,6 +68,7 @@ LOSSLESS: the slot holds the bytes the graph wrote (tested bitwise).
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -133,7 +134,6 @@ class AcceptResultFence:
         self.ring = torch.zeros((2, nbytes), dtype=torch.uint8, device=device)
         self.counter = torch.zeros((1,), dtype=torch.int64, device=device)
         self.count = 0  # folded steps the host consumed == ring copies the device ran
-        self.max_bs = int(epilogue.max_bs)
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.last_block_accept_lens: Optional[torch.Tensor] = None
         self._check: Optional[tuple] = None
@@ -222,10 +222,7 @@ def _accept_outs_cls():
 
 
 def _view(arena: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
-    n = 1
-    for s in shape:
-        n *= s
-    size = n * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(shape) * dtype.itemsize
     return arena[offset : offset + size].view(dtype).view(shape)
 
 
