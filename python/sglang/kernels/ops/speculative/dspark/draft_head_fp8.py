@@ -26,6 +26,12 @@ quarter-rate scalar F2F per weight (63.8 -> 54.7 us at the same tiles); 128 x 25
 (0.95-1.01x), so the flag's gate serves up to 32 rows. Swapping the operands so Triton takes
 wgmma (vocab rows as M from registers, draft rows as a fixed N = 32) stays row invariant but runs
 69-98 us at TP4 (benchmark/probe_draft_head_fp8_wgmma.py): slower than one mma.sync tile.
+Also measured and slower at 20 rows (TP4; shipped 65.8 us): every row in one 64-row wgmma tile
+(77.7 us flat over 1..64 rows, probe_draft_head_fp8_w64.py); Gluon swap-AB mma.sync with
+operands loaded straight into registers (101 us); Gluon swap-AB wgmma with the weights as
+register A from a K-permuted copy (68.7 us, 66.7-72.5 flat over 1..32 rows,
+probe_draft_head_fp8_gluon.py). Swapping the operands keeps the bits; K's order inside the
+MMA decides them.
 
 Grid: one program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K steps through
 NUM_STAGES stages; tiles per number of 16-row tiles in CONFIGS (chosen by the sweep).
