@@ -4,9 +4,11 @@ Shapes: the TP4 shard (32320 x 5120) and TP1 (129280 x 5120). Distinct copies ro
 the head streams from HBM (each copy is larger than the 60 MB L2). CUDA-graph replay,
 median; both write bf16 logits, as the draft's call site does. Floors: bf16 head bytes /
 fp8 head + scale bytes at 4.09 TB/s. ``served`` says whether the flag's row gate
-(dspark_draft_head_fp8.MAX_ROWS) sends that row count to the fp8 kernel. The kernel runs
-with its shipped CONFIGS unless --configs names a JSON {m_tiles: [block_n, block_k,
-num_warps, num_stages]} (tuning).
+(dspark_draft_head_fp8.MAX_ROWS) sends that row count to the fp8 kernel; ``fp8_us`` is the
+kernel the flag serves on this device (``kernel``: wgmma on SM90, mma.sync elsewhere, through
+DraftHeadFp8 as the call site does), ``mma_us`` the portable mma.sync kernel (with its shipped
+CONFIGS unless --configs names a JSON {m_tiles: [block_n, block_k, num_warps, num_stages]}:
+tuning), both in the same run.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import torch  # noqa: E402
 
 import harness  # noqa: E402
 from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern  # noqa: E402
-from sglang.srt.speculative.dspark_components.dspark_draft_head_fp8 import MAX_ROWS  # noqa: E402
+from sglang.srt.speculative.dspark_components.dspark_draft_head_fp8 import (  # noqa: E402
+    MAX_ROWS,
+    DraftHeadFp8,
+)
 
 K = 5120
 SHAPES = ((32320, 6), (129280, 2))  # (N, copies rotated per graph)
-ROWS = [1, 2, 4, 5, 8, 16, 20, 32, 48, 64]
+ROWS = [1, 2, 4, 5, 8, 16, 17, 20, 32, 48, 64]
 
 
 def heads(n: int, copies: int):
@@ -45,6 +50,10 @@ def fp8_us(x, qs, configs, replays: int) -> float:
         replays)
 
 
+def served_us(x, served, replays: int) -> float:
+    return harness.graph_us_per_call([partial(head, x) for head in served], replays)
+
+
 def stock_us(x, ws, replays: int) -> float:
     outs = [torch.empty((x.shape[0], w.shape[0]), device="cuda", dtype=torch.bfloat16) for w in ws]
     return harness.graph_us_per_call(
@@ -55,21 +64,24 @@ def measure(configs: dict[int, tuple] | None, replays: int, rows=ROWS) -> list[d
     out = []
     for n, copies in SHAPES:
         ws, qs = heads(n, copies)
+        served = [DraftHeadFp8(w) for w in ws]
         bf16_bytes, fp8_bytes = n * K * 2, n * K + qs[0][1].numel() * 4
         for m in rows:
             x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-            stock, ours = stock_us(x, ws, replays), fp8_us(x, qs, configs, replays)
+            stock, mma = stock_us(x, ws, replays), fp8_us(x, qs, configs, replays)
+            ours = served_us(x, served, replays) if m <= MAX_ROWS else mma
             cfg = (configs or {}).get(kern.triton.cdiv(m, kern.ROW_TILE)) or kern.CONFIGS[
                 kern.triton.cdiv(m, kern.ROW_TILE)]
             out.append({
-                "N": n, "rows": m, "served": m <= MAX_ROWS, "cfg": "x".join(map(str, cfg)),
+                "N": n, "rows": m, "served": m <= MAX_ROWS, "kernel": served[0].kernel if m <= MAX_ROWS else "mma.sync",
+                "cfg": "x".join(map(str, cfg)), "mma_us": mma,
                 "stock_us": stock, "stock_TBps": harness.tbps(bf16_bytes, stock),
                 "fp8_us": ours, "fp8_TBps": harness.tbps(fp8_bytes, ours), "ratio": stock / ours,
                 "floor_bf16_us": harness.floor_us(bf16_bytes), "floor_fp8_us": harness.floor_us(fp8_bytes),
             })
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                            for k, v in out[-1].items()), flush=True)
-        del ws, qs
+        del ws, qs, served
         torch.cuda.empty_cache()
     return out
 
@@ -87,7 +99,7 @@ def main() -> None:
         configs = {int(k): tuple(v) for k, v in json.loads(args.configs.read_text()).items()}
     rows = measure(configs, args.replays)
     shipped = configs or kern.CONFIGS
-    harness.report("draft_head_fp8", ["N", "rows", "served", "cfg", "stock_us", "stock_TBps", "fp8_us",
+    harness.report("draft_head_fp8", ["N", "rows", "served", "kernel", "cfg", "mma_us", "stock_us", "stock_TBps", "fp8_us",
                                       "fp8_TBps", "ratio", "floor_bf16_us", "floor_fp8_us"], rows, args.out,
                    {"K": K, "max_rows_served": MAX_ROWS,
                     "configs": {str(k): list(v) for k, v in shipped.items()}})

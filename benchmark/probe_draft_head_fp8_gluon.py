@@ -22,7 +22,9 @@ the shipped kernel in the same runs; TP4 shard 32320 x 5120, TP1 129280 x 5120):
   1..32 rows (BV 64, PF 8, 4 warps), TP1 242-275 us; with N = 8 at <= 8 rows 57.4-62.5 us. At
   20 rows: 68.7 us against 65.8 shipped and 86.4 stock (TP4), 260 vs 250 vs 337 (TP1). The
   32-K step's barrier and the wgmma wait keep it latency bound: not faster than shipped.
-Neither goes into the series. Gluon has no interpreter, so CI could not execute either.
+Neither went into the series. What did: the same wgmma form with the weights and x brought in
+by TMA (python/sglang/kernels/ops/speculative/dspark/draft_head_fp8_wgmma.py; its sweeps are
+the last runs in the JSON): 49-55 us flat over 1..32 rows at TP4, 172-198 us at TP1.
 Run: python3 benchmark/probe_draft_head_fp8_gluon.py OUT_DIR
 """
 

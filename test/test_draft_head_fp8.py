@@ -108,11 +108,13 @@ def test_row_gate_and_refusals():
 
 
 def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 20, 32, 33, 48, 64)):
-    """Each row's logits (fp32 and bf16) are the same bits at every row count, eager and
-    replayed from a CUDA graph; returns (fp8 head, x, fp32 logits of 64 rows)."""
+    """The mma.sync kernel (served on SM89, tuned by tune_draft_head_fp8.py): each row's logits
+    (fp32 and bf16) are the same bits at every row count, eager and replayed from a CUDA graph;
+    returns (bf16 head, fp8 copy, x, fp32 logits of 64 rows)."""
     k = 5120
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
-    head = mod.DraftHeadFp8(w)
+    head = types.SimpleNamespace(q=None, scales=None)
+    head.q, head.scales = kern.quantize_head_fp8(w)
     x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
     def cfg(m):
         mt = kern.triton.cdiv(m, kern.ROW_TILE)
@@ -139,11 +141,57 @@ def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [32320, 129280])
-def test_gpu_row_invariance_in_a_cuda_graph_and_tv(n):
-    w, head, x, ref = check_row_invariance_in_graphs(n)
-    # The call site's path: bf16 logits from the gate's kernel, same bits as the fp32 ones rounded.
-    assert torch.equal(head(x[:20]), ref[:20].to(torch.bfloat16))
+def test_gpu_row_invariance_in_a_cuda_graph(n):
+    check_row_invariance_in_graphs(n)
+
+
+def test_permute_k_puts_each_threads_fragment_bytes_together():
+    from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import permute_k
+
+    q = torch.randint(0, 127, (64, 128), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    qp = permute_k(q).view(torch.uint8)
+    q8 = q.view(torch.uint8)
+    for blk in range(4):
+        for t in range(4):
+            for j in range(4):
+                for e in range(2):
+                    assert torch.equal(qp[:, blk * 32 + 8 * t + 2 * j + e], q8[:, blk * 32 + 8 * j + 2 * t + e])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [32320, 129280])
+def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
+    """The kernel the flag serves on this device (wgmma on the H200), through the call site's
+    object: every row count 1..32 gives each row the same bits, eager and replayed from a CUDA
+    graph; logits within 1e-5 of the fp64 product; TV of its softmax vs the bf16 head's."""
+    k = 5120
+    w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+    head = mod.DraftHeadFp8(w)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert head.kernel == "wgmma"
+    x = torch.randn(32, k, device="cuda").to(torch.bfloat16)
+    ref = head(x)
+    for m in (1, 2, 5, 8, 9, 16, 17, 20, 31, 32):
+        xm = x[:m].clone()
+        assert torch.equal(head(xm), ref[:m]), (n, m, "eager")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = head(xm)
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref[:m]), (n, m, "graph")
+    q, s = kern.quantize_head_fp8(w)
+    exact = x.double() @ dequantize_head_fp8(q, s).double().T
+    if head.kernel == "wgmma":
+        from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import draft_head_fp8_logits_wgmma
+
+        got = draft_head_fp8_logits_wgmma(x, head.q, head.scales)  # fp32 logits
+        assert torch.equal(got.to(torch.bfloat16), ref)
+    else:
+        got = draft_head_fp8_logits(x, q, s)
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
     bf16 = (x @ w.T).float()
-    tv = 0.5 * (torch.softmax(ref, -1) - torch.softmax(bf16, -1)).abs().sum(-1)
-    print(f"N={n}: TV(softmax fp8 head, softmax bf16 head) mean {float(tv.mean()):.2e} "
+    tv = 0.5 * (torch.softmax(got, -1) - torch.softmax(bf16, -1)).abs().sum(-1)
+    print(f"N={n} ({head.kernel}): TV(softmax fp8 head, softmax bf16 head) mean {float(tv.mean()):.2e} "
           f"max {float(tv.max()):.2e}; fp8 copy {head.nbytes / 1e6:.1f} MB")

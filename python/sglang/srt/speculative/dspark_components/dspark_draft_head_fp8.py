@@ -7,14 +7,16 @@ head (TP4 shard 32320 x 5120 = 331 MB: ~100 us on the H200; TP1 1.3 GB: 310-400 
 
 WHAT IT DOES. When the draft attaches the target's head, it builds (before CUDA-graph
 capture) an e4m3 copy with one power-of-two scale per 32x32 block, held by the draft; the
-draft's logits for up to ``MAX_ROWS`` (32) rows come from it through a Triton kernel that
-streams it once per call with the same bits per row whatever the row count (16-row tiles,
-exact bf16 products, fixed K order), so batching within 1..MAX_ROWS never changes a draft
-token. Larger calls keep the bf16 head (their logits are the bf16 head's).
+draft's logits for up to ``MAX_ROWS`` (32) rows come from it, streamed once per call, with
+the same bits per row whatever the row count (exact bf16 products, fixed K order), so
+batching within 1..MAX_ROWS never changes a draft token. On Hopper (SM90) the kernel is a
+Gluon wgmma one (draft_head_fp8_wgmma.py: vocab rows as M, draft rows as N, weights and x by
+TMA) and the copy is stored K-permuted for it; elsewhere (SM89) the Triton mma.sync kernel
+(draft_head_fp8.py, 16-row tiles). Larger calls keep the bf16 head.
 
 SPEED (H200, benchmark/results/draft_head_fp8-NVIDIA_H200.json, vs cuBLAS bf16 in one
-CUDA graph): 1..16 rows 1.63-1.66x on the TP4 shard (51 vs 84 us), 1.68-1.88x at TP1
-(182-185 vs 306-349 us); 17..32 rows 1.28-1.32x (66 vs 86 us, 254 vs 334 us).
+CUDA graph): see the wgmma kernel's docstring and the patch header; the mma.sync kernel ran
+1.63-1.66x at 1..16 rows and 1.28-1.32x at 17..32 rows on the TP4 shard.
 The target keeps its bf16 head: the output stays lossless because the draft samples and
 computes q from the same fp8 logits (rejection sampling is exact for any proposal).
 
@@ -35,10 +37,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Rows the fp8 head serves. The kernel streams the head once for up to 64 rows (16-row tiles
-# sharing each dequantized weight tile), but each tile adds ~15 us of MMA: on the H200
+# Rows the fp8 head serves. The mma.sync kernel adds ~15 us of MMA per 16-row tile: on the H200
 # (benchmark/results/draft_head_fp8-*.json) 33..48 rows were only 1.04-1.06x cuBLAS bf16 and
-# 49..64 rows 0.95-1.01x, so calls above 32 rows keep the bf16 head: never slower than stock.
+# 49..64 rows 0.95-1.01x; the wgmma kernel's N is at most 32. Calls above 32 rows keep the
+# bf16 head: never slower than stock.
 MAX_ROWS = 32
 
 
@@ -51,12 +53,18 @@ class DraftHeadFp8:
             quantize_head_fp8,
         )
 
-        self.q, self.scales = quantize_head_fp8(weight.detach())
+        q, self.scales = quantize_head_fp8(weight.detach())
         if float(self.scales.max()) > MAX_SCALE:  # the kernel's scale * 2**112 must stay finite
             raise ValueError(
                 f"--speculative-dspark-draft-head-fp8: LM head block scale {float(self.scales.max())} "
                 f"> {MAX_SCALE} (|weight| up to {float(weight.abs().max())}): not supported"
             )
+        self.kernel = "wgmma" if _wgmma_available(weight.device) and weight.shape[1] % 128 == 0 else "mma.sync"
+        if self.kernel == "wgmma":
+            from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import permute_k
+
+            q = permute_k(q)  # the layout the wgmma kernel reads (same values)
+        self.q = q
         self.max_rows = int(max_rows)
         self.out_dtype = weight.dtype
         self.nbytes = self.q.numel() + self.scales.numel() * 4
@@ -65,14 +73,31 @@ class DraftHeadFp8:
         return 1 <= rows <= self.max_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Logits in the head's dtype straight from the kernel (rounded once from fp32).
+        x = x.to(torch.bfloat16).contiguous()
+        if self.kernel == "wgmma":
+            from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
+                draft_head_fp8_logits_wgmma,
+            )
+
+            return draft_head_fp8_logits_wgmma(x, self.q, self.scales, out_dtype=self.out_dtype)
         from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
             draft_head_fp8_logits,
         )
 
-        # Logits in the head's dtype straight from the kernel (rounded once from fp32).
-        return draft_head_fp8_logits(
-            x.to(torch.bfloat16).contiguous(), self.q, self.scales, out_dtype=self.out_dtype
-        )
+        return draft_head_fp8_logits(x, self.q, self.scales, out_dtype=self.out_dtype)
+
+
+def _wgmma_available(device: torch.device) -> bool:
+    """The Hopper kernel: SM90 with Triton's Gluon dialect (one kernel per device, so a row's
+    logits never depend on which kernel a call took)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    try:
+        from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma  # noqa: F401
+    except ImportError:  # a Triton without Gluon: the mma.sync kernel
+        return False
+    return True
 
 
 def check_draft_head_fp8_applies(model, lm_head) -> None:
@@ -117,8 +142,8 @@ def maybe_build_draft_head_fp8(model, lm_head, enabled: bool):
     check_draft_head_fp8_applies(model, lm_head)
     head = DraftHeadFp8(lm_head.weight)
     logger.info(
-        "DSpark draft LM head in fp8 (e4m3, 32x32 power-of-two scales) for 1..%d rows: "
+        "DSpark draft LM head in fp8 (e4m3, 32x32 power-of-two scales) for 1..%d rows, %s kernel: "
         "%s x %s, %.1f MB on this rank (taken from the KV pool); the target keeps bf16.",
-        head.max_rows, *lm_head.weight.shape, head.nbytes / 1e6,
+        head.max_rows, head.kernel, *lm_head.weight.shape, head.nbytes / 1e6,
     )
     return head

@@ -1,0 +1,226 @@
+"""The fp8 draft head's GEMM on Hopper (--speculative-dspark-draft-head-fp8, SM90): one wgmma
+kernel for every row count the flag serves, written in Gluon (Triton's explicit-layout dialect).
+
+WHY. The portable Triton kernel (draft_head_fp8.py) multiplies 16-row tiles with mma.sync; each
+tile beyond the first costs ~15 us of MMA on the TP4 shard, so 17..32 rows ran at 1.28-1.32x
+stock. Here the vocabulary rows are the MMA's M (64 per warpgroup, weights in registers) and the
+draft rows its N (8, 16 or 32): the tensor-core work of 32 rows is one asynchronous wgmma per
+64x32 weight tile, so the time barely moves with the row count.
+
+HOW (what made it fast on the H200: benchmark/results/draft_head_fp8-NVIDIA_H200.json).
+- Weights and x reach shared memory by TMA in a 4-stage ring (3 at TP1 size) of 128-K steps
+  with one mbarrier per stage; no load instruction touches L1 for them. Earlier forms that
+  loaded through L1 (weights and x per warp) were L1/L2 bound: 66.7-72.5 us.
+- The head copy is stored with K permuted inside each 32-block (``permute_k``) so that a thread's
+  A-fragment bytes for one 32-K block are 8 contiguous bytes: one LDS.64 per row, and each 4-byte
+  word is two logical pairs that the e4m3 -> bf16 asm (cvt + bit moves + one HMUL2 by the
+  power-of-two scale, 2.6 instructions per weight) turns into two bf16x2 registers; the K
+  permutation is undone by renaming registers (join/reshape/permute), no byte shuffles.
+- 128 vocab rows per CTA (two m64 pieces, 4 warps), ~96 KB of shared memory: 2 CTAs per SM.
+- One CTA barrier per 128-K step (before a stage is refilled) and at most one wgmma in flight.
+
+EXACT and ROW INVARIANT. Dequantisation is exact (same bits as the Triton kernel's weights);
+bf16 products are exact in the fp32 accumulator and K runs in one fixed order whatever N is, so
+a row's logits are the same bits at every row count 1..32 (tested on the H200, eager and in a
+CUDA graph). The order of K inside each MMA differs from the mma.sync kernel's, so the two
+kernels' logits differ in the last bits: one device uses one of them for every call.
+Measured (benchmark/bench_draft_head_fp8.py, same run as cuBLAS bf16 and the mma.sync kernel):
+TP4 shard 49.1-53.8 us at 1..32 rows (1.59-1.72x; 1.55-1.61x at 17..32 rows over four runs;
+mma.sync 51-52 us at 1..16 rows, 66-67 us at 17..32), TP1 172-192 us (1.74-1.79x).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM
+
+BLOCK_V = 128  # vocab rows per CTA (two m64 wgmma pieces)
+NUM_WARPS = 4  # one warpgroup
+STEP_K = 128  # K per pipeline stage (4 scale blocks)
+MAX_ROWS = 32
+
+# e4m3 x4 (one word) -> two bf16x2 words times a bf16 scale that carries 2**112: the portable
+# kernel's exact conversion (cvt + bit moves + one HMUL2), here with one word in, two out.
+_ASM = _E4M3X4_TO_BF16_ASM
+
+
+def available(device: torch.device) -> bool:
+    """Hopper (SM90) only: wgmma and this kernel's TMA/mbarrier use."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def permute_k(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] e4m3 -> the same values with K permuted inside each 32-block: physical position
+    8t + 2j + e holds logical k = 8j + 2t + e (t: thread in its quad, j: the 8-wide slot of the
+    MMA fragment, e: the pair element), so thread t's fragment bytes are contiguous."""
+    n, k = q.shape
+    assert k % 32 == 0, k
+    return q.view(n, k // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(n, k).contiguous()
+
+
+def _row_bases(bv: int, nw: int) -> list[list[int]]:
+    bases, r = [], 16 * nw
+    while r < bv:
+        bases.append([r, 0])
+        r *= 2
+    return bases
+
+
+def _words_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
+    """[bv, 8] int32 words of one 32-K block: 2 consecutive words per thread and row, rows as in
+    the wgmma A fragment (lane // 4, + 8, warps by 16)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [8, 0]] + _row_bases(bv, nw),
+        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)],
+        block_bases=[],
+        shape=[bv, 8],
+    )
+
+
+def _scales_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
+    """[bv, 4] fp32 scales of one step: each thread holds its rows' 4 blocks (16 bytes)."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + _row_bases(bv, nw),
+        lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)],
+        block_bases=[],
+        shape=[bv, 4],
+    )
+
+
+@gluon.jit
+def _bf16_pair(word):
+    lo = word.to(gl.uint16).to(gl.bfloat16, bitcast=True)
+    hi = (word >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
+    return gl.join(lo, hi)
+
+
+@gluon.jit
+def _dequant_block(w32, s, A_L: gl.constexpr, BV: gl.constexpr):
+    """[BV, 8] words of a K-permuted e4m3 block + its per-row scale -> the logical [BV, 32] bf16
+    block in the wgmma A layout (the permutation undone by renaming registers)."""
+    sb = (s * 5.192296858534828e33).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.int32)  # * 2**112
+    sb = gl.expand_dims(sb | (sb << 16), 1) + gl.zeros_like(w32)
+    o0, o1 = gl.inline_asm_elementwise(_ASM, "=r,=r,r,r,r", [w32, sb, sb], dtype=(gl.int32, gl.int32),
+                                       is_pure=True, pack=1)
+    w = gl.join(_bf16_pair(o0), _bf16_pair(o1))  # [BV, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
+    w = gl.permute(gl.reshape(w, [BV, 4, 2, 2, 2]), [0, 2, 4, 1, 3])  # [BV, w, o, t, e]
+    return gl.convert_layout(gl.reshape(w, [BV, 32]), A_L)
+
+
+@gluon.jit
+def _refill(w_desc, x_desc, bar, w_s, x_s, s, v0, step, NBYTES: gl.constexpr):
+    """Stage s <- the weights and x of one 128-K step, on the stage's mbarrier."""
+    mbarrier.expect(bar, NBYTES)
+    tma.async_copy_global_to_shared(w_desc, [v0, step * 32], bar, w_s.index(s))
+    tma.async_copy_global_to_shared(x_desc, [0, step * 128], bar, x_s.index(2 * s))
+    tma.async_copy_global_to_shared(x_desc, [0, step * 128 + 64], bar, x_s.index(2 * s + 1))
+
+
+@gluon.jit
+def _draft_head_fp8_wgmma_kernel(w_desc, x_desc, S, OUT, M, V, SO, K: gl.constexpr, NP: gl.constexpr,
+                                 BV: gl.constexpr, ST: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr,
+                                 NW: gl.constexpr):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NP, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    NSTEP: gl.constexpr = K // 128
+    NBYTES: gl.constexpr = BV * 128 + NP * 128 * 2
+    v0 = gl.program_id(0) * BV
+    w_s = gl.allocate_shared_memory(gl.int32, [ST, BV, 32], w_desc.layout)
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [2 * ST, NP, 64], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(ST):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()
+    for s in gl.static_range(ST - 1):
+        _refill(w_desc, x_desc, bars.index(s), w_s, x_s, s, v0, s, NBYTES)
+    # scales [N/32, K/32]: each thread loads its rows' 4 blocks of a step (the next step's early)
+    sr = v0 + gl.arange(0, BV, layout=gl.SliceLayout(1, S_L))
+    sk = gl.arange(0, 4, layout=gl.SliceLayout(0, S_L))
+    s_off = gl.expand_dims((sr // 32) * (K // 32), 1) + gl.expand_dims(sk, 0)
+    s_mask = gl.expand_dims(sr < V, 1) & gl.expand_dims(sk >= 0, 0)
+    s_next = gl.load(S + s_off, s_mask, 1.0)
+    acc = gl.zeros([BV, NP], gl.float32, layout=MMA)
+    for i in range(NSTEP):
+        st = i % ST
+        s4 = s_next
+        s_next = gl.load(S + s_off + gl.minimum(i + 1, NSTEP - 1) * 4, s_mask, 1.0)
+        s02, s13 = gl.split(gl.reshape(s4, [BV, 2, 2]))  # split takes the last dim: blocks (0, 2), (1, 3)
+        s0, s2 = gl.split(s02)
+        s1, s3 = gl.split(s13)
+        scales = (s0, s1, s2, s3)
+        mbarrier.wait(bars.index(st), (i // ST) & 1)
+        for kb in gl.static_range(4):
+            w32 = w_s.index(st).slice(8 * kb, 8, dim=1).load(W_L)
+            a = _dequant_block(w32, gl.convert_layout(scales[kb], gl.SliceLayout(1, W_L)), A_L, BV)
+            xb = x_s.index(2 * st + kb // 2).slice(32 * (kb % 2), 32, dim=1)
+            acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        gl.thread_barrier()  # every warp is done with stage (i - 1) % ST: refill it
+        nxt = i + ST - 1
+        if nxt < NSTEP:
+            sn = nxt % ST
+            _refill(w_desc, x_desc, bars.index(sn), w_s, x_s, sn, v0, nxt, NBYTES)
+    for s in gl.static_range(ST):
+        mbarrier.invalidate(bars.index(s))
+    orow = v0 + gl.arange(0, BV, layout=gl.SliceLayout(1, MMA))
+    on = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
+    o_off = gl.expand_dims(on * SO, 0) + gl.expand_dims(orow, 1)
+    o_mask = gl.expand_dims(on < M, 0) & gl.expand_dims(orow < V, 1)
+    gl.store(OUT + o_off, acc.to(OUT.dtype.element_ty), o_mask)
+
+
+def _weight_descriptor(qp: torch.Tensor) -> TensorDescriptor:
+    """Built once per head (the head is persistent; the cache lives on the tensor)."""
+    desc = qp.__dict__.get("_draft_head_fp8_wgmma_tma")
+    if desc is None:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        desc = TensorDescriptor.from_tensor(qp.view(torch.int32), [BLOCK_V, 32], layout)
+        qp.__dict__["_draft_head_fp8_wgmma_tma"] = desc
+    return desc
+
+
+def draft_head_fp8_logits_wgmma(
+    x: torch.Tensor,
+    qp: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    stages: int | None = None,
+) -> torch.Tensor:
+    """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= 32, where ``qp`` is
+    ``permute_k`` of the e4m3 head and ``scales`` its fp32 [ceil(N/32), K/32] block scales."""
+    m, k = x.shape
+    n = qp.shape[0]
+    assert 1 <= m <= MAX_ROWS, f"{m} rows: the wgmma head serves 1..{MAX_ROWS}"
+    assert x.dtype == torch.bfloat16 and x.is_contiguous(), (x.dtype, x.stride())
+    assert qp.dtype == torch.float8_e4m3fn and qp.is_contiguous() and qp.shape[1] == k and k % STEP_K == 0
+    assert scales.dtype == torch.float32 and scales.shape == (triton.cdiv(n, 32), k // 32)
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype in (torch.float32, torch.bfloat16)
+    np_ = max(8, triton.next_power_of_2(m))  # wgmma N: the bits do not depend on it (tested)
+    x_layout = gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x, [np_, 64], x_layout)  # rows >= M read as zeros
+    # 3 stages fit 3 CTAs per SM: best at TP1 size (1010 CTAs), 4 at TP4 (253 CTAs, one wave)
+    st = stages or (4 if n <= 65536 else 3)
+    _draft_head_fp8_wgmma_kernel[(triton.cdiv(n, BLOCK_V),)](
+        _weight_descriptor(qp), x_desc, scales, out, m, n, out.stride(0), k, np_, BLOCK_V, st,
+        _words_layout(BLOCK_V, NUM_WARPS), _scales_layout(BLOCK_V, NUM_WARPS), NUM_WARPS,
+        num_warps=NUM_WARPS,
+    )
+    return out
