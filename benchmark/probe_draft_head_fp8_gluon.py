@@ -52,25 +52,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 import harness  # noqa: E402
 from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern  # noqa: E402
+from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM as _ASM  # noqa: E402
+from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import _bf16_pair  # noqa: E402
 
-# e4m3 x4 -> bf16 x4 times a bf16 scale that carries 2**112 (same asm as the shipped kernel)
-_ASM: gl.constexpr = gl.constexpr("""{
-.reg .b16 lo, hi;
-.reg .b32 h0, h1, a0, a1;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 h0, lo;
-cvt.rn.f16x2.e4m3x2 h1, hi;
-and.b32 a0, h0, 0x7FFF7FFF;
-and.b32 a1, h1, 0x7FFF7FFF;
-shr.b32 a0, a0, 3;
-shr.b32 a1, a1, 3;
-and.b32 h0, h0, 0x80008000;
-and.b32 h1, h1, 0x80008000;
-or.b32 a0, a0, h0;
-or.b32 a1, a1, h1;
-mul.rn.bf16x2 $0, a0, $3;
-mul.rn.bf16x2 $1, a1, $4;
-}""")
 
 
 @gluon.jit
@@ -171,13 +155,6 @@ def _phys_layout(bv, nw=4):
         reg.append([r, 0]); r *= 2
     return gl.DistributedLinearLayout(reg_bases=reg, lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)], block_bases=[], shape=[bv, 8])
-
-
-@gluon.jit
-def _bf16_pair(word):
-    lo = word.to(gl.uint16).to(gl.bfloat16, bitcast=True)
-    hi = (word >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
-    return gl.join(lo, hi)
 
 
 @gluon.jit
