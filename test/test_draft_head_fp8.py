@@ -145,6 +145,14 @@ def test_gpu_row_invariance_in_a_cuda_graph(n):
     check_row_invariance_in_graphs(n)
 
 
+def test_cpu_head_takes_the_portable_kernel_and_layout():
+    w = (torch.randn(64, 128) * 0.02).to(torch.bfloat16)
+    head = mod.DraftHeadFp8(w)
+    q, s = kern.quantize_head_fp8(w)
+    assert head.kernel == "mma.sync" and torch.equal(head.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(head.scales, s)
+
+
 def test_permute_k_puts_each_threads_fragment_bytes_together():
     from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import permute_k
 
@@ -181,6 +189,10 @@ def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
         g.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ref[:m]), (n, m, "graph")
+    # a contiguous view at an offset TMA cannot read (2 bytes past alignment) gives the same bits
+    odd = torch.empty(5 * k + 8, device="cuda", dtype=torch.bfloat16)[1:1 + 5 * k].view(5, k)
+    odd.copy_(x[:5])
+    assert torch.equal(head(odd), ref[:5])
     q, s = kern.quantize_head_fp8(w)
     exact = x.double() @ dequantize_head_fp8(q, s).double().T
     if head.kernel == "wgmma":

@@ -76,6 +76,8 @@ class DraftHeadFp8:
         # Logits in the head's dtype straight from the kernel (rounded once from fp32).
         x = x.to(torch.bfloat16).contiguous()
         if self.kernel == "wgmma":
+            if x.data_ptr() % 16:  # TMA needs 16-byte aligned rows (a view at an odd offset)
+                x = x.clone()
             from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
                 draft_head_fp8_logits_wgmma,
             )

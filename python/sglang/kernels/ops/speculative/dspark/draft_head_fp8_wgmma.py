@@ -207,12 +207,14 @@ def draft_head_fp8_logits_wgmma(
     m, k = x.shape
     n = qp.shape[0]
     assert 1 <= m <= MAX_ROWS, f"{m} rows: the wgmma head serves 1..{MAX_ROWS}"
-    assert x.dtype == torch.bfloat16 and x.is_contiguous(), (x.dtype, x.stride())
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0, (
+        x.dtype, x.stride(), x.data_ptr() % 16)  # TMA reads x: contiguous rows, 16-byte aligned
     assert qp.dtype == torch.float8_e4m3fn and qp.is_contiguous() and qp.shape[1] == k and k % STEP_K == 0
     assert scales.dtype == torch.float32 and scales.shape == (triton.cdiv(n, 32), k // 32)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
-    assert out.shape == (m, n) and out.stride(1) == 1 and out.dtype in (torch.float32, torch.bfloat16)
+    assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, out.stride())
+    assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
     np_ = max(8, triton.next_power_of_2(m))  # wgmma N: the bits do not depend on it (tested)
     x_layout = gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
     x_desc = TensorDescriptor.from_tensor(x, [np_, 64], x_layout)  # rows >= M read as zeros
