@@ -113,30 +113,29 @@ def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 
     returns (bf16 head, fp8 copy, x, fp32 logits of 64 rows)."""
     k = 5120
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
-    head = types.SimpleNamespace(q=None, scales=None)
-    head.q, head.scales = kern.quantize_head_fp8(w)
+    q, s = kern.quantize_head_fp8(w)
     x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
     def cfg(m):
         mt = kern.triton.cdiv(m, kern.ROW_TILE)
         return (configs or {}).get(mt) or kern.CONFIGS[mt]
 
-    ref = draft_head_fp8_logits(x, head.q, head.scales, config=cfg(64))
+    ref = draft_head_fp8_logits(x, q, s, config=cfg(64))
     for m in rows:
         for dtype in (torch.float32, torch.bfloat16):
             xm = x[:m].clone()
             out = torch.empty((m, n), dtype=dtype, device="cuda")
-            draft_head_fp8_logits(xm, head.q, head.scales, out=out, config=cfg(m))
+            draft_head_fp8_logits(xm, q, s, out=out, config=cfg(m))
             assert torch.equal(out, ref[:m].to(dtype)), (n, m, dtype, "eager")
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                draft_head_fp8_logits(xm, head.q, head.scales, out=out, config=cfg(m))
+                draft_head_fp8_logits(xm, q, s, out=out, config=cfg(m))
             out.zero_()
             g.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, ref[:m].to(dtype)), (n, m, dtype, "graph")
-    exact = x.double() @ dequantize_head_fp8(head.q, head.scales).double().T
+    exact = x.double() @ dequantize_head_fp8(q, s).double().T
     assert float((ref.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
-    return w, head, x, ref
+    return w, (q, s), x, ref
 
 
 @pytest.mark.gpu

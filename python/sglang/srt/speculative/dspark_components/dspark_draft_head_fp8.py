@@ -93,13 +93,11 @@ class DraftHeadFp8:
 def _wgmma_available(device: torch.device) -> bool:
     """The Hopper kernel: SM90 with Triton's Gluon dialect (one kernel per device, so a row's
     logits never depend on which kernel a call took)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
-        return False
     try:
-        from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma  # noqa: F401
+        from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import available
     except ImportError:  # a Triton without Gluon: the mma.sync kernel
         return False
-    return True
+    return available(device)
 
 
 def check_draft_head_fp8_applies(model, lm_head) -> None:

@@ -44,16 +44,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM
+# e4m3 x4 (one word) -> two bf16x2 words times a bf16 scale that carries 2**112: the portable
+# kernel's exact conversion (cvt + bit moves + one HMUL2), here with one word in, two out.
+from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM as _ASM
 
 BLOCK_V = 128  # vocab rows per CTA (two m64 wgmma pieces)
 NUM_WARPS = 4  # one warpgroup
 STEP_K = 128  # K per pipeline stage (4 scale blocks)
 MAX_ROWS = 32
-
-# e4m3 x4 (one word) -> two bf16x2 words times a bf16 scale that carries 2**112: the portable
-# kernel's exact conversion (cvt + bit moves + one HMUL2), here with one word in, two out.
-_ASM = _E4M3X4_TO_BF16_ASM
 
 
 def available(device: torch.device) -> bool:
@@ -99,6 +97,11 @@ def _scales_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
         block_bases=[],
         shape=[bv, 4],
     )
+
+
+_W_LAYOUT = _words_layout(BLOCK_V, NUM_WARPS)
+_S_LAYOUT = _scales_layout(BLOCK_V, NUM_WARPS)
+_W_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
 
 
 @gluon.jit
@@ -188,8 +191,7 @@ def _weight_descriptor(qp: torch.Tensor) -> TensorDescriptor:
     """Built once per head (the head is persistent; the cache lives on the tensor)."""
     desc = qp.__dict__.get("_draft_head_fp8_wgmma_tma")
     if desc is None:
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        desc = TensorDescriptor.from_tensor(qp.view(torch.int32), [BLOCK_V, 32], layout)
+        desc = TensorDescriptor.from_tensor(qp.view(torch.int32), [BLOCK_V, 32], _W_SMEM_LAYOUT)
         qp.__dict__["_draft_head_fp8_wgmma_tma"] = desc
     return desc
 
@@ -200,7 +202,6 @@ def draft_head_fp8_logits_wgmma(
     scales: torch.Tensor,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
-    stages: int | None = None,
 ) -> torch.Tensor:
     """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= 32, where ``qp`` is
     ``permute_k`` of the e4m3 head and ``scales`` its fp32 [ceil(N/32), K/32] block scales."""
@@ -219,10 +220,10 @@ def draft_head_fp8_logits_wgmma(
     x_layout = gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
     x_desc = TensorDescriptor.from_tensor(x, [np_, 64], x_layout)  # rows >= M read as zeros
     # 3 stages fit 3 CTAs per SM: best at TP1 size (1010 CTAs), 4 at TP4 (253 CTAs, one wave)
-    st = stages or (4 if n <= 65536 else 3)
+    st = 4 if n <= 65536 else 3
     _draft_head_fp8_wgmma_kernel[(triton.cdiv(n, BLOCK_V),)](
         _weight_descriptor(qp), x_desc, scales, out, m, n, out.stride(0), k, np_, BLOCK_V, st,
-        _words_layout(BLOCK_V, NUM_WARPS), _scales_layout(BLOCK_V, NUM_WARPS), NUM_WARPS,
+        _W_LAYOUT, _S_LAYOUT, NUM_WARPS,
         num_warps=NUM_WARPS,
     )
     return out
