@@ -1,8 +1,9 @@
 """wo_a from the fp8 twin (--dsv4-wo-a-fp8-twin) against the stock path, per M and G, 43 layers in
 a CUDA graph: upstream's ``wo_a_bf16_small_batch`` (G = 2, 2..8 rows; its MXFP8 variant beside the
-twin's), ``torch.einsum`` (what upstream runs for every other G / row count on Hopper), the twin
-kernel, and a pure read of the twin's bytes (e4m3 + exponents) in one Triton kernel, the floor
-that one kernel can reach. FORK_WO_A_SWEEP=1 also times the kernel's tile configurations.
+twin's), ``torch.einsum`` (what 0.5.23 runs on Hopper for every G / row count but one decode row),
+the twin kernel the dispatch serves (on Hopper the Gluon kernel at 2..8 rows, the portable Triton
+kernel for 9..192), and a pure read of the twin's bytes (e4m3 + exponents) in one Triton kernel,
+the floor that one kernel can reach. FORK_WO_A_SWEEP=1 also times the Triton kernel's tiles.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from harness import LAYERS, floor_us, graph_us_per_call, parse_args, report, tbp
 
 from sglang.kernels.ops.gemm import dsv4_wo_a as up
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 R, D = 1024, 4096
@@ -64,7 +66,13 @@ def main() -> None:
             for b in (1024, 2048, 4096)
         )
 
+        hopper = sm90.available(torch.device("cuda"))
+        packed = [sm90.pack_twin(t[0]) for t in twins] if hopper else []
+
         def t_twin(x, cfg=None):
+            if hopper and cfg is None and x.shape[0] <= 8:
+                return graph_us_per_call([lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])
+                                          for i in range(LAYERS)], args.replays)
             return graph_us_per_call([lambda t=t: k.wo_a_fp8_matmul(x, t[0], t[1], t[2], cfg) for t in twins],
                                      args.replays)
 
@@ -102,25 +110,29 @@ def main() -> None:
                      if small_stock else einsum)
             twin = t_twin(x)
             row = {"G": g, "M": m, "stock": "wo_a_bf16_small_batch" if small_stock else "einsum",
+                   "kernel": "gluon_sm90" if hopper and m <= 8 else "triton",
                    "stock_us": stock, "einsum_us": einsum, "twin_us": twin, "read_us": read_us,
-                   "twin_over_read": twin / read_us, "speedup": stock / twin,
+                   "twin_over_read": twin / read_us, "speedup": stock / twin, "over_einsum": einsum / twin,
                    "twin_TBps": tbps(twin_bytes, twin), "floor_us": floor_us(twin_bytes),
                    "stock_mx_us": float("nan"), "twin_mx_us": float("nan")}
             if small_stock:
                 row["stock_mx_us"] = graph_us_per_call(
                     [lambda w=w: up.wo_a_bf16_small_batch_mxfp8(x, w) for w in weights], args.replays)
                 row["twin_mx_us"] = graph_us_per_call(
+                    [lambda i=i: up._quantize_partial(sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], partials=True))
+                     for i in range(LAYERS)] if hopper else
                     [lambda t=t: up._quantize_partial(k.wo_a_fp8_partial(x, t[0], t[1], t[2])) for t in twins],
                     args.replays)
             rows.append(row)
-        del weights, twins, words
+        del weights, twins, words, packed
         torch.cuda.empty_cache()
-    cols = ["G", "M", "stock", "stock_us", "einsum_us", "twin_us", "read_us", "twin_over_read", "speedup",
+    cols = ["G", "M", "kernel", "stock", "stock_us", "einsum_us", "twin_us", "read_us", "twin_over_read", "speedup", "over_einsum",
             "twin_TBps", "floor_us", "stock_mx_us", "twin_mx_us"]
     meta = {"layers": LAYERS, "R": R, "D": D, "small_cfg": [k.SMALL_SPLIT, k.SMALL_BM, k.SMALL_BN, k.SMALL_WARPS,
                                                              k.SMALL_STAGES],
             "mid_cfg": [list(c) for c in k._MID], "sweep": sweep_rows,
-            "what": "stock vs fp8 twin vs pure read of the twin's bytes; speedup = stock_us / twin_us"}
+            "what": "stock vs fp8 twin vs pure read of the twin's bytes; speedup = stock_us / twin_us; "
+                    "kernel = the twin kernel the dispatch serves at that row count on this device"}
     report("wo_a_fp8", cols, rows, args.out, meta)
 
 

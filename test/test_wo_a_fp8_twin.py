@@ -1,11 +1,13 @@
 """--dsv4-wo-a-fp8-twin: wo_a read from an exact fp8 twin (patch 0002).
 
-CPU (TRITON_INTERPRET=1, reduced shapes): flag parsing, twin exactness, kernel against a float64
-reference, determinism, routing rules (MXFP8 requests, prefill, 1 row stay stock), the dispatch
-wiring with the flag off. GPU (-m gpu, H200): the bf16 path against upstream's
-wo_a_bf16_small_batch (at most 1 ulp on at most 1 % of outputs), G = 2/4/8 and 2..192 rows
-against the exact result, determinism; the MXFP8 bitwise property is an expected failure (the
-dispatch therefore keeps MXFP8 calls on stock).
+CPU (TRITON_INTERPRET=1, reduced shapes): flag parsing, twin exactness, the portable Triton kernel
+against a float64 reference, determinism, the Hopper kernel's fragment-major packing, routing rules
+(prefill, 1 row stay stock; MXFP8 calls go to the Hopper kernel's partials and upstream's epilogue,
+stay stock on the portable kernel), the dispatch wiring with the flag off. GPU (-m gpu, H200): the
+Hopper kernel bitwise identical to upstream's wo_a_bf16_small_batch, its partials and MXFP8 bytes
+to upstream's, G = 4/8 against the exact result, the served path; the portable kernel's bf16 path
+within 1 ulp on at most 1 % of outputs, G = 2/4/8 and 2..192 rows, and its MXFP8 bitwise
+property as an expected failure (why the dispatch keeps its MXFP8 calls stock).
 """
 
 from __future__ import annotations
@@ -148,6 +150,55 @@ def test_dequant_kernel_is_exact():
     assert torch.equal(k.wo_a_fp8_dequant(*twin_mod.make_twin(w)).view(torch.int16), w.view(torch.int16))
 
 
+def test_hopper_packing_gives_each_thread_its_fragment():
+    """pack_twin: word j of lane 4 row + t in block (c, kb) of split s holds the bytes of logical
+    k = 512 s + 128 c + 32 kb + 8 (2 j + b // 2) ... as the m16n8k16 A fragment wants them:
+    byte b of the thread's 8 is slot (j', e) = (b // 2, b % 2), logical k = 8 j' + 2 t + e."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    g, r = 2, 16
+    w8 = (torch.randn(g, r, 4096, generator=torch.Generator().manual_seed(11)) * 64).clamp(-448, 448)
+    w8 = w8.to(torch.float8_e4m3fn)
+    packed = sm90.pack_twin(w8)
+    assert packed.dtype == torch.int32 and packed.shape == (g, r // 8, 4, 4, 8, 8, 4, 2)
+    raw = w8.view(torch.uint8)
+    bytes_ = packed.view(torch.uint8).view(g, r // 8, 4, 4, 8, 8, 4, 8)  # the thread's 8 bytes
+    gen = torch.Generator().manual_seed(12)
+    for _ in range(300):
+        gi, ti, c, kb, s, row, t, b = (int(torch.randint(0, n, (1,), generator=gen))
+                                       for n in (g, r // 8, 4, 4, 8, 8, 4, 8))
+        k_logical = 512 * s + 128 * c + 32 * kb + 8 * (b // 2) + 2 * t + b % 2
+        assert bytes_[gi, ti, c, kb, s, row, t, b] == raw[gi, 8 * ti + row, k_logical]
+
+
+def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
+    """A twin with Hopper words: 2..8 rows go to the Gluon kernel, MXFP8 calls through its
+    partials and upstream's own epilogue (G = 2 only); 9..192 rows without a row-major copy stay stock."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a as up
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+    from sglang.srt.layers.quantization.mxfp8_input import Mxfp8SwizzledInput
+
+    calls = []
+
+    def fake_kernel(o, packed, exp, partials=False):
+        calls.append(partials)
+        m = o.shape[0]
+        return torch.zeros((8, m, 2, 1024) if partials else (m, 2, 1024))
+
+    monkeypatch.setattr(sm90, "wo_a_fp8_small_sm90", fake_kernel)
+    monkeypatch.setattr(up, "_quantize_partial", lambda p: ("q", "s"))
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    monkeypatch.setitem(twin_mod._MODE, "mode", "mid")
+    w = torch.zeros(2, 1024, 4096, dtype=torch.bfloat16)
+    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin("l0", None, torch.zeros(1), None, None, (2, 1024, 4096))
+    kw = dict(is_decode=True, is_target_verify=False, is_prefill=False, fuse_mxfp8_quant=False)
+    x = torch.zeros(4, 2, 4096, dtype=torch.bfloat16)
+    assert twin_mod.apply_wo_a_fp8_twin(x, w, **kw).shape == (4, 2, 1024) and calls == [False]
+    out = twin_mod.apply_wo_a_fp8_twin(x, w, **{**kw, "fuse_mxfp8_quant": True})
+    assert isinstance(out, Mxfp8SwizzledInput) and calls == [False, True]
+    assert twin_mod.apply_wo_a_fp8_twin(torch.zeros(12, 2, 4096, dtype=torch.bfloat16), w, **kw) is None
+
+
 # ---------------------------------------------------------------- routing
 
 
@@ -157,7 +208,7 @@ def test_routing_rules(monkeypatch):
     monkeypatch.setattr(twin_mod, "_TWINS", {})
     monkeypatch.setitem(twin_mod._MODE, "mode", "small")
     w8, e = twin_mod.make_twin(w)
-    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin("l0", w8, e, k.counters_for(w8), (g, r, d))
+    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin("l0", w8, None, e, k.counters_for(w8), (g, r, d))
     kw = dict(is_decode=False, is_target_verify=True, is_prefill=False, fuse_mxfp8_quant=False)
 
     def x(m):
@@ -186,7 +237,7 @@ def test_dispatch_is_wired_and_off_means_stock(monkeypatch):
     stock = deepseek_v4._apply_wo_a_bf16_matmul(xx, w, is_decode=False, is_target_verify=True)
     assert torch.equal(stock, torch.einsum("tgd,grd->tgr", xx, w))  # flag off: upstream's einsum
     w8, e = twin_mod.make_twin(w)
-    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin("l0", w8, e, k.counters_for(w8), (g, r, d))
+    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin("l0", w8, None, e, k.counters_for(w8), (g, r, d))
     got = deepseek_v4._apply_wo_a_bf16_matmul(xx, w, is_decode=False, is_target_verify=True)
     assert torch.equal(got, k.wo_a_fp8_matmul(xx, w8, e, k.counters_for(w8)))
 
@@ -267,3 +318,81 @@ def test_gpu_mid_g2_deterministic_vs_einsum():
         a, b = k.wo_a_fp8_matmul(x, w8, e, cnt), k.wo_a_fp8_matmul(x, w8, e, cnt)
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), m
         assert_near_exact(a, x, w, m)
+
+
+def _hopper():
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    if not sm90.available(torch.device("cuda")):
+        pytest.skip("the Gluon kernel is for Hopper (SM90)")
+    return sm90
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_small_bitwise_to_stock_partials_and_mxfp8():
+    """The Hopper kernel against upstream at every M it serves: bf16 output, the 8 split partials
+    and the MXFP8 bytes and scales, bit for bit; and deterministic."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a as up
+
+    sm90 = _hopper()
+    w = twin_weight(2, 1024, 4096, 7)
+    w8, e = twin_mod.make_twin(w)
+    packed = sm90.pack_twin(w8)
+    for m in range(2, 9):
+        for trial in range(3):
+            x = (torch.randn(m, 2, 4096, device="cuda") * (1 + 7 * trial)).to(torch.bfloat16)
+            y = sm90.wo_a_fp8_small_sm90(x, packed, e)
+            assert torch.equal(y.view(torch.int16), up.wo_a_bf16_small_batch(x, w).view(torch.int16)), m
+            assert torch.equal(y.view(torch.int16), sm90.wo_a_fp8_small_sm90(x, packed, e).view(torch.int16))
+            stock_p = torch.empty((8, m, 2, 1024), dtype=torch.float32, device="cuda")
+            up._wo_a_partial[(16, 2, 8)](x, w, stock_p, m, x.stride(0), num_warps=4, num_stages=3)
+            ours_p = sm90.wo_a_fp8_small_sm90(x, packed, e, partials=True)
+            assert torch.equal(ours_p.view(torch.int32), stock_p.view(torch.int32)), m
+            q0, s0 = up.wo_a_bf16_small_batch_mxfp8(x, w)
+            q1, s1 = up._quantize_partial(ours_p)
+            assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1), m
+    # a view with a row stride past G * D (as the attention output hands it over)
+    base = torch.randn(5, 2 * 4096 + 64, device="cuda").to(torch.bfloat16)
+    x = base[:, : 2 * 4096].view(5, 2, 4096)
+    assert torch.equal(sm90.wo_a_fp8_small_sm90(x, packed, e).view(torch.int16),
+                       up.wo_a_bf16_small_batch(x, w).view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", [4, 8])
+def test_gpu_hopper_other_group_counts(g):
+    """G = 4 (padded TP3) and 8 (TP1), which upstream's small kernel cannot run: against the exact
+    result, deterministic."""
+    sm90 = _hopper()
+    w = twin_weight(g, 1024, 4096, 20 + g)
+    w8, e = twin_mod.make_twin(w)
+    packed = sm90.pack_twin(w8)
+    for m in range(1, 9):
+        x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
+        y = sm90.wo_a_fp8_small_sm90(x, packed, e)
+        assert torch.equal(y.view(torch.int16), sm90.wo_a_fp8_small_sm90(x, packed, e).view(torch.int16))
+        assert_near_exact(y, x, w, (g, m))
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_served_path_equals_stock(monkeypatch):
+    """build_wo_a_fp8_twins on a module + the dispatch: what a decode / verify call gets is
+    upstream's bits (bf16 and MXFP8), and small mode keeps no row-major copy."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a as up
+
+    _hopper()
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    w = twin_weight(2, 1024, 4096, 30)
+    model = torch.nn.ModuleDict({"attn": _Attn(w)}).cuda()
+    assert twin_mod.build_wo_a_fp8_twins(model, "small", "target") == (1, 0)
+    wv = model["attn"].wo_a.weight.view(2, 1024, 4096)
+    (twin,) = twin_mod._TWINS.values()
+    assert twin.packed is not None and twin.weight8 is None
+    kw = dict(is_decode=False, is_target_verify=True, is_prefill=False)
+    for m in (2, 6, 8):
+        x = torch.randn(m, 2, 4096, device="cuda").to(torch.bfloat16)
+        y = twin_mod.apply_wo_a_fp8_twin(x, wv, fuse_mxfp8_quant=False, **kw)
+        assert torch.equal(y.view(torch.int16), up.wo_a_bf16_small_batch(x, wv).view(torch.int16))
+        mx = twin_mod.apply_wo_a_fp8_twin(x, wv, fuse_mxfp8_quant=True, **kw)
+        q0, s0 = up.wo_a_bf16_small_batch_mxfp8(x, wv)
+        assert torch.equal(mx[0].view(torch.uint8), q0.view(torch.uint8)) and torch.equal(mx[1], s0)

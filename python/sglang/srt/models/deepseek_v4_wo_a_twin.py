@@ -6,17 +6,19 @@ it to bf16 at load, so every decode / verify / draft call streams 16.8 MB per la
 WHAT IT DOES. After the weights load, every bf16 ``wo_a`` of the target and of the DSpark draft
 gets a twin (e4m3 values + one exponent per 32x32 block), kept only when dequantizing it gives the
 bf16 weight back bit for bit. ``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_twin`` first:
-decode / target-verify / draft calls with 2..8 rows (``small``), also 9..192 rows (``mid``), go to
-``sglang.kernels.ops.gemm.dsv4_wo_a_fp8``; prefill, one row, any other shape or layout, and
-layers without an exact twin stay on the stock path.
-LOSSLESS. Same operand values (the twin is exact), fp32 accumulation: the bf16 result is within
-1 bf16 ulp of upstream's ``wo_a_bf16_small_batch`` on 0.018 % of outputs (H200, M = 2..8) and of
-einsum's exact result for G = 2/4/8 and 2..192 rows; deterministic (fixed split order). Calls
-that want the fused MXFP8 epilogue stay stock (partials not bit-identical, see the test).
-MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): NOT faster
-yet. G = 2, 2..8 rows: twin 9.4-9.6 us vs stock 7.9-8.1 us (0.84x) vs 3.84 us for a pure read
-of the twin's bytes; G = 8: 21.3-22.3 us vs einsum 18.3-18.6 us; mid rows slower than einsum.
-Keep the flag off until the kernel reaches its read floor.
+decode / target-verify / draft calls with 2..8 rows (``small``) go, on Hopper, to the Gluon kernel
+``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90`` (also for calls that want upstream's fused MXFP8
+epilogue); elsewhere, and for 9..192 rows (``mid``), to the Triton kernel ``dsv4_wo_a_fp8``.
+Prefill, one row, any other shape or layout, and layers without an exact twin stay stock.
+LOSSLESS. Hopper small path: bitwise identical to upstream's ``wo_a_bf16_small_batch`` and to its
+MXFP8 variant (same K splits, MMA slots and partial sums; measured on the H200 at M = 2..8).
+Triton kernel: within 1 bf16 ulp of upstream on 0.018 % of outputs (H200, M = 2..8) and of
+einsum's exact result for G = 2/4/8 and 2..192 rows; its MXFP8 calls stay stock. Deterministic.
+MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): G = 2,
+2..8 rows 5.84-5.97 us against 8.08-8.13 us for ``wo_a_bf16_small_batch`` (1.37x) and 8.9 us
+for einsum, which is what 0.5.23 runs on Hopper there; G = 8 15.1-15.3 us against einsum's
+18.5-18.9 us (1.23x). The goal (1.15x of a 3.87 us pure read) is not reached: 1.51x. ``mid``
+rows are still slower than einsum: keep the flag at ``small``.
 """
 
 from __future__ import annotations
@@ -50,10 +52,14 @@ def validate_wo_a_fp8_twin(value) -> str:
 
 
 class _Twin:
-    __slots__ = ("name", "weight8", "exp", "counters", "shape")
+    """One layer's twin. On Hopper ``packed`` holds the small-path kernel's fragment-major words and
+    ``weight8`` (the row-major e4m3 the portable Triton kernel reads) is kept only for ``mid``."""
 
-    def __init__(self, name, weight8, exp, counters, shape):
-        self.name, self.weight8, self.exp, self.counters, self.shape = name, weight8, exp, counters, shape
+    __slots__ = ("name", "weight8", "packed", "exp", "counters", "shape")
+
+    def __init__(self, name, weight8, packed, exp, counters, shape):
+        self.name, self.weight8, self.packed, self.exp = name, weight8, packed, exp
+        self.counters, self.shape = counters, shape
 
 
 def make_twin(w: torch.Tensor) -> Optional[tuple]:
@@ -91,6 +97,7 @@ def _wo_a_view(module, name: str, n_groups: int, rank: int) -> Optional[torch.Te
 
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
     """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft). Logs one line."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
     from sglang.kernels.ops.gemm.dsv4_wo_a_fp8 import counters_for, wo_a_fp8_dequant
 
     mode = parse_wo_a_fp8_twin(mode)
@@ -113,12 +120,30 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             _TWINS.pop(view.data_ptr(), None)  # a reload must not leave a stale twin behind
             kept += 1
             continue
-        _TWINS[view.data_ptr()] = _Twin(name, twin[0], twin[1], counters_for(twin[0]), tuple(view.shape))
+        weight8, exp = twin
+        packed = None
+        if (
+            sm90.available(view.device)
+            and view.shape[2] == sm90.D
+            and view.shape[1] % sm90.ROWS == 0
+            and int(exp.max()) <= sm90.MAX_BIASED_EXP
+        ):
+            packed = sm90.pack_twin(weight8)
+            if mode != "mid":
+                weight8 = None  # the Hopper small path reads only the packed words
+        _TWINS[view.data_ptr()] = _Twin(
+            name, weight8, packed, exp, counters_for(twin[0]), tuple(view.shape)
+        )
         made += 1
-    mb = sum(t.weight8.numel() + t.exp.numel() for t in _TWINS.values()) / 2**20
+    mb = sum(
+        sum(a.numel() * a.element_size() for a in (t.weight8, t.packed, t.exp) if a is not None)
+        for t in _TWINS.values()
+    ) / 2**20
+    hopper = sum(t.packed is not None for t in _TWINS.values())
     logger.info(
-        "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights, %d left on bf16 (twins hold %.0f MB in all)",
-        mode, label, made, kept, mb,
+        "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights (%d on the Hopper kernel), "
+        "%d left on bf16 (twins hold %.0f MB in all)",
+        mode, label, made, hopper, kept, mb,
     )
     return made, kept
 
@@ -132,15 +157,16 @@ def apply_wo_a_fp8_twin(
     is_prefill: bool,
     fuse_mxfp8_quant: bool,
 ):
-    """The twin's bf16 result for this call, or None for the stock path. Calls that ask for the
-    fused MXFP8 epilogue stay stock: the twin kernel's split partials were measured not bit-identical
-    to ``_wo_a_partial``'s on the H200 (last-bit differences), so that path is not proven lossless."""
+    """The twin's result for this call (bf16, or upstream's MXFP8 pair when the call asks for the
+    fused epilogue), or None for the stock path. Hopper serves 2..8 rows with the Gluon kernel,
+    bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8 variant; elsewhere the portable
+    Triton kernel serves the bf16 calls (its partials are not bitwise, so MXFP8 calls stay stock)."""
     twin = _TWINS.get(wo_a.data_ptr())
-    if twin is None or fuse_mxfp8_quant or is_prefill or not (is_decode or is_target_verify):
+    if twin is None or is_prefill or not (is_decode or is_target_verify):
         return None
     m = o.shape[0]
     small = 2 <= m <= 8
-    if not (small or (_MODE["mode"] == "mid" and 9 <= m <= 192)):
+    if not (small or (_MODE["mode"] == "mid" and 9 <= m <= 192 and not fuse_mxfp8_quant)):
         return None
     g, r, d = twin.shape
     if (
@@ -152,6 +178,20 @@ def apply_wo_a_fp8_twin(
         or o.stride(1) != d
         or o.stride(0) < g * d
     ):
+        return None
+    if small and twin.packed is not None:
+        from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+        if not fuse_mxfp8_quant:
+            return sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp)
+        if (g, r) != (2, 1024):
+            return None  # upstream's MXFP8 epilogue exists for the TP4 shape only
+        from sglang.kernels.ops.gemm.dsv4_wo_a import _quantize_partial
+        from sglang.srt.layers.quantization.mxfp8_input import Mxfp8SwizzledInput
+
+        partials = sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp, partials=True)
+        return Mxfp8SwizzledInput(*_quantize_partial(partials))
+    if fuse_mxfp8_quant or twin.weight8 is None:
         return None
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
 
