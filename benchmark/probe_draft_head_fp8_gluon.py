@@ -54,18 +54,7 @@ import harness  # noqa: E402
 from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern  # noqa: E402
 from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM as _ASM  # noqa: E402
 from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import _bf16_pair  # noqa: E402
-
-
-
-@gluon.jit
-def _replace(t, i: gl.constexpr, v):
-    out = ()
-    for j in gl.static_range(len(t)):
-        if j == i:
-            out = out + (v,)
-        else:
-            out = out + (t[j],)
-    return out
+from probe_wo_a_fp8_gluon import _replace  # noqa: E402  (tuple slot update, shared)
 
 
 @gluon.jit

@@ -131,9 +131,8 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             packed = sm90.pack_twin(weight8)
             if mode != "mid":
                 weight8 = None  # the Hopper small path reads only the packed words
-        _TWINS[view.data_ptr()] = _Twin(
-            name, weight8, packed, exp, counters_for(twin[0]), tuple(view.shape)
-        )
+        counters = counters_for(weight8) if weight8 is not None else None  # the Triton kernel's
+        _TWINS[view.data_ptr()] = _Twin(name, weight8, packed, exp, counters, tuple(view.shape))
         made += 1
     mb = sum(
         sum(a.numel() * a.element_size() for a in (t.weight8, t.packed, t.exp) if a is not None)
@@ -166,7 +165,7 @@ def apply_wo_a_fp8_twin(
         return None
     m = o.shape[0]
     small = 2 <= m <= 8
-    if not (small or (_MODE["mode"] == "mid" and 9 <= m <= 192 and not fuse_mxfp8_quant)):
+    if not (small or (_MODE["mode"] == "mid" and 9 <= m <= 192)):
         return None
     g, r, d = twin.shape
     if (
