@@ -1,9 +1,13 @@
 """wo_a from the fp8 twin (--dsv4-wo-a-fp8-twin) against the stock path, per M and G, 43 layers in
 a CUDA graph: upstream's ``wo_a_bf16_small_batch`` (G = 2, 2..8 rows; its MXFP8 variant beside the
 twin's), ``torch.einsum`` (what 0.5.23 runs on Hopper for every G / row count but one decode row),
-the twin kernel the dispatch serves (on Hopper the Gluon kernel at 2..8 rows, the portable Triton
-kernel for 9..192), and a pure read of the twin's bytes (e4m3 + exponents) in one Triton kernel,
-the floor that one kernel can reach. FORK_WO_A_SWEEP=1 also times the Triton kernel's tiles.
+the twin kernel the dispatch serves (on Hopper the small Gluon kernel at 1..8 rows and the wgmma
+kernel at 9..192; elsewhere the portable Triton kernel), and a pure read of the twin's bytes (e4m3 +
+exponents) in one Triton kernel, the floor that one kernel can reach. ``served_by`` names the
+lowest flag level whose dispatch sends that row count to the twin (mid only where it was measured
+faster). For drop: the per-call dequantisation prefill runs, and the memory a 43-layer model
+releases (``torch.cuda.memory_allocated`` around ``build_wo_a_fp8_twins``).
+FORK_WO_A_SWEEP=1 also times the Triton kernel's tiles.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from harness import LAYERS, floor_us, graph_us_per_call, parse_args, report, tbp
 from sglang.kernels.ops.gemm import dsv4_wo_a as up
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+from sglang.srt.models import deepseek_v4_wo_a_twin as twin_mod
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 R, D = 1024, 4096
@@ -46,10 +51,35 @@ def twin_exact_weight(g: int, seed: int) -> torch.Tensor:
     return (q.float() * scale).to(torch.bfloat16)
 
 
+class _Attn(torch.nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.n_local_groups, self.o_lora_rank = w.shape[0], w.shape[1]
+        self.wo_a = torch.nn.Module()
+        self.wo_a.weight = torch.nn.Parameter(w.reshape(-1, w.shape[2]).clone(), requires_grad=False)
+
+
+def drop_memory(weights: list) -> dict:
+    """Device memory that --dsv4-wo-a-fp8-twin=drop gives back for these layers, net of the twins."""
+    model = torch.nn.ModuleList(_Attn(w) for w in weights)
+    saved = dict(twin_mod._TWINS)
+    twin_mod._TWINS.clear()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    made, _ = twin_mod.build_wo_a_fp8_twins(model, "drop", "bench")
+    torch.cuda.synchronize()
+    freed = before - torch.cuda.memory_allocated()
+    bf16 = sum(w.numel() * w.element_size() for w in weights)
+    twin_mod._TWINS.clear()
+    twin_mod._TWINS.update(saved)
+    return {"layers": made, "bf16_MiB": bf16 / 2**20, "released_net_MiB": freed / 2**20,
+            "released_net_MiB_per_layer": freed / 2**20 / max(made, 1)}
+
+
 def main() -> None:
     args = parse_args(__doc__)
     sweep = os.environ.get("FORK_WO_A_SWEEP") == "1"
-    rows, sweep_rows = [], []
+    rows, sweep_rows, drop_rows = [], [], []
     for g in (2, 8):
         weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
         twins = []
@@ -68,10 +98,14 @@ def main() -> None:
 
         hopper = sm90.available(torch.device("cuda"))
         packed = [sm90.pack_twin(t[0]) for t in twins] if hopper else []
+        mid_cnt = [sm90.mid_counters(g, R, "cuda") for _ in twins] if hopper else []
 
         def t_twin(x, cfg=None):
             if hopper and cfg is None and x.shape[0] <= 8:
                 return graph_us_per_call([lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])
+                                          for i in range(LAYERS)], args.replays)
+            if hopper and cfg is None:
+                return graph_us_per_call([lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], mid_cnt[i])
                                           for i in range(LAYERS)], args.replays)
             return graph_us_per_call([lambda t=t: k.wo_a_fp8_matmul(x, t[0], t[1], t[2], cfg) for t in twins],
                                      args.replays)
@@ -109,8 +143,10 @@ def main() -> None:
             stock = (graph_us_per_call([lambda w=w: up.wo_a_bf16_small_batch(x, w) for w in weights], args.replays)
                      if small_stock else einsum)
             twin = t_twin(x)
+            served = ("small" if m <= 8 else "mid" if (m <= twin_mod.MID_FASTER_MAX or not hopper) else "drop")
             row = {"G": g, "M": m, "stock": "wo_a_bf16_small_batch" if small_stock else "einsum",
-                   "kernel": "gluon_sm90" if hopper and m <= 8 else "triton",
+                   "kernel": ("gluon_sm90_small" if m <= 8 else "gluon_sm90_mid") if hopper else "triton",
+                   "served_by": served,
                    "stock_us": stock, "einsum_us": einsum, "twin_us": twin, "read_us": read_us,
                    "twin_over_read": twin / read_us, "speedup": stock / twin, "over_einsum": einsum / twin,
                    "twin_TBps": tbps(twin_bytes, twin), "floor_us": floor_us(twin_bytes),
@@ -124,15 +160,23 @@ def main() -> None:
                     [lambda t=t: up._quantize_partial(k.wo_a_fp8_partial(x, t[0], t[1], t[2])) for t in twins],
                     args.replays)
             rows.append(row)
-        del weights, twins, words, packed
+        dequant_us = graph_us_per_call(
+            [lambda i=i: k.wo_a_fp8_dequant_packed(packed[i], twins[i][1]) for i in range(LAYERS)] if hopper else
+            [lambda t=t: k.wo_a_fp8_dequant(t[0], t[1]) for t in twins], args.replays)
+        drop_rows.append({"G": g, "dequant_us": dequant_us, **drop_memory(weights)})
+        del weights, twins, words, packed, mid_cnt
         torch.cuda.empty_cache()
-    cols = ["G", "M", "kernel", "stock", "stock_us", "einsum_us", "twin_us", "read_us", "twin_over_read", "speedup", "over_einsum",
+    cols = ["G", "M", "kernel", "served_by", "stock", "stock_us", "einsum_us", "twin_us", "read_us", "twin_over_read", "speedup", "over_einsum",
             "twin_TBps", "floor_us", "stock_mx_us", "twin_mx_us"]
     meta = {"layers": LAYERS, "R": R, "D": D, "small_cfg": [k.SMALL_SPLIT, k.SMALL_BM, k.SMALL_BN, k.SMALL_WARPS,
                                                              k.SMALL_STAGES],
-            "mid_cfg": [list(c) for c in k._MID], "sweep": sweep_rows,
+            "mid_cfg": [list(c) for c in k._MID], "sweep": sweep_rows, "drop": drop_rows,
             "what": "stock vs fp8 twin vs pure read of the twin's bytes; speedup = stock_us / twin_us; "
                     "kernel = the twin kernel the dispatch serves at that row count on this device"}
+    for d in drop_rows:
+        print(f"drop G={d['G']}: {d['layers']} layers, {d['bf16_MiB']:.0f} MiB of bf16, released net of the twins "
+              f"{d['released_net_MiB']:.0f} MiB ({d['released_net_MiB_per_layer']:.2f} MiB per layer); "
+              f"prefill dequantisation {d['dequant_us']:.2f} us per layer")
     report("wo_a_fp8", cols, rows, args.out, meta)
 
 

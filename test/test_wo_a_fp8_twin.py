@@ -59,8 +59,9 @@ def ulps(a, b):
 
 
 def test_flag_values_and_errors():
-    assert [twin_mod.parse_wo_a_fp8_twin(v) for v in ("off", "small", "MID ")] == ["off", "small", "mid"]
-    with pytest.raises(ValueError, match="accepted: off .* small .* mid"):
+    assert [twin_mod.parse_wo_a_fp8_twin(v) for v in ("off", "small", "MID ", "drop")] == [
+        "off", "small", "mid", "drop"]
+    with pytest.raises(ValueError, match="accepted: off .* small .* mid .* drop"):
         twin_mod.parse_wo_a_fp8_twin("on")
     from sglang.srt.arg_groups.fields.exec_ import ExecKernel, _wo_a_fp8_twin_arg
 
@@ -186,17 +187,123 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
         return torch.zeros((8, m, 2, 1024) if partials else (m, 2, 1024))
 
     monkeypatch.setattr(sm90, "wo_a_fp8_small_sm90", fake_kernel)
+    monkeypatch.setattr(sm90, "wo_a_fp8_mid_sm90", lambda o, *a: calls.append("mid") or torch.zeros(o.shape[0], 2, 1024))
     monkeypatch.setattr(up, "_quantize_partial", lambda p: ("q", "s"))
     monkeypatch.setattr(twin_mod, "_TWINS", {})
     monkeypatch.setitem(twin_mod._MODE, "mode", "mid")
     w = torch.zeros(2, 1024, 4096, dtype=torch.bfloat16)
-    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin("l0", None, torch.zeros(1), None, None, (2, 1024, 4096))
+    twin = twin_mod._Twin("l0", None, torch.zeros(1), None, None, (2, 1024, 4096))
+    twin_mod._TWINS[w.data_ptr()] = twin
     kw = dict(is_decode=True, is_target_verify=False, is_prefill=False, fuse_mxfp8_quant=False)
-    x = torch.zeros(4, 2, 4096, dtype=torch.bfloat16)
-    assert twin_mod.apply_wo_a_fp8_twin(x, w, **kw).shape == (4, 2, 1024) and calls == [False]
-    out = twin_mod.apply_wo_a_fp8_twin(x, w, **{**kw, "fuse_mxfp8_quant": True})
+
+    def x(m):
+        return torch.zeros(m, 2, 4096, dtype=torch.bfloat16)
+
+    assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **kw).shape == (4, 2, 1024) and calls == [False]
+    out = twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "fuse_mxfp8_quant": True})
     assert isinstance(out, Mxfp8SwizzledInput) and calls == [False, True]
-    assert twin_mod.apply_wo_a_fp8_twin(torch.zeros(12, 2, 4096, dtype=torch.bfloat16), w, **kw) is None
+    # mid: the wgmma kernel where it is faster (9..16), stock above and for one row
+    assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw).shape == (12, 2, 1024) and calls[-1] == "mid"
+    assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **{**kw, "fuse_mxfp8_quant": True}) is None
+    assert twin_mod.apply_wo_a_fp8_twin(x(17), w, **kw) is None
+    assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **kw) is None
+    monkeypatch.setitem(twin_mod._MODE, "mode", "small")
+    assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw) is None
+    # drop: every decode/verify row count from the twin (one row on the small kernel, bf16)
+    monkeypatch.setitem(twin_mod._MODE, "mode", "drop")
+    twin.dropped = True
+    n = len(calls)
+    assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **{**kw, "fuse_mxfp8_quant": True}).shape == (1, 2, 1024)
+    assert twin_mod.apply_wo_a_fp8_twin(x(100), w, **kw).shape == (100, 2, 1024)
+    assert calls[n:] == [False, "mid"]
+    assert twin_mod.apply_wo_a_fp8_twin(x(193), w, **kw) is None
+    assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "is_prefill": True}) is None
+
+
+def test_dequant_from_packed_words_is_exact():
+    """What prefill multiplies after drop on Hopper: the bf16 weight rebuilt from the packed words
+    (signed zeros and e4m3 subnormals included)."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    w = twin_weight(2, 64, 4096, 13, "cpu")
+    w[0, 0, :2] = torch.tensor([-0.0, 0.0])
+    w8, e = twin_mod.make_twin(w)
+    assert (w8.view(torch.uint8) & 0x78 == 0).any()  # some subnormals
+    dq = k.wo_a_fp8_dequant_packed(sm90.pack_twin(w8), e)
+    assert torch.equal(dq.view(torch.int16), w.view(torch.int16))
+
+
+# ---------------------------------------------------------------- drop
+
+
+def _two_layer_model(seed):
+    return torch.nn.ModuleDict({"l0": _Attn(twin_weight(2, 64, 1024, seed, DEV)),
+                                "l1": _Attn(twin_weight(2, 64, 1024, seed + 1, DEV))})
+
+
+def _all_routes(model):
+    """Every kind of call the engine makes, through upstream's dispatch function."""
+    from sglang.srt.models import deepseek_v4
+
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for name in ("l0", "l1"):
+        wv = model[name].wo_a.weight.view(2, 64, -1)
+        for m, kw in ((1, dict(is_decode=True)), (4, dict(is_decode=True)), (12, dict(is_decode=False, is_target_verify=True)),
+                      (40, dict(is_decode=False, is_prefill=True)), (3, dict(is_decode=False))):
+            x = torch.randn(m, 2, 1024, generator=gen).to(torch.bfloat16).to(DEV)
+            out.append(deepseek_v4._apply_wo_a_bf16_matmul(x, wv, **kw))
+    return out
+
+
+def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch):
+    """drop = mid + the bf16 weight released after its dequantisation checks bit-identical: every
+    route (prefill, one row, 4 and 12 rows, other modes) gives the bits it gave before the release;
+    the parameter holds a stand-in no fast path takes (zero strides) and that poisons any reader."""
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    model = _two_layer_model(40)
+    stock = [y.clone() for y in _all_routes(model)]
+    assert twin_mod.build_wo_a_fp8_twins(model, "mid", "target") == (2, 0)
+    before = [y.clone() for y in _all_routes(model)]
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    model = _two_layer_model(40)
+    assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (2, 0)
+    for name in ("l0", "l1"):
+        sw = model[name].wo_a.weight
+        assert sw.shape == (128, 1024) and sw.stride() == (0, 0) and torch.isnan(sw[0, 0])
+        assert twin_mod._TWINS[sw.data_ptr()].dropped
+    after = _all_routes(model)
+    for i, (a, b, s) in enumerate(zip(after, before, stock)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
+    # the routes the twin does not serve are upstream's bits
+    for i in (0, 3, 4, 5, 8, 9):
+        assert torch.equal(after[i].view(torch.int16), stock[i].view(torch.int16)), i
+
+
+def test_drop_refuses_layers_read_past_the_dispatch(monkeypatch):
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    model = _two_layer_model(50)
+    model["l1"].use_fused_wo_a = True
+    with pytest.raises(RuntimeError, match="l1.wo_a is read by the fused rope"):
+        twin_mod.build_wo_a_fp8_twins(model, "drop", "target")
+    model["l1"].use_fused_wo_a = False
+    model["l1"]._use_fast_kernel = False  # a DSpark draft layer on its einsum path
+    with pytest.raises(RuntimeError, match="DSpark draft's einsum"):
+        twin_mod.build_wo_a_fp8_twins(model, "drop", "dspark draft")
+    assert twin_mod.build_wo_a_fp8_twins(model, "mid", "dspark draft") == (2, 0)  # mid keeps bf16
+
+
+def test_drop_keeps_a_weight_whose_dequantisation_disagrees(monkeypatch, caplog):
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    model = _two_layer_model(60)
+    real = twin_mod._Twin.dequant
+    monkeypatch.setattr(twin_mod._Twin, "dequant",
+                        lambda self: real(self) * (2 if self.name == "l1" else 1))
+    with caplog.at_level("WARNING"):
+        twin_mod.build_wo_a_fp8_twins(model, "drop", "target")
+    assert "l1.wo_a: the twin's dequantisation is not bit-identical" in caplog.text
+    assert model["l1"].wo_a.weight.is_contiguous() and not model["l0"].wo_a.weight.is_contiguous()
+    assert not twin_mod._TWINS[model["l1"].wo_a.weight.data_ptr()].dropped
 
 
 # ---------------------------------------------------------------- routing
@@ -396,3 +503,67 @@ def test_gpu_hopper_served_path_equals_stock(monkeypatch):
         mx = twin_mod.apply_wo_a_fp8_twin(x, wv, fuse_mxfp8_quant=True, **kw)
         q0, s0 = up.wo_a_bf16_small_batch_mxfp8(x, wv)
         assert torch.equal(mx[0].view(torch.uint8), q0.view(torch.uint8)) and torch.equal(mx[1], s0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("g", [2, 4, 8])
+def test_gpu_hopper_mid_kernel_exact_bound_deterministic(g):
+    """The wgmma kernel (9..192 rows) with each K split: within the fp32 bound of the exact result,
+    the same bits twice (split partials added in a fixed order by the last CTA), counters back at
+    zero; also for a strided x."""
+    sm90 = _hopper()
+    w = twin_weight(g, 1024, 4096, 40 + g)
+    w8, e = twin_mod.make_twin(w)
+    packed, cnt = sm90.pack_twin(w8), sm90.mid_counters(g, 1024, "cuda")
+    for m in (9, 12, 16, 17, 33, 64, 100, 128, 192):
+        base = torch.randn(m, g + 1, 4096, device="cuda").to(torch.bfloat16)
+        for x in (base[:, :g].contiguous(), base[:, 1:]):
+            y = sm90.wo_a_fp8_mid_sm90(x, packed, e, cnt)
+            assert torch.equal(y.view(torch.int16), sm90.wo_a_fp8_mid_sm90(x, packed, e, cnt).view(torch.int16)), m
+            assert_near_exact(y, x, w, (g, m))
+    assert int(cnt.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_drop_served_path_and_memory(monkeypatch):
+    """drop on the H200: the weight's memory is released (net of the twin), the 2..16-row calls give
+    the bits mid gave, prefill gives upstream's bits from the per-call dequantisation, one row and
+    17..192 rows (the twin kernels, which mid leaves stock) stay within the fp32 bound."""
+    from sglang.srt.models import deepseek_v4
+
+    _hopper()
+    w = twin_weight(2, 1024, 4096, 70)
+
+    def routes(model):
+        wv = model["attn"].wo_a.weight.view(2, 1024, -1)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        out = []
+        for m, kw in ((1, dict(is_decode=True)), (2, dict(is_decode=True)), (8, dict(is_decode=False, is_target_verify=True)),
+                      (9, dict(is_decode=True)), (16, dict(is_decode=True)), (17, dict(is_decode=True)),
+                      (64, dict(is_decode=False, is_target_verify=True)), (192, dict(is_decode=True)),
+                      (300, dict(is_decode=False, is_prefill=True))):
+            x = torch.randn(m, 2, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+            out.append((x, deepseek_v4._apply_wo_a_bf16_matmul(x, wv, **kw)))
+        return out
+
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    model = torch.nn.ModuleDict({"attn": _Attn(w)}).cuda()
+    twin_mod.build_wo_a_fp8_twins(model, "mid", "target")
+    mid = routes(model)
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    model = torch.nn.ModuleDict({"attn": _Attn(w)}).cuda()
+    torch.cuda.synchronize()
+    m0 = torch.cuda.memory_allocated()
+    assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (1, 0)
+    torch.cuda.synchronize()
+    freed = m0 - torch.cuda.memory_allocated()
+    twin_bytes = next(iter(twin_mod._TWINS.values())).nbytes()
+    print(f"drop: {freed / 2**20:.2f} MiB freed net of the twin ({twin_bytes / 2**20:.2f} MiB)")
+    assert freed >= 2 * 1024 * 4096 * 2 - twin_bytes - 2**16
+    dropped = routes(model)
+    for i, ((x, a), (_, b)) in enumerate(zip(dropped, mid)):
+        if i in (1, 2, 3, 4, 8):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
+        else:
+            assert_near_exact(a, x, w, ("drop", x.shape[0]))
+    assert torch.equal(dropped[8][1].view(torch.int16), torch.einsum("tgd,grd->tgr", dropped[8][0], w.cuda()).view(torch.int16))

@@ -30,10 +30,18 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-MODES = ("off", "small", "mid")
-_USAGE = "accepted: off (stock wo_a), small (2..8 rows from the fp8 twin), mid (also 9..192 decode/verify rows)"
+MODES = ("off", "small", "mid", "drop")
+_USAGE = (
+    "accepted: off (stock wo_a), small (2..8 decode/verify rows from the fp8 twin), mid (also more "
+    "rows, where the twin kernel is faster), drop (every call reads the twin; the bf16 weight is released)"
+)
+# Hopper: mid rows the wgmma kernel serves, measured faster than stock on the H200 (G = 2: 8.19 us
+# against einsum's 8.9 at 9..16 rows, slower from 24 rows; G = 8: 17.3 against 19.2-19.4); drop
+# serves every decode/verify row count up to MID_MAX_ROWS from the twin
+MID_FASTER_MAX = 16
+MID_MAX_ROWS = 192
 
-# weight data_ptr -> _Twin; filled after load, only when the flag is on
+# weight data_ptr (after drop: the stand-in's) -> _Twin; filled after load, only when the flag is on
 _TWINS: dict = {}
 _MODE = {"mode": "off"}
 
@@ -52,14 +60,28 @@ def validate_wo_a_fp8_twin(value) -> str:
 
 
 class _Twin:
-    """One layer's twin. On Hopper ``packed`` holds the small-path kernel's fragment-major words and
-    ``weight8`` (the row-major e4m3 the portable Triton kernel reads) is kept only for ``mid``."""
+    """One layer's twin. On Hopper ``packed`` holds the fragment-major words both Hopper kernels
+    read, with their arrival ``counters``; elsewhere ``weight8`` (row-major e4m3) feeds the
+    portable Triton kernel. ``dropped``: the bf16 weight is released and ``dequant`` rebuilds it."""
 
-    __slots__ = ("name", "weight8", "packed", "exp", "counters", "shape")
+    __slots__ = ("name", "weight8", "packed", "exp", "counters", "shape", "dropped")
 
-    def __init__(self, name, weight8, packed, exp, counters, shape):
+    def __init__(self, name, weight8, packed, exp, counters, shape, dropped=False):
         self.name, self.weight8, self.packed, self.exp = name, weight8, packed, exp
-        self.counters, self.shape = counters, shape
+        self.counters, self.shape, self.dropped = counters, shape, dropped
+
+    def dequant(self) -> torch.Tensor:
+        """The bf16 weight [G, R, D] in a fresh buffer (one per call: the target and draft streams
+        must not share a scratch buffer)."""
+        from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
+
+        if self.packed is not None:
+            return k.wo_a_fp8_dequant_packed(self.packed, self.exp)
+        return k.wo_a_fp8_dequant(self.weight8, self.exp)
+
+    def nbytes(self) -> int:
+        return sum(a.numel() * a.element_size() for a in (self.weight8, self.packed, self.exp, self.counters)
+                   if a is not None)
 
 
 def make_twin(w: torch.Tensor) -> Optional[tuple]:
@@ -95,6 +117,45 @@ def _wo_a_view(module, name: str, n_groups: int, rank: int) -> Optional[torch.Te
     return view
 
 
+# layer attributes that send wo_a to a reader other than _apply_wo_a_bf16_matmul (attribute,
+# value that does, what reads the weight): drop cannot release the weight under any of them
+_BYPASSES = (
+    ("use_fused_wo_a", True, "the fused rope + wo_a kernel (SGLANG_DSV41_FUSED_WO_A)"),
+    ("use_mega_attention", True, "the mega attention backend's quantize_wo_a"),
+    ("use_npu_arch35_mxfp8_wo_a", True, "the NPU MXFP8 wo_a"),
+    ("_use_fast_kernel", False, "the DSpark draft's einsum (SGLANG_DSPARK_FAST_KERNEL=0)"),
+)
+
+
+def _stand_in(w: torch.Tensor) -> torch.Tensor:
+    """What a dropped weight's parameter holds: its shape over one NaN (an address of its own, so
+    the dispatch finds the twin; zero strides, so it is not contiguous and no fast path takes it;
+    NaN, so a reader the dispatch did not catch cannot produce plausible numbers)."""
+    one = torch.full((1,), float("nan"), dtype=w.dtype, device=w.device)
+    return one.as_strided(tuple(w.shape), (0,) * w.ndim)
+
+
+def _drop(entries: list, label: str) -> tuple[int, int]:
+    """Release the bf16 weight of every twin whose dequantisation (the one prefill uses) gives it
+    back bit for bit; a twin that does not keeps its weight, and the log says so."""
+    released = failed = 0
+    for name, mod, view, twin in entries:
+        if not torch.equal(twin.dequant().view(torch.int16), view.view(torch.int16)):
+            logger.warning("--dsv4-wo-a-fp8-twin=drop (%s): %s.wo_a: the twin's dequantisation is not "
+                           "bit-identical to the weight; keeping the bf16 weight", label, name)
+            failed += 1
+            continue
+        key = view.data_ptr()
+        mod.wo_a.weight.data = _stand_in(mod.wo_a.weight.data)
+        twin.dropped = True
+        _TWINS.pop(key, None)
+        _TWINS[mod.wo_a.weight.data_ptr()] = twin
+        released += view.numel() * view.element_size()
+    if released and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return released, failed
+
+
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
     """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft). Logs one line."""
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
@@ -105,12 +166,20 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
         return 0, 0
     _MODE["mode"] = mode
     made = kept = 0
+    entries = []
     for name, mod in model.named_modules():
         if getattr(mod, "wo_a", None) is None or not hasattr(mod, "n_local_groups"):
             continue
         view = _wo_a_view(mod, name, mod.n_local_groups, mod.o_lora_rank)
         if view is None:
             continue
+        if mode == "drop":
+            for attr, bad, what in _BYPASSES:
+                if getattr(mod, attr, not bad) == bad:
+                    raise RuntimeError(
+                        f"--dsv4-wo-a-fp8-twin=drop: {name}.wo_a is read by {what} ({attr}={bad}), "
+                        "which would see the released weight; use --dsv4-wo-a-fp8-twin=mid"
+                    )
         twin = make_twin(view)
         if twin is not None and not torch.equal(
             wo_a_fp8_dequant(*twin).view(torch.int16), view.view(torch.int16)
@@ -121,30 +190,45 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             kept += 1
             continue
         weight8, exp = twin
-        packed = None
+        packed = counters = None
         if (
             sm90.available(view.device)
             and view.shape[2] == sm90.D
-            and view.shape[1] % sm90.ROWS == 0
+            and view.shape[1] % 64 == 0
             and int(exp.max()) <= sm90.MAX_BIASED_EXP
         ):
-            packed = sm90.pack_twin(weight8)
-            if mode != "mid":
-                weight8 = None  # the Hopper small path reads only the packed words
-        counters = counters_for(weight8) if weight8 is not None else None  # the Triton kernel's
-        _TWINS[view.data_ptr()] = _Twin(name, weight8, packed, exp, counters, tuple(view.shape))
+            # both Hopper kernels read the packed words; the row-major copy is not kept
+            packed, weight8 = sm90.pack_twin(weight8), None
+            counters = sm90.mid_counters(view.shape[0], view.shape[1], view.device)
+        else:
+            counters = counters_for(weight8)
+        t = _Twin(name, weight8, packed, exp, counters, tuple(view.shape))
+        _TWINS[view.data_ptr()] = t
+        entries.append((name, mod, view, t))
         made += 1
-    mb = sum(
-        sum(a.numel() * a.element_size() for a in (t.weight8, t.packed, t.exp) if a is not None)
-        for t in _TWINS.values()
-    ) / 2**20
-    hopper = sum(t.packed is not None for t in _TWINS.values())
+    released, failed = _drop(entries, label) if mode == "drop" else (0, 0)
+    twin_mb = sum(t.nbytes() for *_, t in entries) / 2**20
+    hopper = sum(t.packed is not None for *_, t in entries)
     logger.info(
-        "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights (%d on the Hopper kernel), "
-        "%d left on bf16 (twins hold %.0f MB in all)",
-        mode, label, made, hopper, kept, mb,
+        "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights (%d on the Hopper kernels), "
+        "%d left on bf16; twins hold %.0f MB%s",
+        mode, label, made, hopper, kept, twin_mb,
+        f"; released {released / 2**20:.0f} MB of bf16 weights ({made - failed} layers, "
+        f"{failed} kept theirs)" if mode == "drop" else "",
     )
     return made, kept
+
+
+def _token_major(o: torch.Tensor, shape: tuple) -> bool:
+    g, _, d = shape
+    return (
+        o.dtype == torch.bfloat16
+        and o.ndim == 3
+        and tuple(o.shape[1:]) == (g, d)
+        and o.stride(2) == 1
+        and o.stride(1) == d
+        and o.stride(0) >= g * d
+    )
 
 
 def apply_wo_a_fp8_twin(
@@ -157,41 +241,48 @@ def apply_wo_a_fp8_twin(
     fuse_mxfp8_quant: bool,
 ):
     """The twin's result for this call (bf16, or upstream's MXFP8 pair when the call asks for the
-    fused epilogue), or None for the stock path. Hopper serves 2..8 rows with the Gluon kernel,
-    bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8 variant; elsewhere the portable
-    Triton kernel serves the bf16 calls (its partials are not bitwise, so MXFP8 calls stay stock)."""
+    fused epilogue), or None for the stock path (which ``stock_weight`` then feeds). Hopper: 2..8
+    rows on the small Gluon kernel, bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
+    variant; mid rows on the wgmma kernel where it is faster (drop: all of them, and one row).
+    Elsewhere the portable Triton kernel serves the bf16 calls (its partials are not bitwise, so
+    MXFP8 calls stay stock)."""
     twin = _TWINS.get(wo_a.data_ptr())
-    if twin is None or is_prefill or not (is_decode or is_target_verify):
+    if twin is None or tuple(wo_a.shape) != twin.shape or is_prefill or not (is_decode or is_target_verify):
         return None
-    m = o.shape[0]
-    small = 2 <= m <= 8
-    if not (small or (_MODE["mode"] == "mid" and 9 <= m <= 192)):
+    if not _token_major(o, twin.shape):
         return None
-    g, r, d = twin.shape
-    if (
-        tuple(wo_a.shape) != twin.shape
-        or o.dtype != torch.bfloat16
-        or o.ndim != 3
-        or tuple(o.shape[1:]) != (g, d)
-        or o.stride(2) != 1
-        or o.stride(1) != d
-        or o.stride(0) < g * d
-    ):
-        return None
-    if small and twin.packed is not None:
+    mode, m = _MODE["mode"], o.shape[0]
+    g, r, _ = twin.shape
+    if twin.packed is not None:
         from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-        if not fuse_mxfp8_quant:
-            return sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp)
-        if (g, r) != (2, 1024):
-            return None  # upstream's MXFP8 epilogue exists for the TP4 shape only
-        from sglang.kernels.ops.gemm.dsv4_wo_a import _quantize_partial
-        from sglang.srt.layers.quantization.mxfp8_input import Mxfp8SwizzledInput
+        if 2 <= m <= 8 or (m == 1 and twin.dropped):
+            if not fuse_mxfp8_quant or m == 1:  # one row: stock's gemv returns bf16 too
+                return sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp)
+            if (g, r) != (2, 1024):
+                return None  # upstream's MXFP8 epilogue exists for the TP4 shape only
+            from sglang.kernels.ops.gemm.dsv4_wo_a import _quantize_partial
+            from sglang.srt.layers.quantization.mxfp8_input import Mxfp8SwizzledInput
 
-        partials = sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp, partials=True)
-        return Mxfp8SwizzledInput(*_quantize_partial(partials))
+            partials = sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp, partials=True)
+            return Mxfp8SwizzledInput(*_quantize_partial(partials))
+        top = MID_MAX_ROWS if twin.dropped else MID_FASTER_MAX if mode == "mid" else 0
+        if 9 <= m <= top and not fuse_mxfp8_quant:
+            return sm90.wo_a_fp8_mid_sm90(o, twin.packed, twin.exp, twin.counters)
+        return None
+    if not (2 <= m <= 8 or (mode in ("mid", "drop") and 9 <= m <= MID_MAX_ROWS)):
+        return None
     if fuse_mxfp8_quant or twin.weight8 is None:
         return None
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
 
     return k.wo_a_fp8_matmul(o, twin.weight8, twin.exp, twin.counters)
+
+
+def stock_weight(wo_a: torch.Tensor) -> torch.Tensor:
+    """The weight the stock path multiplies: ``wo_a`` itself, or for a dropped weight its bf16
+    rebuilt from the twin into a fresh buffer (bit-identical, checked before the release)."""
+    twin = _TWINS.get(wo_a.data_ptr())
+    if twin is None or not twin.dropped:
+        return wo_a
+    return twin.dequant()

@@ -245,3 +245,39 @@ def wo_a_fp8_dequant(weight8: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
     out = torch.empty((g, r, d), dtype=torch.bfloat16, device=weight8.device)
     _dequant_kernel[(g, r // 32, d // 32)](weight8, exp, out, r, d)
     return out
+
+
+@triton.jit
+def _dequant_packed_kernel(P, E, OUT, D: tl.constexpr):
+    """One 8-row group x one 128-K chunk of the Hopper kernels' fragment-major words
+    ([G, R/8, chunk 4, block 4, split 8, row 8, word 8]; word 2 t + w holds, byte b, the logical
+    k = 16 w + 8 (b // 2) + 2 t + b % 2 of its 32-block, see ``pack_twin``) -> bf16 rows."""
+    rg, q = tl.program_id(0), tl.program_id(1)
+    s, c = q // 4, q % 4
+    blk = tl.arange(0, 4)[:, None, None, None]
+    row = tl.arange(0, 8)[None, :, None, None]
+    tw = tl.arange(0, 8)[None, None, :, None]
+    by = tl.arange(0, 4)[None, None, None, :]
+    words = tl.load(P + (((rg * 4 + c) * 4 + blk) * 8 + s) * 64 + row * 8 + tw)
+    byte = (words >> (8 * by)) & 0xFF
+    k = s * 512 + c * 128 + blk * 32 + 16 * (tw % 2) + 8 * (by // 2) + 2 * (tw // 2) + by % 2
+    r = rg * 8 + row
+    e = tl.load(E + (r // 32) * (D // 32) + k // 32)
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    # e4m3 decoded by its fields (exact in fp32): normal (8 + m) 2**(x - 10), subnormal m 2**-9
+    ex, man = (byte >> 3) & 0xF, byte & 7
+    normal = (((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(ex == 0, man.to(tl.float32) * 0.001953125, normal)
+    val = ((mag * scale).to(tl.int32, bitcast=True) | ((byte >> 7) << 31)).to(tl.float32, bitcast=True)
+    tl.store(OUT + r * D + k, val.to(tl.bfloat16))  # the sign as a bit: -0.0 stays -0.0
+
+
+def wo_a_fp8_dequant_packed(packed: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight [G, R, 4096] rebuilt from the Hopper kernels' packed words (a fresh buffer)."""
+    g, rg = packed.shape[0], packed.shape[1]
+    d = 4096
+    assert packed.dtype == torch.int32 and packed.is_contiguous() and packed.numel() == g * rg * 8 * d // 4
+    assert exp.dtype == torch.uint8 and exp.shape == (g, rg * 8 // 32, d // 32)
+    out = torch.empty((g, rg * 8, d), dtype=torch.bfloat16, device=packed.device)
+    _dequant_packed_kernel[(g * rg, 32)](packed, exp, out, d)
+    return out

@@ -39,9 +39,22 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM as _ASM
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import _bf16_pair, permute_k
+from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
+    _bf16_pair,
+    _dequant_block,
+    _words_layout,
+    permute_k,
+)
 
 N_SPLITS = 8  # upstream's split of K = 4096 into 8 x 512, one warp each
 SPLITS = gl.constexpr(N_SPLITS)
@@ -52,7 +65,7 @@ MAX_ROWS = 8
 # the dequantisation's bf16 scale word carries 2**112: 2**(e - 127 + 112) must stay finite
 MAX_BIASED_EXP = 142
 
-__all__ = ["available", "pack_twin", "wo_a_fp8_small_sm90"]
+__all__ = ["available", "pack_twin", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
 
 
 def available(device: torch.device) -> bool:
@@ -195,3 +208,146 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
         _OUT_LAYOUT, _XC_LAYOUT, _X_SMEM, num_warps=N_SPLITS,
     )
     return p if partials else y
+
+
+# ---------------------------------------------------------------- mid rows (9..192): wgmma
+
+MID_ROWS = (9, 192)
+_SMEM_BUDGET = 200 * 1024
+
+
+def mid_config(m: int, g: int, r: int) -> tuple[int, int, int, int, int]:
+    """(weight rows per CTA, warps, K splits, padded x rows NP, pipeline stages) for ``m`` rows: the
+    best of the H200 sweep (BV 64 / 128, 4 / 8 warps, 1..16 splits): 64 rows per CTA, and splits
+    for 256 CTAs at NP = 16, 128 CTAs above (more x rows per CTA make each split's x dearer)."""
+    np_ = max(16, 1 << (m - 1).bit_length())
+    tiles = g * r // 64
+    split = max(1, min(16, (256 if np_ == 16 else 128) // tiles))
+    stage = 4 * 64 * 8 * 4 + np_ * 128 * 2
+    steps = D // split // 128
+    return 64, 4, split, np_, max(2, min(steps, 8, _SMEM_BUDGET // stage))
+
+
+def mid_counters(g: int, r: int, device) -> torch.Tensor:
+    """Arrival counters of one twin's split-K tiles (zero; every launch leaves them zero)."""
+    return torch.zeros(g * r // 64, dtype=torch.int32, device=device)
+
+
+@gluon.jit
+def _mid_refill(W, w_off, x_desc, bar, w_s, x_s, st, kg, xcol, XBYTES: gl.constexpr):
+    """Stage st <- global 128-K step kg: the weights by cp.async (the fragment-major words of one
+    step are 256-byte pieces, not a box TMA can read), x by TMA on the stage's mbarrier."""
+    # packed [.., row group, chunk c, block b, split s, 64 words]: step kg = 4 s + c
+    async_copy.async_copy_global_to_shared(w_s.index(st), W + w_off + (kg % 4) * 2048 + (kg // 4) * 64)
+    mbarrier.expect(bar, XBYTES)
+    tma.async_copy_global_to_shared(x_desc, [0, xcol + kg * 128], bar, x_s.index(2 * st))
+    tma.async_copy_global_to_shared(x_desc, [0, xcol + kg * 128 + 64], bar, x_s.index(2 * st + 1))
+
+
+@gluon.jit
+def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.constexpr, S: gl.constexpr,
+                         BV: gl.constexpr, NP: gl.constexpr, ST: gl.constexpr, NW: gl.constexpr,
+                         W_L: gl.constexpr, WC_L: gl.constexpr, W_SMEM: gl.constexpr, OUT_L: gl.constexpr):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NP, 16])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    KS: gl.constexpr = DK // S
+    NSTEP: gl.constexpr = KS // 128
+    XBYTES: gl.constexpr = NP * 128 * 2
+    pid = gl.program_id(0)
+    split = pid % S
+    tile = pid // S
+    group = tile // (R // BV)
+    r0 = (tile % (R // BV)) * BV
+    kg0 = split * NSTEP
+    w_s = gl.allocate_shared_memory(gl.int32, [ST, 4 * BV, 8], W_SMEM)  # [block b, row] x word
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [2 * ST, NP, 64], x_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(ST):
+        mbarrier.init(bars.index(s), count=1)
+    fence_async_shared()
+    # cp.async sources of one step: [block b x row, word] of this CTA's rows (16 B per copy)
+    cq = gl.arange(0, 4 * BV, layout=gl.SliceLayout(1, WC_L))
+    cw = gl.arange(0, 8, layout=gl.SliceLayout(0, WC_L))
+    cr = cq % BV
+    w_off = gl.expand_dims((cq // BV) * 512 + ((group * R + r0) // 8 + cr // 8) * 8192 + (cr % 8) * 8, 1) + gl.expand_dims(cw, 0)
+    xcol = group * DK
+    for j in gl.static_range(ST - 1):
+        if j < NSTEP:
+            _mid_refill(W, w_off, x_desc, bars.index(j), w_s, x_s, j, kg0 + j, xcol, XBYTES)
+        async_copy.commit_group()
+    # biased exponents of this thread's rows: block (row // 32, k // 32)
+    rows = r0 + gl.arange(0, BV, layout=gl.SliceLayout(1, W_L))
+    e_base = E + (group * (R // 32) + rows // 32) * (DK // 32) + kg0 * 4
+    acc = gl.zeros([BV, NP], gl.float32, layout=MMA)
+    for i in range(NSTEP):
+        st = i % ST
+        es = (gl.load(e_base + 4 * i), gl.load(e_base + 4 * i + 1), gl.load(e_base + 4 * i + 2),
+              gl.load(e_base + 4 * i + 3))
+        async_copy.wait_group(ST - 2)
+        mbarrier.wait(bars.index(st), (i // ST) & 1)
+        gl.thread_barrier()  # every thread's weight copies landed; every warp is done with step i - 1
+        nxt = i + ST - 1
+        if nxt < NSTEP:
+            sn = nxt % ST
+            _mid_refill(W, w_off, x_desc, bars.index(sn), w_s, x_s, sn, kg0 + nxt, xcol, XBYTES)
+        async_copy.commit_group()  # possibly empty: keeps the wait count above uniform
+        for kb in gl.static_range(4):
+            w32 = w_s.index(st).slice(kb * BV, BV, dim=0).load(W_L)
+            sc = (es[kb].to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            a = _dequant_block(w32, sc, A_L, BV)
+            xb = x_s.index(2 * st + kb // 2).slice(32 * (kb % 2), 32, dim=1)
+            acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    for s in gl.static_range(ST):
+        mbarrier.invalidate(bars.index(s))
+    orow = gl.arange(0, BV, layout=gl.SliceLayout(1, OUT_L))
+    otok = gl.arange(0, NP, layout=gl.SliceLayout(0, OUT_L))
+    y_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + gl.expand_dims(orow, 1)
+    y_mask = gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1)
+    if S == 1:
+        gl.store(Y + y_off, gl.convert_layout(acc.to(gl.bfloat16), OUT_L), y_mask)
+    else:
+        # split-K: the CTA of this tile that arrives last adds the partials in split order 0..S-1
+        prow = gl.arange(0, BV, layout=gl.SliceLayout(1, MMA))
+        pcol = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
+        p_off = gl.expand_dims(prow * NP, 1) + gl.expand_dims(pcol, 0)
+        gl.store(P + (tile * S + split) * (BV * NP) + p_off, acc)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(C + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == S - 1:
+            total = gl.load(P + tile * S * (BV * NP) + p_off, cache_modifier=".cg")
+            for s in gl.static_range(1, S):
+                total += gl.load(P + (tile * S + s) * (BV * NP) + p_off, cache_modifier=".cg")
+            gl.store(Y + y_off, gl.convert_layout(total.to(gl.bfloat16), OUT_L), y_mask)
+            gl.atomic_xchg(C + tile, 0)
+
+
+def _mid_layouts(bv: int, nw: int):
+    wc = gl.BlockedLayout([1, 4], [16, 2], [nw, 1], [1, 0])
+    w_smem = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    out = gl.BlockedLayout([2, 1], [32, 1], [1, nw], [0, 1])
+    return _words_layout(bv, nw), wc, w_smem, out
+
+
+def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, counters: torch.Tensor,
+                      cfg: tuple | None = None) -> torch.Tensor:
+    """``einsum('tgd,grd->tgr', x, twin)`` for 9..192 rows from ``pack_twin``'s words, bf16 [M, G, R];
+    split-K partials are added in split order by the last CTA of each tile (deterministic)."""
+    m = x.shape[0]
+    g, r = packed.shape[0], packed.shape[1] * ROWS
+    assert 1 <= m <= 256 and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
+    assert x.stride(2) == 1 and x.stride(1) == D
+    bv, nw, split, np_, st = cfg or mid_config(m, g, r)
+    assert np_ >= m and r % bv == 0 and counters.numel() >= g * r // bv
+    if x.data_ptr() % 16 or x.stride(0) % 8:
+        x = x.clone()  # TMA reads x: 16-byte aligned rows
+    x2 = x.as_strided((m, g * D), (x.stride(0), 1))
+    x_desc = TensorDescriptor.from_tensor(x2, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16))
+    y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
+    p = torch.empty(g * r * split * np_ if split > 1 else 1, dtype=torch.float32, device=x.device)
+    _wo_a_fp8_mid_kernel[(g * r // bv * split,)](
+        packed, x_desc, exp, y, p, counters, m, g, r, split, bv, np_, st, nw, *_mid_layouts(bv, nw),
+        num_warps=nw,
+    )
+    return y
