@@ -80,7 +80,7 @@ def main() -> None:
     args = parse_args(__doc__)
     sweep = os.environ.get("FORK_WO_A_SWEEP") == "1"
     rows, sweep_rows, drop_rows = [], [], []
-    for g in (2, 8):
+    for g in (2, 4, 8):
         weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
         twins = []
         for w in weights:
@@ -143,7 +143,7 @@ def main() -> None:
             stock = (graph_us_per_call([lambda w=w: up.wo_a_bf16_small_batch(x, w) for w in weights], args.replays)
                      if small_stock else einsum)
             twin = t_twin(x)
-            served = ("small" if m <= 8 else "mid" if (m <= twin_mod.MID_FASTER_MAX or not hopper) else "drop")
+            served = ("small" if m <= 8 else "mid" if (m <= twin_mod.mid_rows_faster(g) or not hopper) else "drop")
             row = {"G": g, "M": m, "stock": "wo_a_bf16_small_batch" if small_stock else "einsum",
                    "kernel": ("gluon_sm90_small" if m <= 8 else "gluon_sm90_mid") if hopper else "triton",
                    "served_by": served,

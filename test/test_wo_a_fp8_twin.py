@@ -202,10 +202,10 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **kw).shape == (4, 2, 1024) and calls == [False]
     out = twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "fuse_mxfp8_quant": True})
     assert isinstance(out, Mxfp8SwizzledInput) and calls == [False, True]
-    # mid: the wgmma kernel where it is faster (9..16), stock above and for one row
-    assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw).shape == (12, 2, 1024) and calls[-1] == "mid"
+    # mid: the wgmma kernel where it was measured faster (G = 2: 9..32), stock above and for one row
+    assert twin_mod.apply_wo_a_fp8_twin(x(32), w, **kw).shape == (32, 2, 1024) and calls[-1] == "mid"
     assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **{**kw, "fuse_mxfp8_quant": True}) is None
-    assert twin_mod.apply_wo_a_fp8_twin(x(17), w, **kw) is None
+    assert twin_mod.apply_wo_a_fp8_twin(x(33), w, **kw) is None
     assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **kw) is None
     monkeypatch.setitem(twin_mod._MODE, "mode", "small")
     assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw) is None
@@ -509,8 +509,8 @@ def test_gpu_hopper_served_path_equals_stock(monkeypatch):
 @pytest.mark.parametrize("g", [2, 4, 8])
 def test_gpu_hopper_mid_kernel_exact_bound_deterministic(g):
     """The wgmma kernel (9..192 rows) with each K split: within the fp32 bound of the exact result,
-    the same bits twice (split partials added in a fixed order by the last CTA), counters back at
-    zero; also for a strided x."""
+    the same bits twice (each CTA adds its rows of the split partials in split order), every
+    tile's arrivals counted; also for a strided x."""
     sm90 = _hopper()
     w = twin_weight(g, 1024, 4096, 40 + g)
     w8, e = twin_mod.make_twin(w)
@@ -521,14 +521,14 @@ def test_gpu_hopper_mid_kernel_exact_bound_deterministic(g):
             y = sm90.wo_a_fp8_mid_sm90(x, packed, e, cnt)
             assert torch.equal(y.view(torch.int16), sm90.wo_a_fp8_mid_sm90(x, packed, e, cnt).view(torch.int16)), m
             assert_near_exact(y, x, w, (g, m))
-    assert int(cnt.abs().sum()) == 0
+            assert bool((cnt % 16 == 0).all()), m  # every tile's S CTAs arrived (16 per launch)
 
 
 @pytest.mark.gpu
 def test_gpu_hopper_drop_served_path_and_memory(monkeypatch):
-    """drop on the H200: the weight's memory is released (net of the twin), the 2..16-row calls give
+    """drop on the H200: the weight's memory is released (net of the twin), the 2..32-row calls give
     the bits mid gave, prefill gives upstream's bits from the per-call dequantisation, one row and
-    17..192 rows (the twin kernels, which mid leaves stock) stay within the fp32 bound."""
+    33..192 rows (the twin kernels, which mid leaves stock at G = 2) stay within the fp32 bound."""
     from sglang.srt.models import deepseek_v4
 
     _hopper()
@@ -562,7 +562,7 @@ def test_gpu_hopper_drop_served_path_and_memory(monkeypatch):
     assert freed >= 2 * 1024 * 4096 * 2 - twin_bytes - 2**16
     dropped = routes(model)
     for i, ((x, a), (_, b)) in enumerate(zip(dropped, mid)):
-        if i in (1, 2, 3, 4, 8):
+        if i in (1, 2, 3, 4, 5, 8):
             assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
         else:
             assert_near_exact(a, x, w, ("drop", x.shape[0]))

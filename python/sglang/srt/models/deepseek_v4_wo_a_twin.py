@@ -35,11 +35,15 @@ _USAGE = (
     "accepted: off (stock wo_a), small (2..8 decode/verify rows from the fp8 twin), mid (also more "
     "rows, where the twin kernel is faster), drop (every call reads the twin; the bf16 weight is released)"
 )
-# Hopper: mid rows the wgmma kernel serves, measured faster than stock on the H200 (G = 2: 8.19 us
-# against einsum's 8.9 at 9..16 rows, slower from 24 rows; G = 8: 17.3 against 19.2-19.4); drop
-# serves every decode/verify row count up to MID_MAX_ROWS from the twin
-MID_FASTER_MAX = 16
+# Hopper, mid: rows up to which the wgmma kernel was measured >= 1.1x faster than stock (einsum)
+# on the H200, per group count (benchmark/results/wo_a_fp8-NVIDIA_H200.json); other G: 16.
+# drop serves every decode/verify row count up to MID_MAX_ROWS from the twin.
+MID_FASTER_MAX = {2: 32, 4: 16, 8: 32}
 MID_MAX_ROWS = 192
+
+
+def mid_rows_faster(g: int) -> int:
+    return MID_FASTER_MAX.get(g, 16)
 
 # weight data_ptr (after drop: the stand-in's) -> _Twin; filled after load, only when the flag is on
 _TWINS: dict = {}
@@ -266,7 +270,7 @@ def apply_wo_a_fp8_twin(
 
             partials = sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp, partials=True)
             return Mxfp8SwizzledInput(*_quantize_partial(partials))
-        top = MID_MAX_ROWS if twin.dropped else MID_FASTER_MAX if mode == "mid" else 0
+        top = MID_MAX_ROWS if twin.dropped else mid_rows_faster(g) if mode == "mid" else 0
         if 9 <= m <= top and not fuse_mxfp8_quant:
             return sm90.wo_a_fp8_mid_sm90(o, twin.packed, twin.exp, twin.counters)
         return None

@@ -213,24 +213,44 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
 # ---------------------------------------------------------------- mid rows (9..192): wgmma
 
 MID_ROWS = (9, 192)
-_SMEM_BUDGET = 200 * 1024
+MAX_SPLITS = gl.constexpr(16)  # K splits of the mid kernel: a power of two up to this
+_SM_SMEM = 227 * 1024  # shared memory one SM gives its CTAs (H100 / H200)
+
+
+def mid_stages(g: int, r: int, split: int, np_: int, sms: int = 132) -> int:
+    """Pipeline depth for one wave: every CTA of the grid resident at once (the split-K wait needs
+    a tile's CTAs together), as deep as shared memory then allows, 2..8 steps of 128 K."""
+    ctas_per_sm = -(-(g * r // 64 * split) // sms)
+    stage = 4 * 64 * 8 * 4 + np_ * 128 * 2
+    fit = (_SM_SMEM // ctas_per_sm - 1024) // stage
+    return min(D // split // 128, 8, fit)
+
+
+# (G, NP) -> K splits: the best of the H200 sweep at 9..192 rows (1..16 splits, 64 rows per CTA,
+# as deep a pipeline as one wave allows); more CTAs win until x's share per split grows
+_MID_SPLITS = {
+    (2, 16): 16, (2, 32): 8, (2, 64): 8, (2, 128): 8, (2, 256): 4,
+    (4, 16): 16, (4, 32): 8, (4, 64): 8, (4, 128): 4, (4, 256): 2,
+    (8, 16): 8, (8, 32): 4, (8, 64): 4, (8, 128): 1, (8, 256): 1,
+}
 
 
 def mid_config(m: int, g: int, r: int) -> tuple[int, int, int, int, int]:
-    """(weight rows per CTA, warps, K splits, padded x rows NP, pipeline stages) for ``m`` rows: the
-    best of the H200 sweep (BV 64 / 128, 4 / 8 warps, 1..16 splits): 64 rows per CTA, and splits
-    for 256 CTAs at NP = 16, 128 CTAs above (more x rows per CTA make each split's x dearer)."""
+    """(weight rows per CTA, warps, K splits, padded x rows NP, pipeline stages) for ``m`` rows."""
     np_ = max(16, 1 << (m - 1).bit_length())
-    tiles = g * r // 64
-    split = max(1, min(16, (256 if np_ == 16 else 128) // tiles))
-    stage = 4 * 64 * 8 * 4 + np_ * 128 * 2
-    steps = D // split // 128
-    return 64, 4, split, np_, max(2, min(steps, 8, _SMEM_BUDGET // stage))
+    split = _MID_SPLITS.get((g, np_))
+    if split is None or r != 1024:  # unmeasured shapes: ~512 CTAs up to 64 x rows, ~128 above
+        split = max(1, min(16, (512 if np_ <= 64 else 128) // (g * r // 64)))
+    while mid_stages(g, r, split, np_) < 2:
+        split //= 2
+    return 64, 4, split, np_, mid_stages(g, r, split, np_)
 
 
 def mid_counters(g: int, r: int, device) -> torch.Tensor:
-    """Arrival counters of one twin's split-K tiles (zero; every launch leaves them zero)."""
-    return torch.zeros(g * r // 64, dtype=torch.int32, device=device)
+    """Arrival counters of one twin's split-K tiles: each launch adds MAX_SPLITS per tile (MAX_SPLITS
+    / S per CTA, whatever S the row count picks) and waits for the next multiple of it, so they are
+    never reset (int64: no wrap)."""
+    return torch.zeros(g * r // 64, dtype=torch.int64, device=device)
 
 
 @gluon.jit
@@ -247,7 +267,8 @@ def _mid_refill(W, w_off, x_desc, bar, w_s, x_s, st, kg, xcol, XBYTES: gl.conste
 @gluon.jit
 def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.constexpr, S: gl.constexpr,
                          BV: gl.constexpr, NP: gl.constexpr, ST: gl.constexpr, NW: gl.constexpr,
-                         W_L: gl.constexpr, WC_L: gl.constexpr, W_SMEM: gl.constexpr, OUT_L: gl.constexpr):
+                         W_L: gl.constexpr, WC_L: gl.constexpr, W_SMEM: gl.constexpr, OUT_L: gl.constexpr,
+                         RED_L: gl.constexpr):
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NP, 16])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KS: gl.constexpr = DK // S
@@ -308,26 +329,39 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
     if S == 1:
         gl.store(Y + y_off, gl.convert_layout(acc.to(gl.bfloat16), OUT_L), y_mask)
     else:
-        # split-K: the CTA of this tile that arrives last adds the partials in split order 0..S-1
+        # split-K: every CTA stores its partial and waits for the S CTAs of its tile (one wave, all
+        # resident), then adds its RC rows of the S partials in split order 0..S-1. (The last CTA
+        # adding the whole tile alone cost 2.0 us at S = 8 and 3.8 us at S = 16, M = 16.)
         prow = gl.arange(0, BV, layout=gl.SliceLayout(1, MMA))
         pcol = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
         p_off = gl.expand_dims(prow * NP, 1) + gl.expand_dims(pcol, 0)
         gl.store(P + (tile * S + split) * (BV * NP) + p_off, acc)
         gl.thread_barrier()
-        arrived = gl.atomic_add(C + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == S - 1:
-            total = gl.load(P + tile * S * (BV * NP) + p_off, cache_modifier=".cg")
-            for s in gl.static_range(1, S):
-                total += gl.load(P + (tile * S + s) * (BV * NP) + p_off, cache_modifier=".cg")
-            gl.store(Y + y_off, gl.convert_layout(total.to(gl.bfloat16), OUT_L), y_mask)
-            gl.atomic_xchg(C + tile, 0)
+        # each launch adds MAX_SPLITS per tile whatever its S, so a launch starts at a multiple of it
+        arrived = gl.atomic_add(C + tile, MAX_SPLITS // S, sem="acq_rel", scope="gpu")
+        target = (arrived // MAX_SPLITS + 1) * MAX_SPLITS
+        seen = arrived + MAX_SPLITS // S
+        while seen < target:
+            seen = gl.atomic_add(C + tile, 0, sem="acquire", scope="gpu")
+        gl.thread_barrier()
+        RC: gl.constexpr = BV // S
+        rr = gl.arange(0, RC, layout=gl.SliceLayout(1, RED_L))
+        rc = gl.arange(0, NP, layout=gl.SliceLayout(0, RED_L))
+        r_off = gl.expand_dims((split * RC + rr) * NP, 1) + gl.expand_dims(rc, 0)
+        total = gl.load(P + tile * S * (BV * NP) + r_off, cache_modifier=".cg")
+        for s in gl.static_range(1, S):
+            total += gl.load(P + (tile * S + s) * (BV * NP) + r_off, cache_modifier=".cg")
+        y2 = (gl.expand_dims(rc, 0) * G + group) * R + r0 + split * RC + gl.expand_dims(rr, 1)
+        gl.store(Y + y2, total.to(gl.bfloat16), gl.expand_dims(rc < M, 0) & gl.expand_dims(rr >= 0, 1))
 
 
-def _mid_layouts(bv: int, nw: int):
+def _mid_layouts(bv: int, nw: int, np_: int):
     wc = gl.BlockedLayout([1, 4], [16, 2], [nw, 1], [1, 0])
     w_smem = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     out = gl.BlockedLayout([2, 1], [32, 1], [1, nw], [0, 1])
-    return _words_layout(bv, nw), wc, w_smem, out
+    tn = min(32, np_ // 4)
+    red = gl.BlockedLayout([1, 4], [32 // tn, tn], [nw, 1], [1, 0])  # 16-byte loads of a partial's rows
+    return _words_layout(bv, nw), wc, w_smem, out, red
 
 
 def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, counters: torch.Tensor,
@@ -339,7 +373,8 @@ def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, 
     assert 1 <= m <= 256 and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     bv, nw, split, np_, st = cfg or mid_config(m, g, r)
-    assert np_ >= m and r % bv == 0 and counters.numel() >= g * r // bv
+    assert np_ >= m and r % bv == 0 and counters.numel() >= g * r // bv and counters.dtype == torch.int64
+    assert split in (1, 2, 4, 8, 16) and bv % split == 0 and st >= 2, (split, st)
     if x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.clone()  # TMA reads x: 16-byte aligned rows
     x2 = x.as_strided((m, g * D), (x.stride(0), 1))
@@ -347,7 +382,7 @@ def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, 
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty(g * r * split * np_ if split > 1 else 1, dtype=torch.float32, device=x.device)
     _wo_a_fp8_mid_kernel[(g * r // bv * split,)](
-        packed, x_desc, exp, y, p, counters, m, g, r, split, bv, np_, st, nw, *_mid_layouts(bv, nw),
+        packed, x_desc, exp, y, p, counters, m, g, r, split, bv, np_, st, nw, *_mid_layouts(bv, nw, np_),
         num_warps=nw,
     )
     return y
