@@ -29,7 +29,7 @@ def cfgs(m, g):
     out = []
     for split in (1, 2, 4, 8, 16):
         ctas = g * R // 64 * split
-        st = k.mid_stages(g, R, split, np_)
+        st = k.mid_stages(g, R, split, np_, torch.cuda.get_device_properties(0).multi_processor_count)
         if 64 <= ctas <= 1024 and st >= 2:
             out.append((64, 4, split, np_, st))
     return out

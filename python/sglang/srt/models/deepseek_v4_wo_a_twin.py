@@ -1,24 +1,35 @@
-"""DeepSeek-V4 wo_a from an fp8 twin (``--dsv4-wo-a-fp8-twin``): building the twins and routing.
+"""DeepSeek-V4 wo_a from an fp8 twin (``--dsv4-wo-a-fp8-twin``): building the twins, routing, drop.
 
 DIAGNOSIS. V4.1 ships wo_a as e4m3 with one ue8m0 scale per 32x32 block; the engine dequantizes
 it to bf16 at load, so every decode / verify / draft call streams 16.8 MB per layer and rank
-(G = 2) where the checkpoint has 8.4 MB of information.
+(G = 2) where the checkpoint has 8.4 MB of information, and the weight holds twice the memory.
 WHAT IT DOES. After the weights load, every bf16 ``wo_a`` of the target and of the DSpark draft
 gets a twin (e4m3 values + one exponent per 32x32 block), kept only when dequantizing it gives the
-bf16 weight back bit for bit. ``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_twin`` first:
-decode / target-verify / draft calls with 2..8 rows (``small``) go, on Hopper, to the Gluon kernel
-``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90`` (also for calls that want upstream's fused MXFP8
-epilogue); elsewhere, and for 9..192 rows (``mid``), to the Triton kernel ``dsv4_wo_a_fp8``.
-Prefill, one row, any other shape or layout, and layers without an exact twin stay stock.
-LOSSLESS. Hopper small path: bitwise identical to upstream's ``wo_a_bf16_small_batch`` and to its
-MXFP8 variant (same K splits, MMA slots and partial sums; measured on the H200 at M = 2..8).
-Triton kernel: within 1 bf16 ulp of upstream on 0.018 % of outputs (H200, M = 2..8) and of
-einsum's exact result for G = 2/4/8 and 2..192 rows; its MXFP8 calls stay stock. Deterministic.
+bf16 weight back bit for bit. ``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_twin`` first. On
+Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
+- ``small``: decode / target-verify / draft calls with 2..8 rows on the small kernel, also those
+  that want upstream's fused MXFP8 epilogue;
+- ``mid``: also 9..32 rows (G = 2 / 8; 9..16 at G = 4) on the wgmma kernel, the row counts where
+  the H200 measured it >= 1.1x stock; more rows stay stock;
+- ``drop``: every decode / verify call of 1..192 rows reads the twin, and the bf16 weight is
+  released once the twin's dequantisation is checked bit-identical to it. The parameter then
+  holds a stand-in (one NaN seen through zero strides); every call the twin does not serve
+  (prefill, MXFP8 at mid rows, > 192 rows) multiplies ``stock_weight``: the weight rebuilt into a
+  fresh buffer per call (the seed's one shared scratch buffer raced between the target and draft
+  streams). Layers whose wo_a another reader takes (the fused rope + wo_a kernel, mega attention,
+  the NPU MXFP8 path, the DSpark draft's einsum) refuse to boot under drop, naming the layer.
+Elsewhere the portable Triton kernel ``dsv4_wo_a_fp8`` serves 2..8 rows (and 9..192 under mid).
+Prefill, one row (but under drop), other shapes or layouts and layers without a twin stay stock.
+LOSSLESS. Hopper small kernel: bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
+variant (H200, M = 2..8). wgmma and Triton kernels: within the fp32 accumulation bound of the
+exact result (G = 2/4/8, 9..192 rows), deterministic. drop: every route gives the bits it gave
+before the release (tests, CPU and H200).
 MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): G = 2,
-2..8 rows 5.84-5.97 us against 8.08-8.13 us for ``wo_a_bf16_small_batch`` (1.37x) and 8.9 us
-for einsum, which is what 0.5.23 runs on Hopper there; G = 8 15.1-15.3 us against einsum's
-18.5-18.9 us (1.23x). The goal (1.15x of a 3.87 us pure read) is not reached: 1.51x. ``mid``
-rows are still slower than einsum: keep the flag at ``small``.
+2..8 rows 1.36-1.38x ``wo_a_bf16_small_batch`` (1.51-1.52x the einsum 0.5.23 runs on Hopper
+there), 9..32 rows 1.11-1.28x einsum; G = 4 1.24-1.27x / 1.11-1.12x; G = 8 1.22-1.26x /
+1.23-1.31x. drop releases 7.99 MiB per layer net of the twin at G = 2 (15.98 at G = 4, 31.97 at
+G = 8; 344 / 687 / 1375 MiB for 43 layers); its prefill dequantisation costs 12.4 us per layer
+and call at G = 2, and 33..192 rows run at 0.48-1.00x einsum (still faster than rebuilding).
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ The twin holds the same operand values as the bf16 weight in half the bytes: e4m
 one ue8m0 exponent per 32x32 block (``exp`` is stored biased by 127, ``uint8 [G, R/32, D/32]``).
 The kernel rebuilds each bf16 tile in registers (``bf16(e4m3) * 2**(e-127)``, exact
 because the twin is kept only when it reproduces the weight bit for bit) and feeds the same
-``tl.dot`` as upstream's ``_wo_a_partial``.
+``tl.dot`` as upstream's ``_wo_a_partial``. This portable kernel is what GPUs other than Hopper
+run; on Hopper the Gluon kernels of ``dsv4_wo_a_fp8_sm90`` replace it. ``wo_a_fp8_dequant`` and
+``wo_a_fp8_dequant_packed`` (from Hopper's packed words) rebuild the bf16 weight: the build's
+exactness check and, under ``drop``, every call the twin kernels do not serve.
 
 Small path (2..8 rows): upstream's K split (8 splits of 512, 4 chunks of 128, 16-row dot).
 ``wo_a_fp8_matmul`` reduces the split partials inside the same kernel: the CTA that finishes a

@@ -1,39 +1,60 @@
-"""WO-A (``einsum('tgd,grd->tgr')``) from the fp8 twin on Hopper, 2..8 rows: one Gluon kernel,
-bitwise identical to upstream's ``wo_a_bf16_small_batch`` (and, through ``partials``, to its MXFP8
-variant).
+"""WO-A (``einsum('tgd,grd->tgr')``) from the fp8 twin on Hopper: two Gluon kernels that read the
+same fragment-major words (``pack_twin``). ``wo_a_fp8_small_sm90`` (1..8 rows) is bitwise identical
+to upstream's ``wo_a_bf16_small_batch`` (and, through ``partials``, to its MXFP8 variant);
+``wo_a_fp8_mid_sm90`` (9..192 rows) is a wgmma kernel within the fp32 bound of the exact result.
 
-HOW (H200, benchmark/results/wo_a_fp8-NVIDIA_H200.json).
+SMALL: HOW (H200, benchmark/results/wo_a_fp8-NVIDIA_H200.json).
 - Grid G * R / 8: one CTA per 8 weight rows of one group and all of K (256 CTAs at G = 2, 1024 at
   G = 8); 8 warps, warp s owns upstream's K split s (K 512 s .. 512 s + 511). No split-K across
   CTAs, so no second kernel and no reduction through L2 (the earlier Triton twin lost 1.9 us there).
-- The twin is stored fragment-major (``pack_twin``): K permuted inside each 32-block and each
-  warp's A fragment of one 32-K block contiguous, so each thread's 8 bytes of a block are one
-  LDG.64 and a warp reads 256 contiguous bytes. All 16 loads per thread (the CTA's 32 KB) issue at
-  entry; a CTA barrier sits between them and the first MMA, because ptxas otherwise sinks each
-  load to its use (then 7 of 16 were in flight).
+- The twin is stored fragment-major: K permuted inside each 32-block and each warp's A fragment of
+  one 32-K block contiguous, so each thread's 8 bytes of a block are one LDG.64 and a warp reads
+  256 contiguous bytes. All 16 loads per thread (the CTA's 32 KB) issue at entry; a CTA barrier
+  sits between them and the first MMA, because ptxas otherwise sinks each load to its use (then 7
+  of 16 were in flight).
 - x goes to shared memory by cp.async (rows past M are zero-filled without traffic), one group per
   128-K chunk, and comes back by ldmatrix. Loading x into registers with 4-byte loads made the
   time grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us flat.
 - The e4m3 -> bf16 asm (exact, the power-of-two scale in one HMUL2) runs right before each MMA;
   swap-AB mma.sync m16n8k16 with the 8 weight rows as M (rows 8..15 zero) and <= 8 rows of x as N.
 - 64 registers, 64 KB of shared memory: 3 CTAs per SM.
-Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 5.84-5.97 us
-against 8.08-8.13 us for ``wo_a_bf16_small_batch`` (1.37-1.38x) and 8.9-9.0 us for einsum (what
-Hopper runs for 2..8 rows in 0.5.23); a pure read of the twin's bytes takes 3.87 us, so the
-kernel is at 1.51x of it, not yet at the 1.15x goal. G = 8: 15.1-15.3 us against einsum's
-18.5-18.9 (1.22-1.24x; pure read 9.34 us). The MXFP8 epilogue (upstream's ``_quantize_partial`` on
-these partials) 7.60-7.67 us against 8.23-8.32 us.
+Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 5.87-5.95 us
+against 8.07-8.14 us for ``wo_a_bf16_small_batch`` (1.36-1.38x) and 8.9-9.0 us for einsum (what
+Hopper runs for 2..8 rows in 0.5.23); a pure read of the twin's bytes takes 3.92 us, so the
+kernel is at 1.50-1.52x of it, not yet at the 1.15x goal (ncu, isolated launch: the SMs are
+active 71 % of the kernel's cycles, 0.6 eligible warps per scheduler). G = 4: 8.9-9.2 us against
+einsum's 11.3-11.4 (1.24-1.27x); G = 8: 15.0-15.3 against 18.7-18.9 (1.22-1.26x). The MXFP8
+epilogue (upstream's ``_quantize_partial`` on these partials) 7.62-7.71 us against 8.26-8.33 us.
 
-EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16 operand
-values (the twin is exact), k_width 2 operands so every product sits in the same slot of the same
-m16n8k16 (swap-AB does not change the bits), 32 MMAs per split from zero in K order. The partials
-are then added as ``_wo_a_reduce``'s ``tl.sum`` adds them: its [8, 256] blocked layout keeps
-splits (0, 2, 4, 6) in one thread and (1, 3, 5, 7) in another, summed in order, then the two
-sums. Measured on the H200: 0 of 4096..16384 outputs differ from upstream at M = 2, 4, 8, the
+SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
+operand values (the twin is exact), k_width 2 operands so every product sits in the same slot of
+the same m16n8k16 (swap-AB does not change the bits), 32 MMAs per split from zero in K order. The
+partials are then added as ``_wo_a_reduce``'s ``tl.sum`` adds them: its [8, 256] blocked layout
+keeps splits (0, 2, 4, 6) in one thread and (1, 3, 5, 7) in another, summed in order, then the
+two sums. Measured on the H200: 0 of 4096..16384 outputs differ from upstream at M = 2, 4, 8, the
 partials are bit-identical, and so are the MXFP8 bytes and scales.
+
+MID: HOW. The weight rows are the wgmma's M (64 per CTA, one warpgroup), the rows of x its N
+(padded to NP = 16..256), and K is split S ways across CTAs (``_MID_SPLITS``, the best of the
+sweep in benchmark/results/wo_a_fp8_mid_sweep-NVIDIA_H200.json: S = 16 / 8 / 4 / 1..8 so that the
+grid holds 128..1024 CTAs). Each 128-K step reaches shared memory in a ring as deep as one wave
+allows (2..8 steps): the weights by cp.async from the packed words (8 KB), x by TMA (rows past M
+zero-filled). The dequantisation (the same exact asm) turns each 32-K block into the A operand
+in registers right before its wgmma. The split partials go to an fp32 scratch; every CTA of a
+tile then waits for its tile's S arrivals and adds its 64 / S rows of the S partials in split
+order (deterministic, no float atomics). That wait, not the last CTA adding the whole tile,
+is what made split-K pay: the last-CTA form cost 2.0 us at S = 8 and 3.8 us at S = 16 (M = 16).
+Measured (same run): G = 2, 9..16 rows 7.4 us against einsum's 8.9-9.0 (1.20-1.21x), 24..32 rows
+1.11-1.28x, 48 rows even, slower from 64 (0.48-0.92x at 64..192); G = 4 1.11-1.12x at 9..16,
+1.05-1.07x at 24..32; G = 8 1.30-1.31x at 9..16, 1.23x at 24..32, 1.05x at 48, slower from 64. The
+dispatch serves ``mid`` only where it was measured >= 1.1x; ``drop`` serves every row count.
+What the mid goals (2x at 9..64, 1.5x at 65..192) still miss: about 2 us per call of split-K
+wait (partials out, arrival, partials in), and x's L2 traffic, which grows with the rows.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -217,7 +238,7 @@ MAX_SPLITS = gl.constexpr(16)  # K splits of the mid kernel: a power of two up t
 _SM_SMEM = 227 * 1024  # shared memory one SM gives its CTAs (H100 / H200)
 
 
-def mid_stages(g: int, r: int, split: int, np_: int, sms: int = 132) -> int:
+def mid_stages(g: int, r: int, split: int, np_: int, sms: int) -> int:
     """Pipeline depth for one wave: every CTA of the grid resident at once (the split-K wait needs
     a tile's CTAs together), as deep as shared memory then allows, 2..8 steps of 128 K."""
     ctas_per_sm = -(-(g * r // 64 * split) // sms)
@@ -235,15 +256,21 @@ _MID_SPLITS = {
 }
 
 
-def mid_config(m: int, g: int, r: int) -> tuple[int, int, int, int, int]:
-    """(weight rows per CTA, warps, K splits, padded x rows NP, pipeline stages) for ``m`` rows."""
+def mid_config(m: int, g: int, r: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+    """(weight rows per CTA, warps, K splits, padded x rows NP, pipeline stages) for ``m`` rows on
+    a device with ``sms`` SMs."""
     np_ = max(16, 1 << (m - 1).bit_length())
     split = _MID_SPLITS.get((g, np_))
     if split is None or r != 1024:  # unmeasured shapes: ~512 CTAs up to 64 x rows, ~128 above
         split = max(1, min(16, (512 if np_ <= 64 else 128) // (g * r // 64)))
-    while mid_stages(g, r, split, np_) < 2:
+    while mid_stages(g, r, split, np_, sms) < 2:
         split //= 2
-    return 64, 4, split, np_, mid_stages(g, r, split, np_)
+    return 64, 4, split, np_, mid_stages(g, r, split, np_, sms)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def mid_counters(g: int, r: int, device) -> torch.Tensor:
@@ -372,7 +399,7 @@ def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, 
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= 256 and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
-    bv, nw, split, np_, st = cfg or mid_config(m, g, r)
+    bv, nw, split, np_, st = cfg or mid_config(m, g, r, _sm_count(x.device))
     assert np_ >= m and r % bv == 0 and counters.numel() >= g * r // bv and counters.dtype == torch.int64
     assert split in (1, 2, 4, 8, 16) and bv % split == 0 and st >= 2, (split, st)
     if x.data_ptr() % 16 or x.stride(0) % 8:
