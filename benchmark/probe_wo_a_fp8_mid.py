@@ -5,18 +5,12 @@ counted) and timed against einsum at G = 2 / 4 / 8 (43 layers, CUDA graph). Its 
 Not run by the GPU bundle: python3 benchmark/probe_wo_a_fp8_mid.py RESULTS_DIR"""
 import json, sys, time, traceback
 import torch
+from bench_wo_a_fp8 import twin_exact_weight as weight
 from harness import LAYERS, graph_us_per_call
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as k
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 R, D = 1024, 4096
-
-def weight(g, seed):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(g, R, D, device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    e = torch.randint(-14, -6, (g, R // 32, D // 32), device="cuda", generator=gen)
-    s = torch.exp2(e.float()).repeat_interleave(32, 1).repeat_interleave(32, 2)
-    return (q.float() * s).to(torch.bfloat16)
 
 def bound_bad(y, x, w):
     ref = torch.einsum("tgd,grd->tgr", x.double(), w.double())

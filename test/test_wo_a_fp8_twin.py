@@ -256,7 +256,7 @@ def _all_routes(model):
     return out
 
 
-def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch):
+def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
     """drop = mid + the bf16 weight released after its dequantisation checks bit-identical: every
     route (prefill, one row, 4 and 12 rows, other modes) gives the bits it gave before the release;
     the parameter holds a stand-in no fast path takes (zero strides) and that poisons any reader."""
@@ -267,7 +267,11 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch):
     before = [y.clone() for y in _all_routes(model)]
     monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = _two_layer_model(40)
-    assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (2, 0)
+    with caplog.at_level("INFO"):
+        assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (2, 0)
+    assert "released 0.5 MiB of bf16 weights (2 layers, 0 kept theirs)" in caplog.text
+    with pytest.raises(RuntimeError):  # an in-place weight update cannot write into the stand-in
+        model["l0"].wo_a.weight.data.copy_(torch.ones(128, 1024, dtype=torch.bfloat16))
     for name in ("l0", "l1"):
         sw = model[name].wo_a.weight
         assert sw.shape == (128, 1024) and sw.stride() == (0, 0) and torch.isnan(sw[0, 0])

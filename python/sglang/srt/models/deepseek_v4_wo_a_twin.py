@@ -17,7 +17,8 @@ Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one pa
   (prefill, MXFP8 at mid rows, > 192 rows) multiplies ``stock_weight``: the weight rebuilt into a
   fresh buffer per call (the seed's one shared scratch buffer raced between the target and draft
   streams). Layers whose wo_a another reader takes (the fused rope + wo_a kernel, mega attention,
-  the NPU MXFP8 path, the DSpark draft's einsum) refuse to boot under drop, naming the layer.
+  the NPU MXFP8 path, the DSpark draft's einsum) refuse to boot under drop, naming the layer;
+  so do in-place weight updates after it (writing into the stand-in raises).
 Elsewhere the portable Triton kernel ``dsv4_wo_a_fp8`` serves 2..8 rows (and 9..192 under mid).
 Prefill, one row (but under drop), other shapes or layouts and layers without a twin stay stock.
 LOSSLESS. Hopper small kernel: bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
@@ -226,9 +227,9 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     hopper = sum(t.packed is not None for *_, t in entries)
     logger.info(
         "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights (%d on the Hopper kernels), "
-        "%d left on bf16; twins hold %.0f MB%s",
+        "%d left on bf16; twins hold %.1f MiB%s",
         mode, label, made, hopper, kept, twin_mb,
-        f"; released {released / 2**20:.0f} MB of bf16 weights ({made - failed} layers, "
+        f"; released {released / 2**20:.1f} MiB of bf16 weights ({made - failed} layers, "
         f"{failed} kept theirs)" if mode == "drop" else "",
     )
     return made, kept

@@ -394,7 +394,8 @@ def _mid_layouts(bv: int, nw: int, np_: int):
 def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, counters: torch.Tensor,
                       cfg: tuple | None = None) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 9..192 rows from ``pack_twin``'s words, bf16 [M, G, R];
-    split-K partials are added in split order by the last CTA of each tile (deterministic)."""
+    the split-K partials of a tile are added in split order by its CTAs, each its own rows
+    (deterministic). ``counters``: ``mid_counters`` of this twin, never shared between streams."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= 256 and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
