@@ -295,6 +295,11 @@ def test_drop_refuses_layers_read_past_the_dispatch(monkeypatch):
     with pytest.raises(RuntimeError, match="DSpark draft's einsum"):
         twin_mod.build_wo_a_fp8_twins(model, "drop", "dspark draft")
     assert twin_mod.build_wo_a_fp8_twins(model, "mid", "dspark draft") == (2, 0)  # mid keeps bf16
+    from sglang.srt.models import deepseek_v4
+
+    monkeypatch.setattr(deepseek_v4, "_NPU_BF16_WO_A_GEMM", True)
+    with pytest.raises(RuntimeError, match="SGLANG_OPT_NPU_BF16_WO_A_GEMM"):
+        twin_mod.build_wo_a_fp8_twins(_two_layer_model(52), "drop", "target")
 
 
 def test_drop_keeps_a_weight_whose_dequantisation_disagrees(monkeypatch, caplog):

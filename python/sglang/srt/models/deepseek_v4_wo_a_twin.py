@@ -17,7 +17,7 @@ Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one pa
   (prefill, MXFP8 at mid rows, > 192 rows) multiplies ``stock_weight``: the weight rebuilt into a
   fresh buffer per call (the seed's one shared scratch buffer raced between the target and draft
   streams). Layers whose wo_a another reader takes (the fused rope + wo_a kernel, mega attention,
-  the NPU MXFP8 path, the DSpark draft's einsum) refuse to boot under drop, naming the layer;
+  the NPU MXFP8 and bf16 paths, the DSpark draft's einsum) refuse to boot under drop, naming it;
   so do in-place weight updates after it (writing into the stand-in raises).
 Elsewhere the portable Triton kernel ``dsv4_wo_a_fp8`` serves 2..8 rows (and 9..192 under mid).
 Prefill, one row (but under drop), other shapes or layouts and layers without a twin stay stock.
@@ -180,6 +180,14 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
         return 0, 0
+    if mode == "drop":
+        from sglang.srt.models import deepseek_v4
+
+        if getattr(deepseek_v4, "_NPU_BF16_WO_A_GEMM", False):
+            raise RuntimeError(
+                "--dsv4-wo-a-fp8-twin=drop: SGLANG_OPT_NPU_BF16_WO_A_GEMM sends decode wo_a to "
+                "F.linear on the weight, which drop releases; use --dsv4-wo-a-fp8-twin=mid"
+            )
     _MODE["mode"] = mode
     made = kept = 0
     entries = []
