@@ -214,7 +214,7 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             kept += 1
             continue
         weight8, exp = twin
-        packed = counters = None
+        packed = None
         if (
             sm90.available(view.device)
             and view.shape[2] == sm90.D

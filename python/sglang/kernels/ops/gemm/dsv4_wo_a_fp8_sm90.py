@@ -233,7 +233,6 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
 
 # ---------------------------------------------------------------- mid rows (9..192): wgmma
 
-MID_ROWS = (9, 192)
 MAX_SPLITS = gl.constexpr(16)  # K splits of the mid kernel: a power of two up to this
 _SM_SMEM = 227 * 1024  # shared memory one SM gives its CTAs (H100 / H200)
 
@@ -382,6 +381,7 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
         gl.store(Y + y2, total.to(gl.bfloat16), gl.expand_dims(rc < M, 0) & gl.expand_dims(rr >= 0, 1))
 
 
+@functools.cache
 def _mid_layouts(bv: int, nw: int, np_: int):
     wc = gl.BlockedLayout([1, 4], [16, 2], [nw, 1], [1, 0])
     w_smem = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
