@@ -33,9 +33,10 @@ export:
 	@test -n "$(FEATURE)" || { echo "usage: make export FEATURE=<patch name or number>"; exit 2; }
 	$(FORK) export $(FEATURE)
 
-# CPU test suite (GPU tests are marked `gpu` and skipped without CUDA).
+# CPU test suite (GPU tests are marked `gpu` and skipped without CUDA). Its temporary trees come
+# to about 2.4 GB; only a failed test's are kept, so runs do not pile up on a shared /tmp.
 test: all
-	$(VENV)/bin/python -m pytest test $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -o tmp_path_retention_policy=failed test $(PYTEST_ARGS)
 
 clean:
 	rm -rf build $(VENV)
