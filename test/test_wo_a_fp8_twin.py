@@ -172,6 +172,47 @@ def test_hopper_packing_gives_each_thread_its_fragment():
         assert bytes_[gi, ti, c, kb, s, row, t, b] == raw[gi, 8 * ti + row, k_logical]
 
 
+def _prmt_cvt(words: torch.Tensor, selectors=(0x9180, 0xB3A2), mask=0x87F087F0) -> torch.Tensor:
+    """The PRMT conversion's integer steps (prmt with sign replication, shl 4, and) on int64
+    words -> the bf16 bit patterns [..., 4] of bytes 0..3, before the scale's HMUL2."""
+    w = words & 0xFFFFFFFF
+    out = []
+    for sel in selectors:
+        t = torch.zeros_like(w)
+        for byte in range(4):  # result byte `byte` from selector nibble: index + sign-replicate bit
+            nib = (sel >> (4 * byte)) & 0xF
+            src = (w >> (8 * (nib & 7))) & 0xFF
+            t |= (torch.where(src >= 0x80, 0xFF, 0) if nib & 8 else src) << (8 * byte)
+        t = ((t << 4) & 0xFFFFFFFF) & mask
+        out += [t & 0xFFFF, t >> 16]
+    return torch.stack(out, -1)
+
+
+@pytest.mark.parametrize("selectors,mask,exact", [
+    ((0x9180, 0xB3A2), 0x87F087F0, True),   # the kernel's
+    ((0x9180, 0xB3A2), 0xFFF0FFF0, False),  # sign copies left in the exponent
+    ((0x4140, 0x4342), 0x87F087F0, False),  # no sign replication: negatives lose their sign
+])
+def test_prmt_conversion_places_every_e4m3_code(selectors, mask, exact):
+    """CVT_PRMT's bit moves: every e4m3 code (subnormals, zeros, both signs) comes out as
+    q * 2**-120 in bf16, which the scale word 2**(e - 127 + 120) turns into q * 2**(e - 127); the
+    test fails on a broken mask or selector. (The HMUL2 on bf16 subnormals is the GPU test's.)"""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    codes = torch.arange(256, dtype=torch.int64)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn NaN
+    words = codes.view(-1, 2)  # 4 codes per word: every code in every byte position
+    words = torch.cat([words[:, 0] | words[:, 1] << 8 | words.roll(1, 0)[:, 0] << 16 | words.roll(3, 0)[:, 1] << 24,
+                       words.roll(5, 0)[:, 1] | words[:, 0] << 8 | words[:, 1] << 16 | words.roll(2, 0)[:, 0] << 24])
+    bits = _prmt_cvt(words, selectors, mask)
+    got = bits.to(torch.int16).view(torch.bfloat16).double() * 2.0 ** sm90._SCALE_BIAS[sm90.CVT_PRMT]
+    raw = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1)
+    want = raw.to(torch.uint8).view(torch.float8_e4m3fn).double()
+    assert torch.equal(got, want) == exact
+    if exact:
+        assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
+
+
 def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     """A twin with Hopper words: 2..8 rows go to the Gluon kernel, MXFP8 calls through its
     partials and upstream's own epilogue (G = 2 only); 9..192 rows without a row-major copy stay stock."""
@@ -472,6 +513,44 @@ def test_gpu_hopper_small_bitwise_to_stock_partials_and_mxfp8():
     x = base[:, : 2 * 4096].view(5, 2, 4096)
     assert torch.equal(sm90.wo_a_fp8_small_sm90(x, packed, e).view(torch.int16),
                        up.wo_a_bf16_small_batch(x, w).view(torch.int16))
+
+
+def _all_codes_twin(g: int, seed: int):
+    """(e4m3 [G, 1024, 4096], ue8m0 exponents in 100..134, the bf16 weight) where every column
+    holds every non-NaN e4m3 code, so one-hot rows of x read each code back through the kernel."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.arange(256)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    idx = (torch.arange(1024)[:, None] + 37 * torch.arange(4096)[None, :] + torch.arange(g)[:, None, None]) % len(codes)
+    w8 = codes[idx].to(torch.uint8).view(torch.float8_e4m3fn)
+    e = torch.randint(100, 135, (g, 32, 128), generator=gen).to(torch.uint8)
+    w = (w8.float() * torch.exp2(e.float() - 127).repeat_interleave(32, 1).repeat_interleave(32, 2)).to(torch.bfloat16)
+    return w8.cuda(), e.cuda(), w.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_cta,cvt", [(8, 0), (16, 0), (8, 1), (16, 1)])
+def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt):
+    """The small kernel's candidates (16 rows per CTA, the PRMT conversion) give the shipped kernel's
+    bits at every M, output and partials; and every e4m3 code (subnormals, zeros, both signs) comes
+    back exactly through one-hot rows of x, the shipped kernel included."""
+    sm90 = _hopper()
+    for g in (2, 8):
+        w8, e, w = _all_codes_twin(g, 40 + g)
+        packed = sm90.pack_twin(w8)
+        ks = torch.tensor([0, 33, 511, 519, 1154, 2079, 3372, 4095], device="cuda")
+        x = torch.zeros(8, g, 4096, device="cuda", dtype=torch.bfloat16)
+        x[torch.arange(8, device="cuda"), :, ks] = 1
+        y = sm90.wo_a_fp8_small_sm90(x, packed, e, rows_per_cta=rows_per_cta, cvt=cvt)
+        assert torch.equal(y.float(), w[:, :, ks].permute(2, 0, 1).float()), g
+        tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 50 + g))
+        packed = sm90.pack_twin(tw[0])
+        for m in range(1, 9):
+            x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
+            for part in (False, True):
+                want = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part)
+                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, cvt=cvt)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
 
 
 @pytest.mark.gpu

@@ -79,12 +79,39 @@ from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
 
 N_SPLITS = 8  # upstream's split of K = 4096 into 8 x 512, one warp each
 SPLITS = gl.constexpr(N_SPLITS)
-ROWS = 8  # weight rows per CTA: the live half of the MMA's M = 16
+ROWS = 8  # packing unit: weight rows per fragment-major piece (the live half of the MMA's M = 16)
 D = 4096
 DK = gl.constexpr(D)
 MAX_ROWS = 8
-# the dequantisation's bf16 scale word carries 2**112: 2**(e - 127 + 112) must stay finite
-MAX_BIASED_EXP = 142
+
+# e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_F16, the shipped one:
+# cvt.e4m3x2 -> f16x2 (F2FP), the f16 bits moved into bf16's (q * 2**-112), then the scale word
+# 2**(e - 127 + 112) in one HMUL2: 5 instructions per pair. CVT_PRMT, a candidate not yet measured
+# on the GPU (benchmark/probe_wo_a_fp8_small16.py): each byte sign-extended into a 16-bit half by
+# PRMT, shifted so that e4m3's exponent and mantissa land in bf16's low exponent bits and the
+# sign copies between them are masked off (q * 2**-120; e4m3 subnormals become bf16 subnormals,
+# which the HMUL2 by 2**(e - 127 + 120) takes exactly): 4 instructions per pair, no F2FP.
+CVT_F16, CVT_PRMT = 0, 1
+_SCALE_BIAS = {CVT_F16: 112, CVT_PRMT: 120}
+_E4M3X4_TO_BF16_PRMT_ASM = gl.constexpr("""{
+.reg .b32 t0, t1;
+prmt.b32 t0, $2, 0, 0x9180;
+prmt.b32 t1, $2, 0, 0xB3A2;
+shl.b32 t0, t0, 4;
+shl.b32 t1, t1, 4;
+and.b32 t0, t0, 0x87F087F0;
+and.b32 t1, t1, 0x87F087F0;
+mul.rn.bf16x2 $0, t0, $3;
+mul.rn.bf16x2 $1, t1, $4;
+}""")
+
+
+def max_biased_exp(cvt: int = CVT_F16) -> int:
+    """Largest ue8m0 exponent the conversion's bf16 scale word 2**(e - 127 + bias) can carry."""
+    return 254 - _SCALE_BIAS[cvt]
+
+
+MAX_BIASED_EXP = max_biased_exp(CVT_F16)  # 142
 
 __all__ = ["available", "pack_twin", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
 
@@ -122,18 +149,28 @@ _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8, 1, 1], instr_
 _P_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # [8, 8] fp32 (rows x x-rows) of one split's partial, one element per thread (4 warps)
 _OUT_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[2, 4], order=[1, 0])
+_OUT16_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 2], order=[1, 0])
 
 
 @gluon.jit
-def _dequant(w32, sb, A_L: gl.constexpr):
-    """[S, 8, 8] words of a K-permuted e4m3 32-block + per-split bf16x2 scale words -> the
-    logical [S, 16, 32] bf16 A operand (rows 8..15 zero), the permutation undone by renaming."""
+def _dequant(w32, sb, CVT: gl.constexpr):
+    """[S, 8, 8] words of a K-permuted e4m3 32-block of 8 rows + per-split bf16x2 scale words ->
+    the logical [S, 8, 32] bf16 rows, the permutation undone by renaming."""
     sb = gl.expand_dims(gl.expand_dims(sb, 1), 2) + gl.zeros_like(w32)
-    o0, o1 = gl.inline_asm_elementwise(_ASM, "=r,=r,r,r,r", [w32, sb, sb], dtype=(gl.int32, gl.int32),
-                                       is_pure=True, pack=1)
+    if CVT == 0:
+        o0, o1 = gl.inline_asm_elementwise(_ASM, "=r,=r,r,r,r", [w32, sb, sb], dtype=(gl.int32, gl.int32),
+                                           is_pure=True, pack=1)
+    else:
+        o0, o1 = gl.inline_asm_elementwise(_E4M3X4_TO_BF16_PRMT_ASM, "=r,=r,r,r,r", [w32, sb, sb],
+                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     w = gl.join(_bf16_pair(o0), _bf16_pair(o1))  # [S, 8, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
-    w = gl.reshape(gl.permute(gl.reshape(w, [SPLITS, 8, 4, 2, 2, 2]), [0, 1, 3, 5, 2, 4]), [SPLITS, 8, 32])
-    w = gl.permute(gl.join(w, gl.zeros_like(w)), [0, 3, 1, 2])  # [S, row + 8, 8, 32]
+    return gl.reshape(gl.permute(gl.reshape(w, [SPLITS, 8, 4, 2, 2, 2]), [0, 1, 3, 5, 2, 4]), [SPLITS, 8, 32])
+
+
+@gluon.jit
+def _a_operand(lo, hi, A_L: gl.constexpr):
+    """Rows 0..7 and 8..15 ([S, 8, 32] each) -> the [S, 16, 32] A operand of the m16n8k16."""
+    w = gl.permute(gl.join(lo, hi), [0, 3, 1, 2])  # [S, row + 8, 8, 32]
     return gl.convert_layout(gl.reshape(w, [SPLITS, 16, 32]), A_L)
 
 
@@ -141,22 +178,25 @@ def _dequant(w32, sb, A_L: gl.constexpr):
 def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexpr,
                            PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
-                           XC_L: gl.constexpr, X_SMEM: gl.constexpr):
+                           XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
     pid = gl.program_id(0)
-    group = pid // (R // 8)
-    r0 = (pid % (R // 8)) * 8
-    # every weight byte of the CTA first: 16 LDG.64 per thread, 32 KB per CTA in flight
+    group = pid // (R // RB)
+    r0 = (pid % (R // RB)) * RB
+    # every weight byte of the CTA first: 16 LDG.64 per thread and 8 rows, 32 KB per 8 rows in flight
     ls = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LD_L)))
     ll = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LD_L)))
     lj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LD_L)))
     w_off = (gl.expand_dims(gl.expand_dims(ls * 64, 1), 2) + gl.expand_dims(gl.expand_dims(ll * 2, 0), 2)
              + gl.expand_dims(gl.expand_dims(lj, 0), 1))
     ws = ()
+    wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
     for i in gl.static_range(NB):
-        ws = ws + (gl.load(W + (pid * NB + i) * 512 + w_off),)
+        ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
+        if RB == 16:
+            wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
     x_s = gl.allocate_shared_memory(gl.bfloat16, [8, SPLITS, 8, 64], X_SMEM)
@@ -185,8 +225,13 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             gl.thread_barrier()
         xb = x_s.index(i // 2).slice(32 * (i % 2), 32, dim=2).load(X_L)
         w32 = gl.reshape(ws[i], [SPLITS, 8, 8])
-        sb = (es[i] + 112) << 7  # bf16 bits of 2**(e - 127) * 2**112
-        a = _dequant(w32, gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout))), A_L)
+        sb = (es[i] + (112 if CVT == 0 else 120)) << 7  # bf16 bits of 2**(e - 127) * 2**bias
+        sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
+        lo = _dequant(w32, sb, CVT)
+        if RB == 16:
+            a = _a_operand(lo, _dequant(gl.reshape(wh[i], [SPLITS, 8, 8]), sb, CVT), A_L)
+        else:
+            a = _a_operand(lo, gl.zeros_like(lo), A_L)
         acc = mma_v2(a, gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L), acc)
     if PARTIALS:  # upstream's partial layout [8, M, G, R] for its MXFP8 epilogue
         ps = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
@@ -196,37 +241,42 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         r3 = gl.expand_dims(gl.expand_dims(pr, 0), 2)
         t3 = gl.expand_dims(gl.expand_dims(pt, 0), 1)
         off = ((s3 * M + t3) * G + group) * R + r0 + r3
-        gl.store(P + off, acc, (t3 < M) & (r3 < 8) & (s3 >= 0))
+        gl.store(P + off, acc, (t3 < M) & (r3 < RB) & (s3 >= 0))
     else:
         # the split partials meet in shared memory and are added as _wo_a_reduce's tl.sum adds them
         p_s = gl.allocate_shared_memory(gl.float32, [SPLITS * 16, 8], P_SMEM)
         p_s.store(gl.reshape(acc, [SPLITS * 16, 8]))
         gl.thread_barrier()
-        even = p_s.slice(0, 8).load(OUT_L)
-        odd = p_s.slice(16, 8).load(OUT_L)
+        even = p_s.slice(0, RB).load(OUT_L)
+        odd = p_s.slice(16, RB).load(OUT_L)
         for s in gl.static_range(1, SPLITS // 2):
-            even = even + p_s.slice(32 * s, 8).load(OUT_L)
-            odd = odd + p_s.slice(32 * s + 16, 8).load(OUT_L)
+            even = even + p_s.slice(32 * s, RB).load(OUT_L)
+            odd = odd + p_s.slice(32 * s + 16, RB).load(OUT_L)
         total = even + odd
-        orow = gl.arange(0, 8, layout=gl.SliceLayout(1, OUT_L))
+        orow = gl.arange(0, RB, layout=gl.SliceLayout(1, OUT_L))
         otok = gl.arange(0, 8, layout=gl.SliceLayout(0, OUT_L))
         o_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + gl.expand_dims(orow, 1)
         gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
 
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
-                        partials: bool = False) -> torch.Tensor:
+                        partials: bool = False, *, rows_per_cta: int = ROWS,
+                        cvt: int = CVT_F16) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..8 rows from ``pack_twin``'s words: bf16
-    [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``."""
+    [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``.
+    The defaults are the measured kernel; ``rows_per_cta=16`` (a full m16 A operand, x read once
+    per 16 weight rows) and ``cvt=CVT_PRMT`` are candidates for the probe, not served."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
+    assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
-    _wo_a_fp8_small_kernel[(g * r // ROWS,)](
+    _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT, _MMA, _P_SMEM,
-        _OUT_LAYOUT, _XC_LAYOUT, _X_SMEM, num_warps=N_SPLITS,
+        _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta, cvt,
+        num_warps=N_SPLITS,
     )
     return p if partials else y
 

@@ -1,0 +1,80 @@
+"""Candidates for the wo_a twin's Hopper small kernel (1..8 rows) against the shipped one, in one run:
+- ``rows_per_cta=16``: a CTA per 16 weight rows instead of 8, so the m16n8k16's A operand is full
+  (no zero rows to build), x is read from shared memory once per 16 rows, and there are half the
+  MMAs and ldmatrix per weight; 128 CTAs at G = 2 (one per SM), 121 registers;
+- ``cvt=CVT_PRMT``: the e4m3 -> bf16 conversion by PRMT / shift / mask + the scale's HMUL2, 4
+  instructions per pair of weights instead of 5 (no F2FP).
+Both keep the shipped kernel's MMA chains and reduction order, so they are bitwise identical to it
+(test_gpu_hopper_small_candidates_bitwise_to_shipped checks that, every code and M included).
+SASS per thread from an offline sm_90 compile (G = 2): shipped 644 instructions (8 rows), PRMT 579;
+16 rows 920, 16 rows + PRMT 792. Per SM at G = 2 that is 10.3 K warp instructions shipped (two
+8-warp CTAs) against 6.3 K for 16 rows + PRMT (one). The earlier probe (small_dequant) measured
+what 4.5 K fewer warp instructions per SM buy: 0.67 us of 5.9.
+Written when the session's device time was spent: no GPU numbers yet; the next GPU session runs
+it, and the shipped default changes only on what it measures.
+Not run by the GPU bundle by default: BENCH=probe_wo_a_fp8_small16.py bash build/gpu-bundle/run.sh DIR
+(the GPU tests, which include the candidates' exactness, then this probe)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+from bench_wo_a_fp8 import pure_read, twin_exact_weight
+from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
+from sglang.kernels.ops.gemm import dsv4_wo_a as up
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
+
+CONFIGS = {  # name: (rows_per_cta, cvt); the first is the shipped kernel
+    "shipped": (8, sm90.CVT_F16),
+    "rows16": (16, sm90.CVT_F16),
+    "prmt": (8, sm90.CVT_PRMT),
+    "rows16_prmt": (16, sm90.CVT_PRMT),
+}
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    rows = []
+    for g in (2, 4, 8):
+        weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
+        twins = [make_twin(w) for w in weights]
+        assert all(t is not None and int(t[1].max()) <= sm90.max_biased_exp(sm90.CVT_PRMT) for t in twins)
+        packed = [sm90.pack_twin(t[0]) for t in twins]
+        nbytes = twins[0][0].numel() + twins[0][1].numel()
+        words = [torch.cat([t[0].view(torch.int32).flatten(), t[1].view(torch.int32).flatten()]) for t in twins]
+        read_us = min(
+            graph_us_per_call([lambda wd=wd, s=torch.empty(triton.cdiv(wd.numel(), b), dtype=torch.int32,
+                                                             device="cuda"), b=b: pure_read(wd, s, b) for wd in words],
+                              args.replays)
+            for b in (1024, 2048, 4096)
+        )
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
+            if g == 2 and m >= 2:  # upstream's small-batch kernel takes 2..8 rows; 1 row is einsum
+                stock_name, stock = "wo_a_bf16_small_batch", lambda i: up.wo_a_bf16_small_batch(x, weights[i])
+            else:
+                stock_name, stock = "einsum", lambda i: torch.einsum("tgd,grd->tgr", x, weights[i])
+            stock_us = graph_us_per_call([lambda i=i: stock(i) for i in range(LAYERS)], args.replays)
+            ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1])
+            shipped_us = None
+            for name, (rb, cvt) in CONFIGS.items():
+                def call(i, rb=rb, cvt=cvt):
+                    return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], rows_per_cta=rb, cvt=cvt)
+
+                bitwise = torch.equal(call(0).view(torch.int16), ref.view(torch.int16))
+                us = graph_us_per_call([lambda i=i: call(i) for i in range(LAYERS)], args.replays)
+                shipped_us = shipped_us or us
+                rows.append({"G": g, "M": m, "kernel": name, "us": us, "x_shipped": shipped_us / us,
+                             "x_pure_read": us / read_us, "x_stock": stock_us / us, "TB/s": tbps(nbytes, us),
+                             "pure_read_us": read_us, "stock": stock_name, "stock_us": stock_us,
+                             "bitwise_to_shipped": bitwise})
+        del weights, twins, packed, words
+    report("wo_a_fp8_small16_probe", ["G", "M", "kernel", "us", "x_shipped", "x_pure_read", "x_stock", "TB/s",
+                                      "bitwise_to_shipped"], rows, args.out,
+           {"layers": LAYERS, "configs": {k: list(v) for k, v in CONFIGS.items()}})
+
+
+if __name__ == "__main__":
+    main()
