@@ -3,11 +3,14 @@
   (no zero rows to build), x is read from shared memory once per 16 rows, and there are half the
   MMAs and ldmatrix per weight; 128 CTAs at G = 2 (one per SM), 121 registers;
 - ``cvt=CVT_PRMT``: the e4m3 -> bf16 conversion by PRMT / shift / mask + the scale's HMUL2, 4
-  instructions per pair of weights instead of 5 (no F2FP).
-Both keep the shipped kernel's MMA chains and reduction order, so they are bitwise identical to it
-(test_gpu_hopper_small_candidates_bitwise_to_shipped checks that, every code and M included).
+  instructions per pair of weights instead of 5 (no F2FP);
+- 9..16 rows (16 rows of x per CTA, two n8 tiles) against the ``mid`` kernel that serves them now
+  (G = 2: 7.4 us, 1.2x einsum): 128 KB of x in shared memory, one CTA per SM.
+All keep the shipped kernel's MMA chains and reduction order, so they are bitwise identical to it
+(test_gpu_hopper_small_candidates_bitwise_to_shipped checks that, every code and M included; rows
+9..16 give the bits of two calls of <= 8 rows).
 SASS per thread from an offline sm_90 compile (G = 2): shipped 644 instructions (8 rows), PRMT 579;
-16 rows 920, 16 rows + PRMT 792. Per SM at G = 2 that is 10.3 K warp instructions shipped (two
+16 rows 920, 16 rows + PRMT 792; with 16 rows of x: 1013 and 885 (127 registers, no spills). Per SM at G = 2 that is 10.3 K warp instructions shipped (two
 8-warp CTAs) against 6.3 K for 16 rows + PRMT (one). The earlier probe (small_dequant) measured
 what 4.5 K fewer warp instructions per SM buy: 0.67 us of 5.9.
 Written when the session's device time was spent: no GPU numbers yet; the next GPU session runs
@@ -24,6 +27,7 @@ from bench_wo_a_fp8 import pure_read, twin_exact_weight
 from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
 from sglang.kernels.ops.gemm import dsv4_wo_a as up
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+from sglang.srt.models.deepseek_v4_wo_a_twin import mid_rows_faster
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 CONFIGS = {  # name: (rows_per_cta, cvt); the first is the shipped kernel
@@ -50,27 +54,40 @@ def main() -> None:
                               args.replays)
             for b in (1024, 2048, 4096)
         )
-        for m in (1, 2, 4, 8):
+        counters = [sm90.mid_counters(g, 1024, "cuda") for _ in twins]
+        for m in (1, 2, 4, 8, 12, 16):
             x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
-            if g == 2 and m >= 2:  # upstream's small-batch kernel takes 2..8 rows; 1 row is einsum
+            if g == 2 and 2 <= m <= 8:  # upstream's small-batch kernel takes 2..8 rows; else einsum
                 stock_name, stock = "wo_a_bf16_small_batch", lambda i: up.wo_a_bf16_small_batch(x, weights[i])
             else:
                 stock_name, stock = "einsum", lambda i: torch.einsum("tgd,grd->tgr", x, weights[i])
             stock_us = graph_us_per_call([lambda i=i: stock(i) for i in range(LAYERS)], args.replays)
-            ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1])
+            served = "small" if m <= 8 else "mid" if m <= mid_rows_faster(g) else "stock"
+            ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1]) if m <= 8 else None
             shipped_us = None
+            if m > 8:  # what serves these rows now: the mid kernel
+                shipped_us = graph_us_per_call([lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i])
+                                                for i in range(LAYERS)], args.replays)
+                rows.append({"G": g, "M": m, "kernel": "mid", "us": shipped_us, "x_shipped": 1.0,
+                             "x_pure_read": shipped_us / read_us, "x_stock": stock_us / shipped_us,
+                             "TB/s": tbps(nbytes, shipped_us), "pure_read_us": read_us, "stock": stock_name,
+                             "stock_us": stock_us, "bitwise_to_shipped": None, "served_now": served})
             for name, (rb, cvt) in CONFIGS.items():
                 def call(i, rb=rb, cvt=cvt):
                     return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], rows_per_cta=rb, cvt=cvt)
 
-                bitwise = torch.equal(call(0).view(torch.int16), ref.view(torch.int16))
+                if m <= 8:
+                    bitwise = torch.equal(call(0).view(torch.int16), ref.view(torch.int16))
+                else:  # rows 9..16 against two calls of <= 8 rows of the shipped kernel
+                    halves = [sm90.wo_a_fp8_small_sm90(x[a:b], packed[0], twins[0][1]) for a, b in ((0, 8), (8, m))]
+                    bitwise = torch.equal(call(0).view(torch.int16), torch.cat(halves).view(torch.int16))
                 us = graph_us_per_call([lambda i=i: call(i) for i in range(LAYERS)], args.replays)
                 shipped_us = shipped_us or us
                 rows.append({"G": g, "M": m, "kernel": name, "us": us, "x_shipped": shipped_us / us,
                              "x_pure_read": us / read_us, "x_stock": stock_us / us, "TB/s": tbps(nbytes, us),
                              "pure_read_us": read_us, "stock": stock_name, "stock_us": stock_us,
-                             "bitwise_to_shipped": bitwise})
-        del weights, twins, packed, words
+                             "bitwise_to_shipped": bitwise, "served_now": served})
+        del weights, twins, packed, words, counters
     report("wo_a_fp8_small16_probe", ["G", "M", "kernel", "us", "x_shipped", "x_pure_read", "x_stock", "TB/s",
                                       "bitwise_to_shipped"], rows, args.out,
            {"layers": LAYERS, "configs": {k: list(v) for k, v in CONFIGS.items()}})

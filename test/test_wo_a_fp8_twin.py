@@ -531,9 +531,10 @@ def _all_codes_twin(g: int, seed: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows_per_cta,cvt", [(8, 0), (16, 0), (8, 1), (16, 1)])
 def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt):
-    """The small kernel's candidates (16 rows per CTA, the PRMT conversion) give the shipped kernel's
-    bits at every M, output and partials; and every e4m3 code (subnormals, zeros, both signs) comes
-    back exactly through one-hot rows of x, the shipped kernel included."""
+    """The small kernel's candidates (16 rows per CTA, the PRMT conversion, 9..16 rows of x) give the
+    shipped kernel's bits at every M, output and partials (rows 9..16: those of two calls of <= 8
+    rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through one-hot
+    rows of x, the shipped kernel included."""
     sm90 = _hopper()
     for g in (2, 8):
         w8, e, w = _all_codes_twin(g, 40 + g)
@@ -545,10 +546,12 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt):
         assert torch.equal(y.float(), w[:, :, ks].permute(2, 0, 1).float()), g
         tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 50 + g))
         packed = sm90.pack_twin(tw[0])
-        for m in range(1, 9):
+        for m in range(1, 17):
             x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
             for part in (False, True):
-                want = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part)
+                # 9..16 rows (two n8 tiles of x): each row's bits are those of a call of <= 8 rows
+                want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:b], packed, tw[1], part).transpose(0, int(part))
+                                  for a, b in ((0, min(m, 8)), (8, m)) if b > a]).transpose(0, int(part))
                 got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, cvt=cvt)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
 

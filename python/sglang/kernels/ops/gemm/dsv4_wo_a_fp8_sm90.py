@@ -82,7 +82,7 @@ SPLITS = gl.constexpr(N_SPLITS)
 ROWS = 8  # packing unit: weight rows per fragment-major piece (the live half of the MMA's M = 16)
 D = 4096
 DK = gl.constexpr(D)
-MAX_ROWS = 8
+MAX_ROWS = 8  # what the small path serves; 9..16 rows (16 rows of x per CTA) is a candidate
 
 # e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_F16, the shipped one:
 # cvt.e4m3x2 -> f16x2 (F2FP), the f16 bits moved into bf16's (q * 2**-112), then the scale word
@@ -142,6 +142,14 @@ _X_LAYOUT = gl.DistributedLinearLayout(
     block_bases=[],
     shape=[8, 8, 32],
 )
+# the same for 16 rows of x (two n8 tiles of the MMA): the candidate for 9..16 rows
+_X16_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 8, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    block_bases=[],
+    shape=[8, 16, 32],
+)
 # x staged by cp.async: [split, 8 rows of x, 64 K] bf16 tiles, 16 B per thread and copy
 _XC_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])
 _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
@@ -178,7 +186,8 @@ def _a_operand(lo, hi, A_L: gl.constexpr):
 def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexpr,
                            PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
-                           XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr):
+                           XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
+                           XN: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
@@ -199,9 +208,9 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
-    x_s = gl.allocate_shared_memory(gl.bfloat16, [8, SPLITS, 8, 64], X_SMEM)
+    x_s = gl.allocate_shared_memory(gl.bfloat16, [8, SPLITS, XN, 64], X_SMEM)
     cs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC_L)))
-    ct = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC_L)))
+    ct = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC_L)))
     ck = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC_L)))
     c_off = (gl.expand_dims(gl.expand_dims(cs * 512 + group * DK, 1), 2)
              + gl.expand_dims(gl.expand_dims(ct * SX, 0), 2) + gl.expand_dims(gl.expand_dims(ck, 0), 1))
@@ -218,7 +227,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
     for i in gl.static_range(NB):
         es = es + (gl.load(e_base + i).to(gl.int32),)
-    acc = gl.zeros([SPLITS, 16, 8], gl.float32, layout=MMA)
+    acc = gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA)
     for i in gl.static_range(NB):
         if i % 4 == 0:
             async_copy.wait_group(3 - i // 4)
@@ -236,7 +245,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     if PARTIALS:  # upstream's partial layout [8, M, G, R] for its MXFP8 epilogue
         ps = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         pr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
-        pt = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+        pt = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
         s3 = gl.expand_dims(gl.expand_dims(ps, 1), 2)
         r3 = gl.expand_dims(gl.expand_dims(pr, 0), 2)
         t3 = gl.expand_dims(gl.expand_dims(pt, 0), 1)
@@ -244,8 +253,8 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         gl.store(P + off, acc, (t3 < M) & (r3 < RB) & (s3 >= 0))
     else:
         # the split partials meet in shared memory and are added as _wo_a_reduce's tl.sum adds them
-        p_s = gl.allocate_shared_memory(gl.float32, [SPLITS * 16, 8], P_SMEM)
-        p_s.store(gl.reshape(acc, [SPLITS * 16, 8]))
+        p_s = gl.allocate_shared_memory(gl.float32, [SPLITS * 16, XN], P_SMEM)
+        p_s.store(gl.reshape(acc, [SPLITS * 16, XN]))
         gl.thread_barrier()
         even = p_s.slice(0, RB).load(OUT_L)
         odd = p_s.slice(16, RB).load(OUT_L)
@@ -254,7 +263,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             odd = odd + p_s.slice(32 * s + 16, RB).load(OUT_L)
         total = even + odd
         orow = gl.arange(0, RB, layout=gl.SliceLayout(1, OUT_L))
-        otok = gl.arange(0, 8, layout=gl.SliceLayout(0, OUT_L))
+        otok = gl.arange(0, XN, layout=gl.SliceLayout(0, OUT_L))
         o_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + gl.expand_dims(orow, 1)
         gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
 
@@ -264,19 +273,21 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
                         cvt: int = CVT_F16) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..8 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``.
-    The defaults are the measured kernel; ``rows_per_cta=16`` (a full m16 A operand, x read once
-    per 16 weight rows) and ``cvt=CVT_PRMT`` are candidates for the probe, not served."""
+    The defaults are the measured kernel. Candidates for benchmark/probe_wo_a_fp8_small16.py,
+    not served: ``rows_per_cta=16`` (a full m16 A operand, x read once per 16 weight rows),
+    ``cvt=CVT_PRMT``, and 9..16 rows of x (two n8 tiles; the dispatch sends those to ``mid``)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
-    assert 1 <= m <= MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
+    assert 1 <= m <= 2 * MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
+    xn = 8 if m <= 8 else 16
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
-        packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT, _MMA, _P_SMEM,
-        _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta, cvt,
-        num_warps=N_SPLITS,
+        packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT if xn == 8 else _X16_LAYOUT,
+        _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
+        cvt, xn, num_warps=N_SPLITS,
     )
     return p if partials else y
 
