@@ -213,6 +213,57 @@ def test_prmt_conversion_places_every_e4m3_code(selectors, mask, exact):
         assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
 
 
+def _sm90_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisible=()) -> tuple[str, str]:
+    """Compile a Gluon kernel for sm_90 on this (CPU) machine with triton's own ptxas: (SASS,
+    resource usage) from its cuobjdump. Pointers and the ``divisible`` integer arguments are
+    specialised as multiples of 16, as the JIT does for the real launches."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if not os.path.exists(os.path.join(tools, "cuobjdump")):
+        pytest.skip("triton ships no cuobjdump here")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(signature.items())
+             if v.startswith("*") or k in divisible}
+    kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        run = [lambda *a: subprocess.run([os.path.join(tools, "cuobjdump"), *a, f.name], capture_output=True,
+                                         text=True, check=True).stdout][0]
+        return run("-sass"), run("--dump-resource-usage")
+
+
+@pytest.mark.parametrize("rb,cvt,xn", [(8, 0, 8), (8, 1, 8), (16, 0, 8), (16, 1, 8), (16, 1, 16)])
+def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
+    """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile:
+    every weight load (LDG.64, 16 per 8 rows) issues before the first MMA, nothing spills, and the
+    registers allow 3 CTAs per SM (shipped: 64) or 2 (16 rows: <= 128)."""
+    import re
+
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    sass, usage = _sm90_sass(
+        sm90._wo_a_fp8_small_kernel,
+        {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"},
+        dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUT if xn == 8 else sm90._X16_LAYOUT,
+             MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
+             XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, XN=xn),
+        num_warps=8, divisible=("SX",),  # x's row stride: G * 4096 or a padded view's
+    )
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64")]
+    assert len(loads) == 16 * rb // 8 and max(loads) < ops.index(next(op for op in ops if op.startswith("HMMA")))
+    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
+
+
 def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     """A twin with Hopper words: 2..8 rows go to the Gluon kernel, MXFP8 calls through its
     partials and upstream's own epilogue (G = 2 only); 9..192 rows without a row-major copy stay stock."""
@@ -259,6 +310,10 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     assert calls[n:] == [False, "mid"]
     assert twin_mod.apply_wo_a_fp8_twin(x(193), w, **kw) is None
     assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "is_prefill": True}) is None
+    # rows not aligned to 16 elements: the kernels' 16-byte copies would not compile, so stock
+    odd = torch.zeros(4, 2 * 4096 + 8, dtype=torch.bfloat16)[:, : 2 * 4096].view(4, 2, 4096)
+    assert twin_mod.apply_wo_a_fp8_twin(odd, w, **kw) is None
+    assert twin_mod.apply_wo_a_fp8_twin(odd[:, :, :].contiguous(), w, **kw).shape == (4, 2, 1024)
 
 
 def test_dequant_from_packed_words_is_exact():
