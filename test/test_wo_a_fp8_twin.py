@@ -310,9 +310,11 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     assert calls[n:] == [False, "mid"]
     assert twin_mod.apply_wo_a_fp8_twin(x(193), w, **kw) is None
     assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "is_prefill": True}) is None
-    # rows not aligned to 16 elements: the kernels' 16-byte copies would not compile, so stock
+    # rows not 16-byte aligned (row stride, start): the kernels' 16-byte copies would not compile
     odd = torch.zeros(4, 2 * 4096 + 8, dtype=torch.bfloat16)[:, : 2 * 4096].view(4, 2, 4096)
     assert twin_mod.apply_wo_a_fp8_twin(odd, w, **kw) is None
+    shifted = torch.zeros(4 * 2 * 4096 + 1, dtype=torch.bfloat16)[1:].view(4, 2, 4096)  # 2-byte aligned
+    assert twin_mod.apply_wo_a_fp8_twin(shifted, w, **kw) is None
     assert twin_mod.apply_wo_a_fp8_twin(odd[:, :, :].contiguous(), w, **kw).shape == (4, 2, 1024)
 
 

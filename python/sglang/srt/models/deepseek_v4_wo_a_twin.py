@@ -280,8 +280,8 @@ def apply_wo_a_fp8_twin(
     if twin.packed is not None:
         from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-        if o.stride(0) % 16:
-            return None  # x's 16-byte copies (cp.async, TMA) need rows aligned to 16 elements
+        if o.stride(0) % 16 or o.data_ptr() % 16:
+            return None  # x's 16-byte copies (cp.async, TMA) need 16-byte aligned rows to compile
         if 2 <= m <= 8 or (m == 1 and twin.dropped):
             if not fuse_mxfp8_quant or m == 1:  # one row: stock's gemv returns bf16 too
                 return sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp)
