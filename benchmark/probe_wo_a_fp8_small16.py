@@ -1,4 +1,4 @@
-"""Candidates for the wo_a twin's Hopper small kernel (1..8 rows) against the shipped one, in one run:
+"""Candidates for the wo_a twin's Hopper small kernel against what serves now, in one run (H200):
 - ``rows_per_cta=16``: a CTA per 16 weight rows instead of 8, so the m16n8k16's A operand is full
   (no zero rows to build), x is read from shared memory once per 16 rows, and there are half the
   MMAs and ldmatrix per weight; 128 CTAs at G = 2 (one per SM), 121 registers;
@@ -6,17 +6,17 @@
   instructions per pair of weights instead of 5 (no F2FP);
 - 9..16 rows (16 rows of x per CTA, two n8 tiles) against the ``mid`` kernel that serves them now
   (G = 2: 7.4 us, 1.2x einsum): 128 KB of x in shared memory, one CTA per SM.
-All keep the shipped kernel's MMA chains and reduction order, so they are bitwise identical to it
-(test_gpu_hopper_small_candidates_bitwise_to_shipped checks that, every code and M included; rows
-9..16 give the bits of two calls of <= 8 rows).
-SASS per thread from an offline sm_90 compile (G = 2): shipped 644 instructions (8 rows), PRMT 579;
-16 rows 920, 16 rows + PRMT 792; with 16 rows of x: 1013 and 885 (127 registers, no spills). Per SM at G = 2 that is 10.3 K warp instructions shipped (two
-8-warp CTAs) against 6.3 K for 16 rows + PRMT (one). The earlier probe (small_dequant) measured
-what 4.5 K fewer warp instructions per SM buy: 0.67 us of 5.9.
-Written when the session's device time was spent: no GPU numbers yet; the next GPU session runs
-it, and the shipped default changes only on what it measures.
+All keep the small kernel's MMA chains and reduction order, so they give its bits
+(test_gpu_hopper_small_candidates_bitwise_to_shipped checks that, every e4m3 code and M included;
+rows 9..16 give the bits of two calls of <= 8 rows); ``bitwise_to_small`` re-checks it here.
+SASS per thread from an offline sm_90 compile (G = 2): shipped 644 instructions (8 rows), PRMT
+579; 16 rows 920, 16 rows + PRMT 792; with 16 rows of x 1013 and 885 (127 registers, no spills).
+Per SM at G = 2 that is 10.3 K warp instructions shipped (two 8-warp CTAs) against 6.3 K for 16
+rows + PRMT (one). The small_dequant probe measured what 4.5 K fewer per SM bought: 0.67 us of 5.9.
+Written when the session's device time was spent: no GPU numbers yet. The next GPU session runs it;
+the served kernel changes only on what it measures.
 Not run by the GPU bundle by default: BENCH=probe_wo_a_fp8_small16.py bash build/gpu-bundle/run.sh DIR
-(the GPU tests, which include the candidates' exactness, then this probe)
+(the GPU tests, which include the candidates' exactness, then this probe).
 """
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 from sglang.srt.models.deepseek_v4_wo_a_twin import mid_rows_faster
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
-CONFIGS = {  # name: (rows_per_cta, cvt); the first is the shipped kernel
-    "shipped": (8, sm90.CVT_F16),
-    "rows16": (16, sm90.CVT_F16),
-    "prmt": (8, sm90.CVT_PRMT),
-    "rows16_prmt": (16, sm90.CVT_PRMT),
+CONFIGS = {  # name: (rows_per_cta, cvt); the first is the shipped small kernel (what serves 1..8 rows)
+    "small": (8, sm90.CVT_F16),
+    "small_rows16": (16, sm90.CVT_F16),
+    "small_prmt": (8, sm90.CVT_PRMT),
+    "small_rows16_prmt": (16, sm90.CVT_PRMT),
 }
 
 
@@ -62,34 +62,35 @@ def main() -> None:
             else:
                 stock_name, stock = "einsum", lambda i: torch.einsum("tgd,grd->tgr", x, weights[i])
             stock_us = graph_us_per_call([lambda i=i: stock(i) for i in range(LAYERS)], args.replays)
-            served = "small" if m <= 8 else "mid" if m <= mid_rows_faster(g) else "stock"
+            served = ("stock (small under drop)" if m == 1 else "small" if m <= 8
+                      else "mid" if m <= mid_rows_faster(g) else "stock")
             ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1]) if m <= 8 else None
-            shipped_us = None
+            served_us = None
             if m > 8:  # what serves these rows now: the mid kernel
-                shipped_us = graph_us_per_call([lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i])
+                served_us = graph_us_per_call([lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i])
                                                 for i in range(LAYERS)], args.replays)
-                rows.append({"G": g, "M": m, "kernel": "mid", "us": shipped_us, "x_shipped": 1.0,
-                             "x_pure_read": shipped_us / read_us, "x_stock": stock_us / shipped_us,
-                             "TB/s": tbps(nbytes, shipped_us), "pure_read_us": read_us, "stock": stock_name,
-                             "stock_us": stock_us, "bitwise_to_shipped": None, "served_now": served})
+                rows.append({"G": g, "M": m, "kernel": "mid", "us": served_us, "x_served": 1.0,
+                             "x_pure_read": served_us / read_us, "x_stock": stock_us / served_us,
+                             "TB/s": tbps(nbytes, served_us), "pure_read_us": read_us, "stock": stock_name,
+                             "stock_us": stock_us, "bitwise_to_small": None, "served_now": served})
             for name, (rb, cvt) in CONFIGS.items():
                 def call(i, rb=rb, cvt=cvt):
                     return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], rows_per_cta=rb, cvt=cvt)
 
                 if m <= 8:
                     bitwise = torch.equal(call(0).view(torch.int16), ref.view(torch.int16))
-                else:  # rows 9..16 against two calls of <= 8 rows of the shipped kernel
+                else:  # rows 9..16 against two calls of <= 8 rows of the small kernel
                     halves = [sm90.wo_a_fp8_small_sm90(x[a:b], packed[0], twins[0][1]) for a, b in ((0, 8), (8, m))]
                     bitwise = torch.equal(call(0).view(torch.int16), torch.cat(halves).view(torch.int16))
                 us = graph_us_per_call([lambda i=i: call(i) for i in range(LAYERS)], args.replays)
-                shipped_us = shipped_us or us
-                rows.append({"G": g, "M": m, "kernel": name, "us": us, "x_shipped": shipped_us / us,
+                served_us = served_us or us
+                rows.append({"G": g, "M": m, "kernel": name, "us": us, "x_served": served_us / us,
                              "x_pure_read": us / read_us, "x_stock": stock_us / us, "TB/s": tbps(nbytes, us),
                              "pure_read_us": read_us, "stock": stock_name, "stock_us": stock_us,
-                             "bitwise_to_shipped": bitwise, "served_now": served})
+                             "bitwise_to_small": bitwise, "served_now": served})
         del weights, twins, packed, words, counters
-    report("wo_a_fp8_small16_probe", ["G", "M", "kernel", "us", "x_shipped", "x_pure_read", "x_stock", "TB/s",
-                                      "bitwise_to_shipped"], rows, args.out,
+    report("wo_a_fp8_small16_probe", ["G", "M", "kernel", "us", "x_served", "x_pure_read", "x_stock", "TB/s",
+                                      "bitwise_to_small"], rows, args.out,
            {"layers": LAYERS, "configs": {k: list(v) for k, v in CONFIGS.items()}})
 
 
