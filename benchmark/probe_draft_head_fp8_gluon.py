@@ -52,8 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: E402
 
 import harness  # noqa: E402
 from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern  # noqa: E402
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM as _ASM  # noqa: E402
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import _bf16_pair  # noqa: E402
+from sglang.kernels.ops.gemm.e4m3_to_bf16 import E4M3X4_TO_BF16_ASM as _ASM  # noqa: E402
+from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import bf16_pair as _bf16_pair  # noqa: E402
 from probe_wo_a_fp8_gluon import _replace  # noqa: E402  (tuple slot update, shared)
 
 

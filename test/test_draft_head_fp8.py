@@ -153,7 +153,7 @@ def test_cpu_head_takes_the_portable_kernel_and_layout():
 
 
 def test_permute_k_puts_each_threads_fragment_bytes_together():
-    from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import permute_k
+    from sglang.kernels.ops.gemm.e4m3_to_bf16 import permute_k
 
     q = torch.randint(0, 127, (64, 128), dtype=torch.uint8).view(torch.float8_e4m3fn)
     qp = permute_k(q).view(torch.uint8)

@@ -46,6 +46,26 @@ def test_assembled_tree_byte_compiles(assembled):
     assert compileall.compile_dir(str(pkg), quiet=2, workers=0, legacy=False)
 
 
+def test_every_patch_imports_its_own_modules_at_its_commit(assembled, tmp_path):
+    """Each patch stands alone on what precedes it (one upstream PR each): at its commit of the
+    assembled tree, with no later patch applied, every module it owns imports."""
+    from forklib.git import git
+
+    wt = tmp_path / "wt"
+    git(assembled.tree, "worktree", "add", "-q", "--detach", str(wt), assembled.base)
+    env = {"PYTHONPATH": f"{wt / 'python'}:{REPO / 'tools' / 'standins'}", "PATH": "/usr/bin:/bin"}
+    try:
+        for applied in assembled.applied:
+            git(wt, "checkout", "-q", "--detach", applied.commit)
+            mods = [o[len("python/"):-len(".py")].replace("/", ".") for o in applied.patch.owns if o.endswith(".py")]
+            run = subprocess.run([sys.executable, "-W", "ignore", "-c",
+                                  "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)", *mods],
+                                 capture_output=True, text=True, env=env)
+            assert run.returncode == 0, f"{applied.patch.name}: {run.stderr[-1500:]}"
+    finally:
+        git(assembled.tree, "worktree", "remove", "--force", str(wt), check=False)
+
+
 def _broken_copy(tmp_path: Path, series, edit) -> Path:
     """A copy of the first patch with one hunk edited by ``edit(text) -> text``."""
     src = series[0].path

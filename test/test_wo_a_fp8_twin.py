@@ -13,6 +13,11 @@ property as an expected failure (why the dispatch keeps its MXFP8 calls stock).
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,10 +117,73 @@ def test_build_off_is_upstream_and_build_counts(monkeypatch):
     bad[1, 3, 3] = 1.0 + 2**-7
     model = torch.nn.ModuleDict({"a": _Attn(good), "b": _Attn(bad)})
     assert twin_mod.build_wo_a_fp8_twins(model, "off", "target") == (0, 0) and not twin_mod._TWINS
+    assert not any(hasattr(m, "_derived_weight_cache_error") for m in model.modules())
     assert twin_mod.build_wo_a_fp8_twins(model, "small", "target") == (1, 1)
     assert list(twin_mod._TWINS) == [model["a"].wo_a.weight.data_ptr()]
-    model["a"].wo_a.weight.data[0, 0] = 1.0 + 2**-7  # reloaded weights without a twin: no stale twin
-    assert twin_mod.build_wo_a_fp8_twins(model, "small", "target") == (0, 2) and not twin_mod._TWINS
+    # off after a model with twins (an earlier model of this process): none may serve
+    assert twin_mod.build_wo_a_fp8_twins(torch.nn.ModuleDict(), "off", "target") == (0, 0)
+    assert not twin_mod._TWINS
+
+
+def test_flag_off_imports_nothing_of_ours():
+    """With the flag off the build returns before importing the twin kernels (Gluon, and modules
+    other patches own), so a Triton without Gluon loads DeepSeek-V4 as upstream does."""
+    from conftest import run_engine
+
+    code = ("import sys, torch; from sglang.srt.models import deepseek_v4_wo_a_twin as t; "
+            "t.build_wo_a_fp8_twins(torch.nn.Module(), 'off', 'target'); "
+            "print(sorted(m for m in sys.modules if 'wo_a_fp8' in m or 'draft_head_fp8' in m))")
+    run = run_engine("-c", code)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
+def test_twins_refuse_online_weight_updates_and_survive_post_load_again(monkeypatch, caplog):
+    """A layer with a twin declares upstream's ``_derived_weight_cache_error``, so upstream's weight
+    updater refuses online updates (captured CUDA graphs read the twin); ``post_load_weights``
+    again (the end of a weight-update session) keeps every twin as it is, drop included."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import (
+        _unsupported_derived_weight_cache_error,
+    )
+
+    for mode in ("small", "drop"):
+        monkeypatch.setattr(twin_mod, "_TWINS", {})
+        model = _two_layer_model(70)
+        assert _unsupported_derived_weight_cache_error(model) is None
+        assert twin_mod.build_wo_a_fp8_twins(model, mode, "target") == (2, 0)
+        reason = _unsupported_derived_weight_cache_error(model)
+        assert reason and f"--dsv4-wo-a-fp8-twin={mode}" in reason and "l0.wo_a" in reason
+        twins, keys = [model[n]._wo_a_fp8_twin for n in ("l0", "l1")], dict(twin_mod._TWINS)
+        with caplog.at_level("INFO"):
+            assert twin_mod.build_wo_a_fp8_twins(model, mode, "target") == (0, 0)
+        assert "2 kept from before" in caplog.text
+        assert [model[n]._wo_a_fp8_twin for n in ("l0", "l1")] == twins and twin_mod._TWINS == keys
+
+
+def test_validate_refuses_what_the_twin_cannot_serve_under():
+    """The resolution hook's check: the value, deterministic inference (row-count dependent
+    kernels) for every level, and under drop the features that read the released weight."""
+    from types import SimpleNamespace
+
+    from sglang.srt.server_args import ServerArgs
+
+    names = [a for a, *_ in twin_mod._REFUSED_WITH + twin_mod._DROP_REFUSED_WITH]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(["--model-path", "x"])
+    assert all(getattr(ns, a) is False for a in names)  # upstream's arguments, off by default
+
+    def cfg(mode, **on):
+        return SimpleNamespace(dsv4_wo_a_fp8_twin=mode, **{a: a in on for a in names})
+
+    assert twin_mod.validate_wo_a_fp8_twin(cfg("off", enable_deterministic_inference=1)) == "off"
+    assert twin_mod.validate_wo_a_fp8_twin(cfg("MID", enable_cp_decode_attn_tp=1)) == "mid"
+    with pytest.raises(ValueError, match="small cannot be used with --enable-deterministic-inference"):
+        twin_mod.validate_wo_a_fp8_twin(cfg("small", enable_deterministic_inference=1))
+    for a, flag, _ in twin_mod._DROP_REFUSED_WITH:
+        with pytest.raises(ValueError, match=f"drop cannot be used with {flag}"):
+            twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}))
+    with pytest.raises(ValueError, match="accepted"):
+        twin_mod.validate_wo_a_fp8_twin(cfg("yes"))
 
 
 def test_bad_layout_raises_naming_the_layer(monkeypatch):
@@ -213,50 +281,47 @@ def test_prmt_conversion_places_every_e4m3_code(selectors, mask, exact):
         assert torch.equal(torch.signbit(got), torch.signbit(want))  # -0 stays -0
 
 
-def _sm90_sass(fn, signature: dict, constexprs: dict, num_warps: int, divisible=()) -> tuple[str, str]:
-    """Compile a Gluon kernel for sm_90 on this (CPU) machine with triton's own ptxas: (SASS,
-    resource usage) from its cuobjdump. Pointers and the ``divisible`` integer arguments are
-    specialised as multiples of 16, as the JIT does for the real launches."""
-    import os
-    import subprocess
-    import tempfile
+_SM90_COMPILE = """
+import json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    if not os.path.exists(os.path.join(tools, "cuobjdump")):
-        pytest.skip("triton ships no cuobjdump here")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(signature.items())
-             if v.startswith("*") or k in divisible}
-    kernel = triton.compile(GluonASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        run = [lambda *a: subprocess.run([os.path.join(tools, "cuobjdump"), *a, f.name], capture_output=True,
-                                         text=True, check=True).stdout][0]
-        return run("-sass"), run("--dump-resource-usage")
+rb, cvt, xn = map(int, sys.argv[1:4])
+sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
+consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUT if xn == 8 else sm90._X16_LAYOUT,
+              MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
+              XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, XN=xn)
+# pointers and x's row stride SX specialised as multiples of 16, as the JIT does for real launches
+attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v[0] == "*" or k == "SX"}
+kernel = triton.compile(GluonASTSource(sm90._wo_a_fp8_small_kernel, sig, constexprs=consts, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(kernel.asm["cubin"])
+    f.flush()
+    dump = [subprocess.run([tool, a, f.name], capture_output=True, text=True, check=True).stdout
+            for a in ("-sass", "--dump-resource-usage")]
+print(json.dumps(dump))
+"""
 
 
 @pytest.mark.parametrize("rb,cvt,xn", [(8, 0, 8), (8, 1, 8), (16, 0, 8), (16, 1, 8), (16, 1, 16)])
 def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
-    """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile:
-    every weight load (LDG.64, 16 per 8 rows) issues before the first MMA, nothing spills, and the
-    registers allow 3 CTAs per SM (shipped: 64) or 2 (16 rows: <= 128)."""
-    import re
+    """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile
+    with triton's own ptxas: every weight load (LDG.64, 16 per 8 rows) issues before the first MMA,
+    nothing spills, and the registers allow 3 CTAs per SM (shipped: 64) or 2 (16 rows: <= 128)."""
+    import triton
 
-    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
-
-    sass, usage = _sm90_sass(
-        sm90._wo_a_fp8_small_kernel,
-        {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"},
-        dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUT if xn == 8 else sm90._X16_LAYOUT,
-             MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
-             XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, XN=xn),
-        num_warps=8, divisible=("SX",),  # x's row stride: G * 4096 or a padded view's
-    )
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
+        pytest.skip("triton ships no cuobjdump here")
+    # a fresh process: the Triton interpreter the CPU tests run under patches the language
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn)],
+                         capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    sass, usage = json.loads(run.stdout.strip().splitlines()[-1])
     ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64")]
     assert len(loads) == 16 * rb // 8 and max(loads) < ops.index(next(op for op in ops if op.startswith("HMMA")))
@@ -380,6 +445,9 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
     # the routes the twin does not serve are upstream's bits
     for i in (0, 3, 4, 5, 8, 9):
         assert torch.equal(after[i].view(torch.int16), stock[i].view(torch.int16)), i
+    # a slice of the stand-in (what a per-rank narrowing would hand over) is refused, not rebuilt whole
+    with pytest.raises(RuntimeError, match="l0.wo_a read as \\(1, 64, 1024\\)"):
+        twin_mod.stock_weight(model["l0"].wo_a.weight.view(2, 64, -1).narrow(0, 0, 1))
 
 
 def test_drop_refuses_layers_read_past_the_dispatch(monkeypatch):
@@ -388,6 +456,7 @@ def test_drop_refuses_layers_read_past_the_dispatch(monkeypatch):
     model["l1"].use_fused_wo_a = True
     with pytest.raises(RuntimeError, match="l1.wo_a is read by the fused rope"):
         twin_mod.build_wo_a_fp8_twins(model, "drop", "target")
+    assert not twin_mod._TWINS  # refused before any twin is built
     model["l1"].use_fused_wo_a = False
     model["l1"]._use_fast_kernel = False  # a DSpark draft layer on its einsum path
     with pytest.raises(RuntimeError, match="DSpark draft's einsum"):

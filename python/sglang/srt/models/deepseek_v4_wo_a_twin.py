@@ -70,9 +70,29 @@ def parse_wo_a_fp8_twin(value) -> str:
     return v
 
 
-def validate_wo_a_fp8_twin(value) -> str:
-    """Resolution-hook check (Engine(...) bypasses argparse)."""
-    return parse_wo_a_fp8_twin(value)
+# (server argument, its flag, why the twin cannot serve with it on) checked at startup; the
+# second set only under drop
+_REFUSED_WITH = (
+    ("enable_deterministic_inference", "--enable-deterministic-inference",
+     "the twin picks its kernel (and split) by row count, so a request's bits would depend on its batch"),
+)
+_DROP_REFUSED_WITH = (
+    ("enable_cp_decode_attn_tp", "--enable-cp-decode-attn-tp",
+     "decode narrows wo_a to the rank's groups, a slice of the released weight"),
+    ("remote_instance_weight_loader_start_seed_via_transfer_engine",
+     "--remote-instance-weight-loader-start-seed-via-transfer-engine",
+     "peers would read the released weight's memory as wo_a"),
+)
+
+
+def validate_wo_a_fp8_twin(cfg) -> str:
+    """Resolution-hook check (Engine(...) bypasses argparse): the flag's value, and the server
+    arguments the twin cannot serve under, refused with the reason."""
+    mode = parse_wo_a_fp8_twin(cfg.dsv4_wo_a_fp8_twin)
+    for attr, flag, why in _REFUSED_WITH + (_DROP_REFUSED_WITH if mode == "drop" else ()):
+        if mode != "off" and getattr(cfg, attr):
+            raise ValueError(f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}")
+    return mode
 
 
 class _Twin:
@@ -173,13 +193,17 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
 
 
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
-    """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft). Logs one line."""
-    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
-    from sglang.kernels.ops.gemm.dsv4_wo_a_fp8 import counters_for, wo_a_fp8_dequant
-
+    """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft). Logs one line.
+    A layer that has its twin already (``post_load_weights`` again, e.g. at the end of a weight-
+    update session) keeps it: CUDA graphs captured since hold its buffers, and its weight cannot
+    have changed, since every layer with a twin refuses online weight updates (upstream's
+    ``_derived_weight_cache_error``)."""
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
-        return 0, 0
+        _TWINS.clear()  # twins of a model this process loaded earlier must not serve this one
+        return 0, 0  # upstream's path: nothing of ours is imported
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+    from sglang.kernels.ops.gemm.dsv4_wo_a_fp8 import counters_for, wo_a_fp8_dequant
     if mode == "drop":
         from sglang.srt.models import deepseek_v4
 
@@ -189,28 +213,33 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
                 "F.linear on the weight, which drop releases; use --dsv4-wo-a-fp8-twin=mid"
             )
     _MODE["mode"] = mode
-    made = kept = 0
-    entries = []
+    made = kept = had = 0
+    entries, layers = [], []
     for name, mod in model.named_modules():
         if getattr(mod, "wo_a", None) is None or not hasattr(mod, "n_local_groups"):
             continue
-        view = _wo_a_view(mod, name, mod.n_local_groups, mod.o_lora_rank)
-        if view is None:
+        if getattr(mod, "_wo_a_fp8_twin", None) is not None:
+            had += 1
             continue
-        if mode == "drop":
+        view = _wo_a_view(mod, name, mod.n_local_groups, mod.o_lora_rank)
+        if view is not None:
+            layers.append((name, mod, view))
+    if mode == "drop":  # refused before any twin is built
+        for name, mod, _ in layers:
             for attr, bad, what in _BYPASSES:
                 if getattr(mod, attr, not bad) == bad:
                     raise RuntimeError(
                         f"--dsv4-wo-a-fp8-twin=drop: {name}.wo_a is read by {what} ({attr}={bad}), "
                         "which would see the released weight; use --dsv4-wo-a-fp8-twin=mid"
                     )
+    for name, mod, view in layers:
         twin = make_twin(view)
         if twin is not None and not torch.equal(
             wo_a_fp8_dequant(*twin).view(torch.int16), view.view(torch.int16)
         ):
             twin = None  # the kernel's own dequantisation must agree too
         if twin is None:
-            _TWINS.pop(view.data_ptr(), None)  # a reload must not leave a stale twin behind
+            _TWINS.pop(view.data_ptr(), None)  # nor may an earlier model's twin at this address
             kept += 1
             continue
         weight8, exp = twin
@@ -228,6 +257,13 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             counters = counters_for(weight8)
         t = _Twin(name, weight8, packed, exp, counters, tuple(view.shape))
         _TWINS[view.data_ptr()] = t
+        mod._wo_a_fp8_twin = t
+        if getattr(mod, "_derived_weight_cache_error", None) is None:
+            mod._derived_weight_cache_error = (
+                f"Online weight updates are not supported with --dsv4-wo-a-fp8-twin={mode}: "
+                f"{name}.wo_a is served from an fp8 twin built at load, which captured CUDA graphs "
+                "read. Restart with --dsv4-wo-a-fp8-twin off to update weights online."
+            )
         entries.append((name, mod, view, t))
         made += 1
     released, failed = _drop(entries, label) if mode == "drop" else (0, 0)
@@ -235,8 +271,8 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     hopper = sum(t.packed is not None for *_, t in entries)
     logger.info(
         "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights (%d on the Hopper kernels), "
-        "%d left on bf16; twins hold %.1f MiB%s",
-        mode, label, made, hopper, kept, twin_mb,
+        "%d left on bf16%s; twins hold %.1f MiB%s",
+        mode, label, made, hopper, kept, f", {had} kept from before" if had else "", twin_mb,
         f"; released {released / 2**20:.1f} MiB of bf16 weights ({made - failed} layers, "
         f"{failed} kept theirs)" if mode == "drop" else "",
     )
@@ -311,4 +347,9 @@ def stock_weight(wo_a: torch.Tensor) -> torch.Tensor:
     twin = _TWINS.get(wo_a.data_ptr())
     if twin is None or not twin.dropped:
         return wo_a
+    if tuple(wo_a.shape) != twin.shape:
+        raise RuntimeError(
+            f"--dsv4-wo-a-fp8-twin=drop: {twin.name}.wo_a read as {tuple(wo_a.shape)}, a view of the "
+            f"released {twin.shape} weight that its twin cannot rebuild"
+        )
     return twin.dequant()

@@ -69,13 +69,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM as _ASM
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
-    _bf16_pair,
-    _dequant_block,
-    _words_layout,
-    permute_k,
-)
+from sglang.kernels.ops.gemm.e4m3_to_bf16 import E4M3X4_TO_BF16_ASM as _ASM
+from sglang.kernels.ops.gemm.e4m3_to_bf16 import permute_k
+from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import bf16_pair, dequant_block, words_layout
 
 N_SPLITS = 8  # upstream's split of K = 4096 into 8 x 512, one warp each
 SPLITS = gl.constexpr(N_SPLITS)
@@ -171,7 +167,7 @@ def _dequant(w32, sb, CVT: gl.constexpr):
     else:
         o0, o1 = gl.inline_asm_elementwise(_E4M3X4_TO_BF16_PRMT_ASM, "=r,=r,r,r,r", [w32, sb, sb],
                                            dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    w = gl.join(_bf16_pair(o0), _bf16_pair(o1))  # [S, 8, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
+    w = gl.join(bf16_pair(o0), bf16_pair(o1))  # [S, 8, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
     return gl.reshape(gl.permute(gl.reshape(w, [SPLITS, 8, 4, 2, 2, 2]), [0, 1, 3, 5, 2, 4]), [SPLITS, 8, 32])
 
 
@@ -402,7 +398,7 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
         for kb in gl.static_range(4):
             w32 = w_s.index(st).slice(kb * BV, BV, dim=0).load(W_L)
             sc = (es[kb].to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            a = _dequant_block(w32, sc, A_L, BV)
+            a = dequant_block(w32, sc, A_L, BV)
             xb = x_s.index(2 * st + kb // 2).slice(32 * (kb % 2), 32, dim=1)
             acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
@@ -449,7 +445,7 @@ def _mid_layouts(bv: int, nw: int, np_: int):
     out = gl.BlockedLayout([2, 1], [32, 1], [1, nw], [0, 1])
     tn = min(32, np_ // 4)
     red = gl.BlockedLayout([1, 4], [32 // tn, tn], [nw, 1], [1, 0])  # 16-byte loads of a partial's rows
-    return _words_layout(bv, nw), wc, w_smem, out, red
+    return words_layout(bv, nw), wc, w_smem, out, red
 
 
 def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, counters: torch.Tensor,

@@ -61,7 +61,7 @@ class DraftHeadFp8:
             )
         self.kernel = "wgmma" if _wgmma_available(weight.device) and weight.shape[1] % 128 == 0 else "mma.sync"
         if self.kernel == "wgmma":
-            from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import permute_k
+            from sglang.kernels.ops.gemm.e4m3_to_bf16 import permute_k
 
             q = permute_k(q)  # the layout the wgmma kernel reads (same values)
         self.q = q

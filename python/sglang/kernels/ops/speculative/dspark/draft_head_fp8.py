@@ -47,6 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
+# e4m3 x4 -> two bf16x2 words times a scale word carrying 2**112 (exact; shared with the wo_a twin)
+from sglang.kernels.ops.gemm.e4m3_to_bf16 import E4M3X4_TO_BF16_ASM
+
 BLOCK = 32  # quantization block (rows and columns)
 FP8_MAX = 448.0
 ROW_TILE = 16
@@ -62,27 +65,6 @@ CONFIGS: dict[int, tuple[int, ...]] = {
     3: (256, 128, 8, 4, 1),
     4: (128, 128, 4, 4, 0),
 }
-
-# e4m3 x4 -> bf16 x4 times a bf16 scale that carries 2**112: cvt to f16x2 (exact), then each
-# f16's sign stays and its exponent/mantissa shift right by 3 into bf16 position (the
-# exponent keeps the f16 bias: 2**-112, undone by the scale). 5 ops per 2 weights, no F2F.
-_E4M3X4_TO_BF16_ASM = tl.constexpr("""{
-.reg .b16 lo, hi;
-.reg .b32 h0, h1, a0, a1;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 h0, lo;
-cvt.rn.f16x2.e4m3x2 h1, hi;
-and.b32 a0, h0, 0x7FFF7FFF;
-and.b32 a1, h1, 0x7FFF7FFF;
-shr.b32 a0, a0, 3;
-shr.b32 a1, a1, 3;
-and.b32 h0, h0, 0x80008000;
-and.b32 h1, h1, 0x80008000;
-or.b32 a0, a0, h0;
-or.b32 a1, a1, h1;
-mul.rn.bf16x2 $0, a0, $3;
-mul.rn.bf16x2 $1, a1, $4;
-}""")
 
 CVT_TRITON, CVT_ASM, CVT_EMULATED = 0, 1, 2
 
@@ -119,7 +101,7 @@ def _dequant_bf16(q, s, CVT: tl.constexpr):
     elif CVT == 1:
         s_b = tl.broadcast_to((s * 5.192296858534828e33).to(tl.bfloat16)[:, :, None], q.shape)  # * 2**112
         return tl.inline_asm_elementwise(
-            _E4M3X4_TO_BF16_ASM, "=r,=r,r,r,r", [q.to(tl.uint8, bitcast=True), s_b],
+            E4M3X4_TO_BF16_ASM, "=r,=r,r,r,r", [q.to(tl.uint8, bitcast=True), s_b],
             dtype=tl.bfloat16, is_pure=True, pack=4,
         )
     else:  # the asm's bit moves in Triton ops, the multiply in fp32 (exact either way): the

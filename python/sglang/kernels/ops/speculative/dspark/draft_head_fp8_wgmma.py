@@ -11,11 +11,12 @@ HOW (what made it fast on the H200: benchmark/results/draft_head_fp8-NVIDIA_H200
 - Weights and x reach shared memory by TMA in a 4-stage ring (3 at TP1 size) of 128-K steps
   with one mbarrier per stage; no load instruction touches L1 for them. Earlier forms that
   loaded through L1 (weights and x per warp) were L1/L2 bound: 66.7-72.5 us.
-- The head copy is stored with K permuted inside each 32-block (``permute_k``) so that a thread's
-  A-fragment bytes for one 32-K block are 8 contiguous bytes: one LDS.64 per row, and each 4-byte
-  word is two logical pairs that the e4m3 -> bf16 asm (cvt + bit moves + one HMUL2 by the
-  power-of-two scale, 2.6 instructions per weight) turns into two bf16x2 registers; the K
-  permutation is undone by renaming registers (join/reshape/permute), no byte shuffles.
+- The head copy is stored with K permuted inside each 32-block (``e4m3_to_bf16.permute_k``) so
+  that a thread's A-fragment bytes for one 32-K block are 8 contiguous bytes: one LDS.64 per
+  row, and each 4-byte word is two logical pairs that the e4m3 -> bf16 asm (cvt + bit moves +
+  one HMUL2 by the power-of-two scale, 2.6 instructions per weight) turns into two bf16x2
+  registers; the K permutation is undone by renaming registers (join/reshape/permute), no byte
+  shuffles.
 - 128 vocab rows per CTA (two m64 pieces, 4 warps), ~96 KB of shared memory: 2 CTAs per SM.
 - One CTA barrier per 128-K step (before a stage is refilled) and at most one wgmma in flight.
 
@@ -44,9 +45,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# e4m3 x4 (one word) -> two bf16x2 words times a bf16 scale that carries 2**112: the portable
-# kernel's exact conversion (cvt + bit moves + one HMUL2), here with one word in, two out.
-from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import _E4M3X4_TO_BF16_ASM as _ASM
+# the exact e4m3 -> bf16 (cvt + bit moves + one HMUL2) and its A-fragment layout, shared with
+# the wo_a twin's kernels
+from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import dequant_block, row_bases, words_layout
 
 BLOCK_V = 128  # vocab rows per CTA (two m64 wgmma pieces)
 NUM_WARPS = 4  # one warpgroup
@@ -59,39 +60,10 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-def permute_k(q: torch.Tensor) -> torch.Tensor:
-    """[N, K] e4m3 -> the same values with K permuted inside each 32-block: physical position
-    8t + 2j + e holds logical k = 8j + 2t + e (t: thread in its quad, j: the 8-wide slot of the
-    MMA fragment, e: the pair element), so thread t's fragment bytes are contiguous."""
-    n, k = q.shape
-    assert k % 32 == 0, k
-    return q.view(n, k // 32, 4, 4, 2).permute(0, 1, 3, 2, 4).reshape(n, k).contiguous()
-
-
-def _row_bases(bv: int, nw: int) -> list[list[int]]:
-    bases, r = [], 16 * nw
-    while r < bv:
-        bases.append([r, 0])
-        r *= 2
-    return bases
-
-
-def _words_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
-    """[bv, 8] int32 words of one 32-K block: 2 consecutive words per thread and row, rows as in
-    the wgmma A fragment (lane // 4, + 8, warps by 16)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [8, 0]] + _row_bases(bv, nw),
-        lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)],
-        block_bases=[],
-        shape=[bv, 8],
-    )
-
-
 def _scales_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
     """[bv, 4] fp32 scales of one step: each thread holds its rows' 4 blocks (16 bytes)."""
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]] + _row_bases(bv, nw),
+        reg_bases=[[0, 1], [0, 2], [8, 0]] + row_bases(bv, nw),
         lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]],
         warp_bases=[[16 << i, 0] for i in range(nw.bit_length() - 1)],
         block_bases=[],
@@ -99,29 +71,9 @@ def _scales_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
     )
 
 
-_W_LAYOUT = _words_layout(BLOCK_V, NUM_WARPS)
+_W_LAYOUT = words_layout(BLOCK_V, NUM_WARPS)
 _S_LAYOUT = _scales_layout(BLOCK_V, NUM_WARPS)
 _W_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-
-
-@gluon.jit
-def _bf16_pair(word):
-    lo = word.to(gl.uint16).to(gl.bfloat16, bitcast=True)
-    hi = (word >> 16).to(gl.uint16).to(gl.bfloat16, bitcast=True)
-    return gl.join(lo, hi)
-
-
-@gluon.jit
-def _dequant_block(w32, s, A_L: gl.constexpr, BV: gl.constexpr):
-    """[BV, 8] words of a K-permuted e4m3 block + its per-row scale -> the logical [BV, 32] bf16
-    block in the wgmma A layout (the permutation undone by renaming registers)."""
-    sb = (s * 5.192296858534828e33).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.int32)  # * 2**112
-    sb = gl.expand_dims(sb | (sb << 16), 1) + gl.zeros_like(w32)
-    o0, o1 = gl.inline_asm_elementwise(_ASM, "=r,=r,r,r,r", [w32, sb, sb], dtype=(gl.int32, gl.int32),
-                                       is_pure=True, pack=1)
-    w = gl.join(_bf16_pair(o0), _bf16_pair(o1))  # [BV, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
-    w = gl.permute(gl.reshape(w, [BV, 4, 2, 2, 2]), [0, 2, 4, 1, 3])  # [BV, w, o, t, e]
-    return gl.convert_layout(gl.reshape(w, [BV, 32]), A_L)
 
 
 @gluon.jit
@@ -168,7 +120,7 @@ def _draft_head_fp8_wgmma_kernel(w_desc, x_desc, S, OUT, M, V, SO, K: gl.constex
         mbarrier.wait(bars.index(st), (i // ST) & 1)
         for kb in gl.static_range(4):
             w32 = w_s.index(st).slice(8 * kb, 8, dim=1).load(W_L)
-            a = _dequant_block(w32, gl.convert_layout(scales[kb], gl.SliceLayout(1, W_L)), A_L, BV)
+            a = dequant_block(w32, gl.convert_layout(scales[kb], gl.SliceLayout(1, W_L)), A_L, BV)
             xb = x_s.index(2 * st + kb // 2).slice(32 * (kb % 2), 32, dim=1)
             acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
