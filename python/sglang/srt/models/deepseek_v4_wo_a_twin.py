@@ -19,6 +19,9 @@ Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one pa
   streams). Layers whose wo_a another reader takes (the fused rope + wo_a kernel, mega attention,
   the NPU MXFP8 and bf16 paths, the DSpark draft's einsum) refuse to boot under drop, naming it;
   so do in-place weight updates after it (writing into the stand-in raises).
+Every level refuses --enable-deterministic-inference at startup (the kernel follows the row count),
+and every layer with a twin refuses online weight updates through upstream's
+``_derived_weight_cache_error`` (captured CUDA graphs read the twin's buffers).
 Elsewhere the portable Triton kernel ``dsv4_wo_a_fp8`` serves 2..8 rows (and 9..192 under mid).
 Prefill, one row (but under drop), other shapes or layouts and layers without a twin stay stock.
 LOSSLESS. Hopper small kernel: bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
