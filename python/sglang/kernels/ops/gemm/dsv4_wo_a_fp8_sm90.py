@@ -44,6 +44,10 @@ in registers right before its wgmma. The split partials go to an fp32 scratch; e
 tile then waits for its tile's S arrivals and adds its 64 / S rows of the S partials in split
 order (deterministic, no float atomics). That wait, not the last CTA adding the whole tile,
 is what made split-K pay: the last-CTA form cost 2.0 us at S = 8 and 3.8 us at S = 16 (M = 16).
+Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S), so with the
+block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too) at most one
+tile per launch is partly resident while its CTAs wait, even with the target's and the draft's
+launches side by side; the grid is sized for one wave on an otherwise idle GPU.
 Measured (same run): G = 2, 9..16 rows 7.4 us against einsum's 8.9-9.0 (1.20-1.21x), 24..32 rows
 1.11-1.28x, 48 rows even, slower from 64 (0.48-0.92x at 64..192); G = 4 1.11-1.12x at 9..16,
 1.05-1.07x at 24..32; G = 8 1.30-1.31x at 9..16, 1.23x at 24..32, 1.05x at 48, slower from 64. The
