@@ -206,3 +206,14 @@ def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
     tv = 0.5 * (torch.softmax(got, -1) - torch.softmax(bf16, -1)).abs().sum(-1)
     print(f"N={n} ({head.kernel}): TV(softmax fp8 head, softmax bf16 head) mean {float(tv.mean()):.2e} "
           f"max {float(tv.max()):.2e}; fp8 copy {head.nbytes / 1e6:.1f} MB")
+
+
+def test_conversion_follows_the_device(monkeypatch):
+    """The asm's mul.bf16x2 needs SM90: SM89 takes Triton's conversion (exact as well)."""
+    from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as k
+
+    for cap, want in (((8, 9), k.CVT_TRITON), ((9, 0), k.CVT_ASM), ((10, 0), k.CVT_ASM)):
+        k._native_cvt.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert k._native_cvt(torch.device("cuda", 0)) == want, cap
+    k._native_cvt.cache_clear()

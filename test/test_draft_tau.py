@@ -100,6 +100,15 @@ def test_tau_one_is_the_same_tensor_and_bitwise_stock(tau):
     assert dspark_draft_tau.scale_draft_params(params) is params
 
 
+def test_scaled_buffer_starts_as_the_request_temperatures(tau):
+    """Padded rows past bs are never staged: the draft's own buffer must start valid (a copy of
+    upstream's buffer), not as uninitialised memory the graph's sampler would read."""
+    tau(0.5)
+    base = torch.ones(16)
+    buf = dspark_draft_tau.draft_temperature_buffer(base)
+    assert _storage(buf) != _storage(base) and torch.equal(buf, base)
+
+
 @pytest.mark.parametrize("t", [0.5, 0.8, 1.25])
 def test_draft_consumers_read_the_scaled_buffer_target_the_unscaled(tau, monkeypatch, t):
     tau(t)

@@ -56,6 +56,7 @@ def test_validate_cross_flag_rules():
     assert _validate(None, gamma=None) is None
     assert _validate("5").fixed == 5
     assert _validate("conf:0.1,0.2,0.3,0.4").thresholds == (0.1, 0.2, 0.3, 0.4)
+    assert _validate("3", max_running_requests=vc.MAX_REQUESTS).fixed == 3
     for cap, kw, msg in [
         ("6", {}, "1..gamma"),
         ("conf:0.1,0.2", {}, "one threshold or gamma - 1"),
@@ -64,6 +65,7 @@ def test_validate_cross_flag_rules():
         ("3", {"log_path": "/tmp/x"}, "needs a conf: cap"),
         ("conf:0.1", {"cap_min": 0}, "verify-cap-min must be in 1..gamma"),
         ("3", {"attn_dp_size": 2}, "dp attention"),
+        ("3", {"max_running_requests": vc.MAX_REQUESTS + 1}, "at most 1024 requests"),
         (None, {"cap_min": 2}, "need --speculative-dspark-verify-cap"),
     ]:
         with pytest.raises(ValueError, match=msg):

@@ -159,6 +159,17 @@ def test_twins_refuse_online_weight_updates_and_survive_post_load_again(monkeypa
         assert [model[n]._wo_a_fp8_twin for n in ("l0", "l1")] == twins and twin_mod._TWINS == keys
 
 
+def test_build_refuses_gpus_without_e4m3(monkeypatch):
+    """Before SM89 Triton has no e4m3: the twin's kernels would fail to compile at serving time."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    monkeypatch.setattr(twin_mod, "_wo_a_view", lambda *a: SimpleNamespace(is_cuda=True, device="cuda:0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(RuntimeError, match="l0.wo_a is on SM80; the twin's e4m3 kernels need SM89"):
+        twin_mod.build_wo_a_fp8_twins(_two_layer_model(80), "small", "target")
+
+
 def test_validate_refuses_what_the_twin_cannot_serve_under():
     """The resolution hook's check: the value, deterministic inference (row-count dependent
     kernels) for every level, and under drop the features that read the released weight."""

@@ -225,8 +225,15 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             had += 1
             continue
         view = _wo_a_view(mod, name, mod.n_local_groups, mod.o_lora_rank)
-        if view is not None:
-            layers.append((name, mod, view))
+        if view is None:
+            continue
+        if view.is_cuda and torch.cuda.get_device_capability(view.device) < (8, 9):
+            raise RuntimeError(
+                f"--dsv4-wo-a-fp8-twin={mode}: {name}.wo_a is on SM"
+                f"{''.join(map(str, torch.cuda.get_device_capability(view.device)))}; the twin's "
+                "e4m3 kernels need SM89 or newer; use --dsv4-wo-a-fp8-twin off"
+            )
+        layers.append((name, mod, view))
     if mode == "drop":  # refused before any twin is built
         for name, mod, _ in layers:
             for attr, bad, what in _BYPASSES:

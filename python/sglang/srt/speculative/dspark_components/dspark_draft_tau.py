@@ -74,7 +74,8 @@ def draft_temperature_buffer(temperatures: torch.Tensor) -> torch.Tensor:
     logger.info(
         "DSpark draft samples at %g x the request temperature; the target keeps it.", tau
     )
-    return torch.empty_like(temperatures)
+    # a copy, not empty: padded rows past bs are never staged and must hold a valid temperature
+    return temperatures.clone()
 
 
 def stage_draft_temperatures(params, draft_temperatures: torch.Tensor, bs: int) -> None:

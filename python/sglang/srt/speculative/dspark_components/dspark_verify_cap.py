@@ -95,6 +95,7 @@ def validate_verify_cap(
     gamma: Optional[int] = None,
     ragged_mode: Optional[str] = None,
     attn_dp_size: int = 1,
+    max_running_requests: Optional[int] = None,
 ) -> Optional[VerifyCapSpec]:
     """Cross-flag checks (speculative_hook); raises ValueError with the reason."""
     if cap is None:
@@ -141,6 +142,11 @@ def validate_verify_cap(
         raise ValueError(
             "--speculative-dspark-verify-cap needs the verify rows of one rank in the "
             "MoE (request-major); dp attention (attn_dp_size > 1) is not supported."
+        )
+    if max_running_requests is not None and max_running_requests > MAX_REQUESTS:
+        raise ValueError(
+            f"--speculative-dspark-verify-cap holds one live length per request for at most "
+            f"{MAX_REQUESTS} requests; --max-running-requests is {max_running_requests}."
         )
     return spec
 

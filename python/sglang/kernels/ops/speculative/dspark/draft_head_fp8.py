@@ -41,6 +41,7 @@ NUM_STAGES stages; tiles per number of 16-row tiles in CONFIGS (chosen by the sw
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -189,6 +190,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
+def _native_cvt(device: torch.device) -> int:
+    """The asm's mul.bf16x2 needs SM90; SM89 takes Triton's conversion (exact as well, so the
+    same weights and logits)."""
+    return CVT_ASM if torch.cuda.get_device_capability(device) >= (9, 0) else CVT_TRITON
+
+
 def draft_head_fp8_logits(
     x: torch.Tensor,
     q: torch.Tensor,
@@ -215,7 +223,7 @@ def draft_head_fp8_logits(
     # TMA boxes for the weights where the shard holds a whole box (the real shards do)
     w_tma = bool(rest and rest[0]) and n >= block_n and not _interpreting()
     if cvt is None:
-        cvt = CVT_EMULATED if _interpreting() else CVT_ASM
+        cvt = CVT_EMULATED if _interpreting() else _native_cvt(x.device)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, out.stride())
