@@ -217,3 +217,19 @@ def test_conversion_follows_the_device(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
         assert k._native_cvt(torch.device("cuda", 0)) == want, cap
     k._native_cvt.cache_clear()
+
+
+def test_fp8_copy_refuses_online_weight_updates(monkeypatch):
+    """The copy is built once: the target's lm_head declares upstream's
+    ``_derived_weight_cache_error``, so its runner refuses online updates before writing."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import (
+        _unsupported_derived_weight_cache_error,
+    )
+
+    monkeypatch.setattr(mod, "check_draft_head_fp8_applies", lambda *a: None)
+    monkeypatch.setattr(mod, "DraftHeadFp8", lambda w: types.SimpleNamespace(
+        max_rows=1, kernel="mma.sync", nbytes=0))
+    target = torch.nn.ModuleDict({"lm_head": torch.nn.Linear(64, 64, bias=False)})
+    assert _unsupported_derived_weight_cache_error(target) is None
+    mod.maybe_build_draft_head_fp8(types.SimpleNamespace(), target["lm_head"], True)
+    assert "--speculative-dspark-draft-head-fp8" in _unsupported_derived_weight_cache_error(target)

@@ -141,6 +141,15 @@ def maybe_build_draft_head_fp8(model, lm_head, enabled: bool):
         return None
     check_draft_head_fp8_applies(model, lm_head)
     head = DraftHeadFp8(lm_head.weight)
+    if getattr(lm_head, "_derived_weight_cache_error", None) is None:
+        # the target's own lm_head: its runner refuses online updates before writing them. The
+        # copy would keep the old head: outputs stay exact (proposals and q both come from it),
+        # but acceptance would fall without a word.
+        lm_head._derived_weight_cache_error = (
+            "Online weight updates are not supported with --speculative-dspark-draft-head-fp8: "
+            "the DSpark draft's fp8 copy of the LM head is built at load and would keep the old "
+            "head. Restart without it to update weights online."
+        )
     logger.info(
         "DSpark draft LM head in fp8 (e4m3, 32x32 power-of-two scales) for 1..%d rows, %s kernel: "
         "%s x %s, %.1f MB on this rank (taken from the KV pool); the target keeps bf16.",
