@@ -92,8 +92,10 @@ def validate_wo_a_fp8_twin(cfg) -> str:
     """Resolution-hook check (Engine(...) bypasses argparse): the flag's value, and the server
     arguments the twin cannot serve under, refused with the reason."""
     mode = parse_wo_a_fp8_twin(cfg.dsv4_wo_a_fp8_twin)
+    if mode == "off":
+        return mode
     for attr, flag, why in _REFUSED_WITH + (_DROP_REFUSED_WITH if mode == "drop" else ()):
-        if mode != "off" and getattr(cfg, attr):
+        if getattr(cfg, attr):
             raise ValueError(f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}")
     return mode
 
@@ -227,10 +229,10 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
         view = _wo_a_view(mod, name, mod.n_local_groups, mod.o_lora_rank)
         if view is None:
             continue
-        if view.is_cuda and torch.cuda.get_device_capability(view.device) < (8, 9):
+        cap = torch.cuda.get_device_capability(view.device) if view.is_cuda else None
+        if cap is not None and cap < (8, 9):
             raise RuntimeError(
-                f"--dsv4-wo-a-fp8-twin={mode}: {name}.wo_a is on SM"
-                f"{''.join(map(str, torch.cuda.get_device_capability(view.device)))}; the twin's "
+                f"--dsv4-wo-a-fp8-twin={mode}: {name}.wo_a is on SM{cap[0]}{cap[1]}; the twin's "
                 "e4m3 kernels need SM89 or newer; use --dsv4-wo-a-fp8-twin off"
             )
         layers.append((name, mod, view))
