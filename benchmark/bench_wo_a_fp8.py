@@ -12,6 +12,7 @@ FORK_WO_A_SWEEP=1 also times the Triton kernel's tiles.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -61,6 +62,8 @@ class _Attn(torch.nn.Module):
 
 def drop_memory(weights: list) -> dict:
     """Device memory that --dsv4-wo-a-fp8-twin=drop gives back for these layers, net of the twins."""
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_allocated()
     model = torch.nn.ModuleList(_Attn(w) for w in weights)
     saved = dict(twin_mod._TWINS)
     twin_mod._TWINS.clear()
@@ -72,12 +75,14 @@ def drop_memory(weights: list) -> dict:
     bf16 = sum(w.numel() * w.element_size() for w in weights)
     twin_mod._TWINS.clear()
     twin_mod._TWINS.update(saved)
-    return {"layers": made, "bf16_MiB": bf16 / 2**20, "released_net_MiB": freed / 2**20,
+    return {"layers": made, "bf16_MiB": bf16 / 2**20, "model_MiB": (before - start) / 2**20,
+            "released_net_MiB": freed / 2**20,
             "released_net_MiB_per_layer": freed / 2**20 / max(made, 1)}
 
 
 def main() -> None:
     args = parse_args(__doc__)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the twin's build line for drop
     sweep = os.environ.get("FORK_WO_A_SWEEP") == "1"
     rows, sweep_rows, drop_rows = [], [], []
     for g in (2, 4, 8):
@@ -101,7 +106,7 @@ def main() -> None:
         mid_cnt = [sm90.mid_counters(g, R, "cuda") for _ in twins] if hopper else []
 
         def t_twin(x, cfg=None):
-            if hopper and cfg is None and x.shape[0] <= 8:
+            if hopper and cfg is None and x.shape[0] <= twin_mod.small_kernel_rows(g):
                 return graph_us_per_call([lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])
                                           for i in range(LAYERS)], args.replays)
             if hopper and cfg is None:
@@ -145,7 +150,8 @@ def main() -> None:
             twin = t_twin(x)
             served = ("small" if m <= 8 else "mid" if (m <= twin_mod.mid_rows_faster(g) or not hopper) else "drop")
             row = {"G": g, "M": m, "stock": "wo_a_bf16_small_batch" if small_stock else "einsum",
-                   "kernel": ("gluon_sm90_small" if m <= 8 else "gluon_sm90_mid") if hopper else "triton",
+                   "kernel": ("gluon_sm90_small" if m <= twin_mod.small_kernel_rows(g) else "gluon_sm90_mid")
+                   if hopper else "triton",
                    "served_by": served,
                    "stock_us": stock, "einsum_us": einsum, "twin_us": twin, "read_us": read_us,
                    "twin_over_read": twin / read_us, "speedup": stock / twin, "over_einsum": einsum / twin,

@@ -30,11 +30,14 @@ from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 from sglang.srt.models.deepseek_v4_wo_a_twin import mid_rows_faster
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
-CONFIGS = {  # name: (rows_per_cta, cvt); the first is the shipped small kernel (what serves 1..8 rows)
-    "small": (8, sm90.CVT_F16),
-    "small_rows16": (16, sm90.CVT_F16),
-    "small_prmt": (8, sm90.CVT_PRMT),
-    "small_rows16_prmt": (16, sm90.CVT_PRMT),
+CONFIGS = {  # name: (rows_per_cta, cvt, x_waits, weights by cp.async); "small" was served up to
+    # 0.5.23+fork.7.71e3af7, "small_rows16_prmt" since
+    "small": (8, sm90.CVT_F16, 4, False),
+    "small_rows16_prmt": (16, sm90.CVT_PRMT, 4, False),
+    "small_rows16_prmt_xw1": (16, sm90.CVT_PRMT, 1, False),
+    "small_rows16_prmt_wcp": (16, sm90.CVT_PRMT, 4, True),
+    "small_rows16_prmt_wcp_xw1": (16, sm90.CVT_PRMT, 1, True),
+    "small_rows8_prmt_wcp": (8, sm90.CVT_PRMT, 4, True),
 }
 
 
@@ -63,33 +66,35 @@ def main() -> None:
                 stock_name, stock = "einsum", lambda i: torch.einsum("tgd,grd->tgr", x, weights[i])
             stock_us = graph_us_per_call([lambda i=i: stock(i) for i in range(LAYERS)], args.replays)
             served = ("stock (small under drop)" if m == 1 else "small" if m <= 8
-                      else "mid" if m <= mid_rows_faster(g) else "stock")
-            ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1]) if m <= 8 else None
+                      else "mid" if m <= mid_rows_faster(g) else "stock")  # by 0.5.23+fork.7.71e3af7
+            ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1], rows_per_cta=8, cvt=sm90.CVT_F16) if m <= 8 else None
             served_us = None
             if m > 8:  # what serves these rows now: the mid kernel
                 mid = [lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i]) for i in range(LAYERS)]
                 served_us = graph_us_per_call(mid, args.replays)
-                rows.append({"G": g, "M": m, "kernel": "mid", "us": served_us, "x_served": 1.0,
+                rows.append({"G": g, "M": m, "kernel": "mid", "us": served_us, "x_before": 1.0,
                              "x_pure_read": served_us / read_us, "x_stock": stock_us / served_us,
                              "TB/s": tbps(nbytes, served_us), "pure_read_us": read_us, "stock": stock_name,
-                             "stock_us": stock_us, "bitwise_to_small": None, "served_now": served})
-            for name, (rb, cvt) in CONFIGS.items():
-                def call(i, rb=rb, cvt=cvt):
-                    return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], rows_per_cta=rb, cvt=cvt)
+                             "stock_us": stock_us, "bitwise_to_small": None, "served_before": served})
+            for name, (rb, cvt, xw, wcp) in CONFIGS.items():
+                def call(i, rb=rb, cvt=cvt, xw=xw, wcp=wcp):
+                    return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], rows_per_cta=rb, cvt=cvt, x_waits=xw,
+                                                    weights_cp_async=wcp)
 
                 if m <= 8:
                     bitwise = torch.equal(call(0).view(torch.int16), ref.view(torch.int16))
                 else:  # rows 9..16 against two calls of <= 8 rows of the small kernel
-                    halves = [sm90.wo_a_fp8_small_sm90(x[a:b], packed[0], twins[0][1]) for a, b in ((0, 8), (8, m))]
+                    halves = [sm90.wo_a_fp8_small_sm90(x[a:b], packed[0], twins[0][1], rows_per_cta=8, cvt=sm90.CVT_F16)
+                              for a, b in ((0, 8), (8, m))]
                     bitwise = torch.equal(call(0).view(torch.int16), torch.cat(halves).view(torch.int16))
                 us = graph_us_per_call([lambda i=i: call(i) for i in range(LAYERS)], args.replays)
                 served_us = served_us or us
-                rows.append({"G": g, "M": m, "kernel": name, "us": us, "x_served": served_us / us,
+                rows.append({"G": g, "M": m, "kernel": name, "us": us, "x_before": served_us / us,
                              "x_pure_read": us / read_us, "x_stock": stock_us / us, "TB/s": tbps(nbytes, us),
                              "pure_read_us": read_us, "stock": stock_name, "stock_us": stock_us,
-                             "bitwise_to_small": bitwise, "served_now": served})
+                             "bitwise_to_small": bitwise, "served_before": served})
         del weights, twins, packed, words, counters
-    report("wo_a_fp8_small16_probe", ["G", "M", "kernel", "us", "x_served", "x_pure_read", "x_stock", "TB/s",
+    report("wo_a_fp8_small16_probe", ["G", "M", "kernel", "us", "x_before", "x_pure_read", "x_stock", "TB/s",
                                       "bitwise_to_small"], rows, args.out,
            {"layers": LAYERS, "configs": {k: list(v) for k, v in CONFIGS.items()}})
 

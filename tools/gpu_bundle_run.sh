@@ -2,7 +2,8 @@
 # Entry point of the GPU bundle (make gpu-bundle): runs the fork's GPU tests and benchmarks on
 # a machine that has torch and triton but no sglang dependencies and no network.
 #   bash run.sh [RESULTS_DIR]      (default: $OUT if set, else ./results)
-#   BENCH='bench_wo_a_*.py' bash run.sh ...   runs only those benchmarks (BENCH=none: tests only)
+#   BENCH='bench_wo_a_*.py probe_x.py' bash run.sh ...   runs only those benchmarks, in that order
+#   (space-separated globs; BENCH=none: tests only)
 # Writes gpu-tests.log, gpu-tests.xml, every benchmark's JSON and bundle-run.json (summary).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -22,10 +23,12 @@ python3 -m pytest -m gpu test -p no:cacheprovider -rA --junitxml "$results/gpu-t
 tests_rc=${PIPESTATUS[0]}
 
 bench_rc=0
-for bench in benchmark/${BENCH:-bench_*.py}; do
-    [ -e "$bench" ] || continue
-    echo "==> $bench"
-    python3 "$bench" --out "$results" || bench_rc=1
+for pattern in ${BENCH:-bench_*.py}; do
+    for bench in benchmark/$pattern; do
+        [ -e "$bench" ] || continue
+        echo "==> $bench"
+        python3 "$bench" --out "$results" || bench_rc=1
+    done
 done
 
 python3 - "$results" "$tests_rc" "$bench_rc" <<'PY'

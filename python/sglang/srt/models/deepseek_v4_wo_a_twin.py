@@ -57,8 +57,17 @@ MID_FASTER_MAX = {2: 32, 4: 16, 8: 32}
 MID_MAX_ROWS = 192
 
 
+# Hopper, mid and drop: rows up to which the small kernel (two n8 tiles of x) beats the wgmma one,
+# per group count (benchmark/results/wo_a_fp8_small16_probe-NVIDIA_H200.json); other G: 8.
+SMALL_KERNEL_MAX = {2: 16}
+
+
 def mid_rows_faster(g: int) -> int:
     return MID_FASTER_MAX.get(g, 16)
+
+
+def small_kernel_rows(g: int) -> int:
+    return SMALL_KERNEL_MAX.get(g, 8)
 
 # weight data_ptr (after drop: the stand-in's) -> _Twin; filled after load, only when the flag is on
 _TWINS: dict = {}
@@ -342,6 +351,8 @@ def apply_wo_a_fp8_twin(
             return Mxfp8SwizzledInput(*_quantize_partial(partials))
         top = MID_MAX_ROWS if twin.dropped else mid_rows_faster(g) if mode == "mid" else 0
         if 9 <= m <= top and not fuse_mxfp8_quant:
+            if m <= small_kernel_rows(g):
+                return sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp)
             return sm90.wo_a_fp8_mid_sm90(o, twin.packed, twin.exp, twin.counters)
         return None
     if not (2 <= m <= 8 or (mode in ("mid", "drop") and 9 <= m <= MID_MAX_ROWS)):

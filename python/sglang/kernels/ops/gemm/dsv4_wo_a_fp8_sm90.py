@@ -82,7 +82,7 @@ SPLITS = gl.constexpr(N_SPLITS)
 ROWS = 8  # packing unit: weight rows per fragment-major piece (the live half of the MMA's M = 16)
 D = 4096
 DK = gl.constexpr(D)
-MAX_ROWS = 8  # what the small path serves; 9..16 rows (16 rows of x per CTA) is a candidate
+MAX_ROWS = 16  # rows of x one small-kernel call takes (8 per n8 tile of the MMA)
 
 # e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_F16, the shipped one:
 # cvt.e4m3x2 -> f16x2 (F2FP), the f16 bits moved into bf16's (q * 2**-112), then the scale word
@@ -111,7 +111,7 @@ def max_biased_exp(cvt: int = CVT_F16) -> int:
     return 254 - _SCALE_BIAS[cvt]
 
 
-MAX_BIASED_EXP = max_biased_exp(CVT_F16)  # 142
+MAX_BIASED_EXP = max_biased_exp(CVT_PRMT)  # 134: the served conversion's
 
 __all__ = ["available", "pack_twin", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
 
@@ -155,6 +155,8 @@ _XC_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])
 _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8, 1, 1], instr_shape=[1, 16, 8])
 _P_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+# weights staged by cp.async (WCP): [block, split, lane, word], each thread's 8 bytes where it reads them
+_W_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 # [8, 8] fp32 (rows x x-rows) of one split's partial, one element per thread (4 warps)
 _OUT_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[2, 4], order=[1, 0])
 _OUT16_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 2], order=[1, 0])
@@ -187,7 +189,8 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                            PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
                            XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
-                           BIAS: gl.constexpr, XN: gl.constexpr):
+                           BIAS: gl.constexpr, XN: gl.constexpr, XW: gl.constexpr, WCP: gl.constexpr,
+                           W_SMEM: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
@@ -202,13 +205,20 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
              + gl.expand_dims(gl.expand_dims(lj, 0), 1))
     ws = ()
     wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
-    for i in gl.static_range(NB):
-        ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
-        if RB == 16:
-            wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
+    if WCP == 0:
+        for i in gl.static_range(NB):
+            ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
+            if RB == 16:
+                wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
+    # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i
+    es = ()
+    e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
+    if WCP == 1:
+        for i in gl.static_range(NB):
+            es = es + (gl.load(e_base + i).to(gl.int32),)
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
-    x_s = gl.allocate_shared_memory(gl.bfloat16, [8, SPLITS, XN, 64], X_SMEM)
+    x_s = ()  # one allocation per chunk: copies into slices of one buffer get a barrier each
     cs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC_L)))
     ct = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC_L)))
     ck = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC_L)))
@@ -216,23 +226,42 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
              + gl.expand_dims(gl.expand_dims(ct * SX, 0), 2) + gl.expand_dims(gl.expand_dims(ck, 0), 1))
     c_mask = gl.expand_dims(gl.expand_dims(ct < M, 0), 2) & (c_off >= 0)
     for kc in gl.static_range(8):
-        async_copy.async_copy_global_to_shared(x_s.index(kc), X + c_off + 64 * kc, c_mask)
+        x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),)
+        async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
         if kc % 2 == 1:
             async_copy.commit_group()
-    # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
-    # so every weight load of the CTA issues before the first MMA waits for its bytes
-    gl.thread_barrier()
-    # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i
-    es = ()
-    e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
-    for i in gl.static_range(NB):
-        es = es + (gl.load(e_base + i).to(gl.int32),)
+    if WCP == 1:
+        # the weights by cp.async too, one group per 32-K block after x's 4: each thread copies the
+        # 8 bytes it will read, so waiting for block i is its own cp.async.wait_group, in order, no
+        # barrier (registers from LDG share ptxas's 6 scoreboards: the first use waited for all)
+        # one allocation per block and piece: copies into one buffer's slices get a barrier each
+        w_s = ()
+        for i in gl.static_range(NB):
+            b = gl.allocate_shared_memory(gl.int32, [SPLITS, 32, 2], W_SMEM)
+            async_copy.async_copy_global_to_shared(b, W + (pid * (RB // 8) * NB + i) * 512 + w_off)
+            w_s = w_s + (b,)
+            if RB == 16:
+                b = gl.allocate_shared_memory(gl.int32, [SPLITS, 32, 2], W_SMEM)
+                async_copy.async_copy_global_to_shared(b, W + (pid * 2 * NB + NB + i) * 512 + w_off)
+                w_s = w_s + (b,)
+            async_copy.commit_group()
+    else:
+        # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
+        # so every weight load of the CTA issues before the first MMA waits for its bytes
+        gl.thread_barrier()
+        for i in gl.static_range(NB):
+            es = es + (gl.load(e_base + i).to(gl.int32),)
     acc = gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA)
     for i in gl.static_range(NB):
-        if i % 4 == 0:
-            async_copy.wait_group(3 - i // 4)
+        if i % (NB // XW) == 0:  # XW waits for x: the 4 copy groups in XW parts
+            async_copy.wait_group(4 - (i // (NB // XW) + 1) * (4 // XW) + WCP * NB)
             gl.thread_barrier()
-        xb = x_s.index(i // 2).slice(32 * (i % 2), 32, dim=2).load(X_L)
+        xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
+        if WCP == 1:
+            async_copy.wait_group(NB - 1 - i)
+            ws = ws + (w_s[(RB // 8) * i].load(LD_L),)
+            if RB == 16:
+                wh = wh + (w_s[2 * i + 1].load(LD_L),)
         w32 = gl.reshape(ws[i], [SPLITS, 8, 8])
         sb = (es[i] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
         sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
@@ -269,8 +298,8 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
 
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
-                        partials: bool = False, *, rows_per_cta: int = ROWS,
-                        cvt: int = CVT_F16) -> torch.Tensor:
+                        partials: bool = False, *, rows_per_cta: int = 16,
+                        cvt: int = CVT_PRMT, x_waits: int = 4, weights_cp_async: bool = False) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..8 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``.
     The defaults are the measured kernel. Candidates for benchmark/probe_wo_a_fp8_small16.py,
@@ -278,16 +307,17 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     ``cvt=CVT_PRMT``, and 9..16 rows of x (two n8 tiles; the dispatch sends those to ``mid``)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
-    assert 1 <= m <= 2 * MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
+    assert 1 <= m <= MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
+    assert x_waits in (1, 2, 4), x_waits
     xn = 8 if m <= 8 else 16
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT if xn == 8 else _X16_LAYOUT,
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        cvt, _SCALE_BIAS[cvt], xn, num_warps=N_SPLITS,
+        cvt, _SCALE_BIAS[cvt], xn, x_waits, int(weights_cp_async), _W_SMEM, num_warps=N_SPLITS,
     )
     return p if partials else y
 
