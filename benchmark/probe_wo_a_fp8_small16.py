@@ -1,20 +1,18 @@
-"""Candidates for the wo_a twin's Hopper small kernel against what serves now, in one run (H200):
+"""Candidates for the wo_a twin's Hopper small kernel against what served before, in one run (H200):
 - ``rows_per_cta=16``: a CTA per 16 weight rows instead of 8, so the m16n8k16's A operand is full
   (no zero rows to build), x is read from shared memory once per 16 rows, and there are half the
   MMAs and ldmatrix per weight; 128 CTAs at G = 2 (one per SM), 121 registers;
 - ``cvt=CVT_PRMT``: the e4m3 -> bf16 conversion by PRMT / shift / mask + the scale's HMUL2, 4
   instructions per pair of weights instead of 5 (no F2FP);
-- 9..16 rows (16 rows of x per CTA, two n8 tiles) against the ``mid`` kernel that serves them now
-  (G = 2: 7.4 us, 1.2x einsum): 128 KB of x in shared memory, one CTA per SM.
+- 9..16 rows (16 rows of x per CTA, two n8 tiles) against the ``mid`` kernel that served them.
 All keep the small kernel's MMA chains and reduction order, so they give its bits
 (test_gpu_hopper_small_candidates_bitwise_to_shipped checks that, every e4m3 code and M included;
 rows 9..16 give the bits of two calls of <= 8 rows); ``bitwise_to_small`` re-checks it here.
-SASS per thread from an offline sm_90 compile (G = 2): shipped 644 instructions (8 rows), PRMT
-579; 16 rows 920, 16 rows + PRMT 792; with 16 rows of x 1013 and 885 (127 registers, no spills).
-Per SM at G = 2 that is 10.3 K warp instructions shipped (two 8-warp CTAs) against 6.3 K for 16
-rows + PRMT (one). The small_dequant probe measured what 4.5 K fewer per SM bought: 0.67 us of 5.9.
-Written when the session's device time was spent: no GPU numbers yet. The next GPU session runs it;
-the served kernel changes only on what it measures.
+Result (wo_a_fp8_small16_probe-NVIDIA_H200.json): 16 rows + PRMT is fastest at every G and M,
+5.22-5.24 us against 5.63-5.64 at G = 2 (1.36x a pure read), and at G = 2 it beats the mid kernel
+at 9..16 rows (5.9 against 7.3 us); both serve since 0.5.23+fork.7.7a2225f. That JSON also holds
+two variants measured at commit 157a1a3 and removed after (slower or even): the weights staged by
+cp.async (``_wcp``: 5.6 us at G = 2, 18.5 at G = 8) and one wait for all of x (``_xw1``).
 Not run by the GPU bundle by default: BENCH=probe_wo_a_fp8_small16.py bash build/gpu-bundle/run.sh DIR
 (the GPU tests, which include the candidates' exactness, then this probe).
 """
@@ -30,14 +28,11 @@ from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 from sglang.srt.models.deepseek_v4_wo_a_twin import mid_rows_faster
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
-CONFIGS = {  # name: (rows_per_cta, cvt, x_waits, weights by cp.async); "small" was served up to
-    # 0.5.23+fork.7.71e3af7, "small_rows16_prmt" since
-    "small": (8, sm90.CVT_F16, 4, False),
-    "small_rows16_prmt": (16, sm90.CVT_PRMT, 4, False),
-    "small_rows16_prmt_xw1": (16, sm90.CVT_PRMT, 1, False),
-    "small_rows16_prmt_wcp": (16, sm90.CVT_PRMT, 4, True),
-    "small_rows16_prmt_wcp_xw1": (16, sm90.CVT_PRMT, 1, True),
-    "small_rows8_prmt_wcp": (8, sm90.CVT_PRMT, 4, True),
+CONFIGS = {  # name: (rows_per_cta, cvt); "small" served up to 0.5.23+fork.7.71e3af7, "small_rows16_prmt" since
+    "small": (8, sm90.CVT_F16),
+    "small_rows16": (16, sm90.CVT_F16),
+    "small_prmt": (8, sm90.CVT_PRMT),
+    "small_rows16_prmt": (16, sm90.CVT_PRMT),
 }
 
 
@@ -76,10 +71,9 @@ def main() -> None:
                              "x_pure_read": served_us / read_us, "x_stock": stock_us / served_us,
                              "TB/s": tbps(nbytes, served_us), "pure_read_us": read_us, "stock": stock_name,
                              "stock_us": stock_us, "bitwise_to_small": None, "served_before": served})
-            for name, (rb, cvt, xw, wcp) in CONFIGS.items():
-                def call(i, rb=rb, cvt=cvt, xw=xw, wcp=wcp):
-                    return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], rows_per_cta=rb, cvt=cvt, x_waits=xw,
-                                                    weights_cp_async=wcp)
+            for name, (rb, cvt) in CONFIGS.items():
+                def call(i, rb=rb, cvt=cvt):
+                    return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], rows_per_cta=rb, cvt=cvt)
 
                 if m <= 8:
                     bitwise = torch.equal(call(0).view(torch.int16), ref.view(torch.int16))

@@ -9,8 +9,9 @@ bf16 weight back bit for bit. ``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_
 Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
 - ``small``: decode / target-verify / draft calls with 2..8 rows on the small kernel, also those
   that want upstream's fused MXFP8 epilogue;
-- ``mid``: also 9..32 rows (G = 2 / 8; 9..16 at G = 4) on the wgmma kernel, the row counts where
-  the H200 measured it >= 1.1x stock; more rows stay stock;
+- ``mid``: also 9..32 rows (G = 2 / 8; 9..16 at G = 4), the row counts where the H200 measured
+  the twin >= 1.1x stock: on the small kernel up to 16 rows at G = 2 (two n8 tiles of x), on the
+  wgmma kernel above and at other G; more rows stay stock;
 - ``drop``: every decode / verify call of 1..192 rows reads the twin, and the bf16 weight is
   released once the twin's dequantisation is checked bit-identical to it. The parameter then
   holds a stand-in (one NaN seen through zero strides); every call the twin does not serve
@@ -29,11 +30,12 @@ variant (H200, M = 2..8). wgmma and Triton kernels: within the fp32 accumulation
 exact result (G = 2/4/8, 9..192 rows), deterministic. drop: every route gives the bits it gave
 before the release (tests, CPU and H200).
 MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): G = 2,
-2..8 rows 1.36-1.38x ``wo_a_bf16_small_batch`` (1.51-1.52x the einsum 0.5.23 runs on Hopper
-there), 9..32 rows 1.11-1.28x einsum; G = 4 1.24-1.27x / 1.11-1.12x; G = 8 1.22-1.26x /
-1.23-1.31x. drop releases 7.99 MiB per layer net of the twin at G = 2 (15.98 at G = 4, 31.97 at
-G = 8; 344 / 687 / 1375 MiB for 43 layers); its prefill dequantisation costs 12.4 us per layer
-and call at G = 2, and 33..192 rows run at 0.48-1.00x einsum (still faster than rebuilding).
+2..8 rows 1.52-1.55x ``wo_a_bf16_small_batch`` (1.67-1.73x the einsum 0.5.23 runs on Hopper
+there), 9..16 rows 1.47-1.52x einsum, 24..32 rows 1.10-1.29x; G = 4 1.54-1.56x at 2..8 /
+1.14-1.15x at 9..16; G = 8 1.47-1.51x / 1.23-1.32x at 9..32. drop releases 7.99 MiB per layer
+net of the twin at G = 2 (15.98 at G = 4, 31.97 at G = 8; 344 / 687 / 1375 MiB for 43 layers);
+its prefill dequantisation costs 12.4 us per layer and call at G = 2, and the row counts mid
+leaves stock run at 0.43-1.07x einsum (still faster than rebuilding the weight).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ MID_MAX_ROWS = 192
 
 
 # Hopper, mid and drop: rows up to which the small kernel (two n8 tiles of x) beats the wgmma one,
-# per group count (benchmark/results/wo_a_fp8_small16_probe-NVIDIA_H200.json); other G: 8.
+# per group count (benchmark/results/wo_a_fp8_small16_probe-NVIDIA_H200.json: G = 2, 16 rows 5.9
+# against 7.3 us; G = 4 even, G = 8 1.3x slower); other G: 8.
 SMALL_KERNEL_MAX = {2: 16}
 
 
@@ -187,16 +190,28 @@ def _stand_in(w: torch.Tensor) -> torch.Tensor:
 
 def _drop(entries: list, label: str) -> tuple[int, int]:
     """Release the bf16 weight of every twin whose dequantisation (the one prefill uses) gives it
-    back bit for bit; a twin that does not keeps its weight, and the log says so."""
+    back bit for bit; a twin that does not keeps its weight, and the log says so. The storage itself
+    is freed (``resize_(0)``, as upstream releases weights it repacks), not just unreferenced: the
+    first build of a process released nothing before, because upstream's torch_memory_saver_adapter
+    keeps the ImportError of its lazy import, whose frames reach back to this build's locals. Views
+    left in such dead frames now point at freed memory; no reader is left (_BYPASSES refuses those)."""
     released = failed = 0
     for name, mod, view, twin in entries:
-        if not torch.equal(twin.dequant().view(torch.int16), view.view(torch.int16)):
-            logger.warning("--dsv4-wo-a-fp8-twin=drop (%s): %s.wo_a: the twin's dequantisation is not "
-                           "bit-identical to the weight; keeping the bf16 weight", label, name)
+        old = mod.wo_a.weight.data
+        storage = old.untyped_storage()
+        why = None
+        if storage.nbytes() != old.numel() * old.element_size():
+            why = f"its storage ({storage.nbytes()} bytes) holds more than the weight"
+        elif not torch.equal(twin.dequant().view(torch.int16), view.view(torch.int16)):
+            why = "the twin's dequantisation is not bit-identical to the weight"
+        if why is not None:
+            logger.warning("--dsv4-wo-a-fp8-twin=drop (%s): %s.wo_a: %s; keeping the bf16 weight",
+                           label, name, why)
             failed += 1
             continue
         key = view.data_ptr()
-        mod.wo_a.weight.data = _stand_in(mod.wo_a.weight.data)
+        mod.wo_a.weight.data = _stand_in(old)
+        storage.resize_(0)
         twin.dropped = True
         _TWINS.pop(key, None)
         _TWINS[mod.wo_a.weight.data_ptr()] = twin
@@ -264,6 +279,7 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             kept += 1
             continue
         weight8, exp = twin
+        twin = None  # a frame kept past return (see _drop) must not keep the row-major copy
         packed = None
         if (
             sm90.available(view.device)

@@ -1,30 +1,42 @@
 """WO-A (``einsum('tgd,grd->tgr')``) from the fp8 twin on Hopper: two Gluon kernels that read the
-same fragment-major words (``pack_twin``). ``wo_a_fp8_small_sm90`` (1..8 rows) is bitwise identical
+same fragment-major words (``pack_twin``). ``wo_a_fp8_small_sm90`` (1..16 rows) is bitwise identical
 to upstream's ``wo_a_bf16_small_batch`` (and, through ``partials``, to its MXFP8 variant);
 ``wo_a_fp8_mid_sm90`` (9..192 rows) is a wgmma kernel within the fp32 bound of the exact result.
 
-SMALL: HOW (H200, benchmark/results/wo_a_fp8-NVIDIA_H200.json).
-- Grid G * R / 8: one CTA per 8 weight rows of one group and all of K (256 CTAs at G = 2, 1024 at
-  G = 8); 8 warps, warp s owns upstream's K split s (K 512 s .. 512 s + 511). No split-K across
-  CTAs, so no second kernel and no reduction through L2 (the earlier Triton twin lost 1.9 us there).
+SMALL: HOW (H200, benchmark/results/wo_a_fp8-NVIDIA_H200.json, candidates in
+wo_a_fp8_small16_probe-NVIDIA_H200.json).
+- Grid G * R / 16: one CTA per 16 weight rows of one group and all of K (128 CTAs at G = 2, one
+  per SM; 512 at G = 8); 8 warps, warp s owns upstream's K split s (K 512 s .. 512 s + 511). No
+  split-K across CTAs, so no second kernel and no reduction through L2 (the earlier Triton twin
+  lost 1.9 us there).
 - The twin is stored fragment-major: K permuted inside each 32-block and each warp's A fragment of
-  one 32-K block contiguous, so each thread's 8 bytes of a block are one LDG.64 and a warp reads
-  256 contiguous bytes. All 16 loads per thread (the CTA's 32 KB) issue at entry; a CTA barrier
-  sits between them and the first MMA, because ptxas otherwise sinks each load to its use (then 7
-  of 16 were in flight).
+  one 32-K block and 8 rows contiguous, so each thread's 8 bytes of a block are one LDG.64 and a
+  warp reads 256 contiguous bytes. All 32 loads per thread (the CTA's 64 KB) issue at entry; a CTA
+  barrier sits between them and the first MMA, because ptxas otherwise sinks each load to its use.
 - x goes to shared memory by cp.async (rows past M are zero-filled without traffic), one group per
-  128-K chunk, and comes back by ldmatrix. Loading x into registers with 4-byte loads made the
-  time grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us flat.
-- The e4m3 -> bf16 asm (exact, the power-of-two scale in one HMUL2) runs right before each MMA;
-  swap-AB mma.sync m16n8k16 with the 8 weight rows as M (rows 8..15 zero) and <= 8 rows of x as N.
-- 64 registers, 64 KB of shared memory: 3 CTAs per SM.
-Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 5.87-5.95 us
-against 8.07-8.14 us for ``wo_a_bf16_small_batch`` (1.36-1.38x) and 8.9-9.0 us for einsum (what
-Hopper runs for 2..8 rows in 0.5.23); a pure read of the twin's bytes takes 3.92 us, so the
-kernel is at 1.50-1.52x of it, not yet at the 1.15x goal (ncu, isolated launch: the SMs are
-active 71 % of the kernel's cycles, 0.6 eligible warps per scheduler). G = 4: 8.9-9.2 us against
-einsum's 11.3-11.4 (1.24-1.27x); G = 8: 15.0-15.3 against 18.7-18.9 (1.22-1.26x). The MXFP8
-epilogue (upstream's ``_quantize_partial`` on these partials) 7.62-7.71 us against 8.26-8.33 us.
+  128-K chunk, one shared allocation per 64-K chunk (copies into slices of one buffer got a CTA
+  barrier each: 8 more, 0.1 us), and comes back by ldmatrix. Loading x into registers with 4-byte
+  loads made the time grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us.
+- The e4m3 -> bf16 conversion (``CVT_PRMT``: byte permutes, shift, mask, and the power-of-two
+  scale in one HMUL2, exact) runs right before each MMA; swap-AB mma.sync m16n8k16 with the 16
+  weight rows as M and <= 8 rows of x as N (9..16 rows: two n8 tiles).
+- 121 registers, 64 KB of shared memory for x (128 KB with 16 rows of x).
+What made it faster, each measured in one run: 16 rows per CTA instead of 8 (the A operand full,
+half the MMAs and ldmatrix per weight byte) and the PRMT conversion instead of cvt.e4m3x2 -> f16x2
+(4 instructions per pair of weights instead of 5): 5.83 -> 5.31 us at G = 2. The time follows the
+instructions per SM, not the bytes: registers loaded by LDG share ptxas's 6 scoreboards, so the
+first conversion waits for most of the CTA's loads and the arithmetic runs after the data arrives.
+Staging the weights by cp.async instead (each thread waits for its own block, in order) was slower
+(5.6-5.7 us at G = 2, 18.5 at G = 8): Gluon puts a CTA barrier after every wait and the 64 KB of
+weights leave one CTA per SM. One wait for all of x instead of four changed nothing.
+Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 5.18-5.33 us
+against 7.98-8.14 us for ``wo_a_bf16_small_batch`` (1.52-1.55x) and 8.85-9.04 us for einsum (what
+Hopper runs for 2..8 rows in 0.5.23, 1.67-1.73x); a pure read of the twin's bytes takes 3.82 us,
+so the kernel is at 1.36-1.39x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 5.98-6.08 us
+against einsum's 8.97-9.07 (1.47-1.52x; the wgmma kernel: 7.3 us in the probe). G = 4: 7.40-7.49
+us against einsum's 11.53-11.55 (1.54-1.56x, 1.29-1.31x a read); G = 8: 12.62-12.82 against
+18.75-19.26 (1.47-1.51x, 1.33-1.35x a read). The MXFP8 epilogue (upstream's ``_quantize_partial``
+on these partials) 7.09-7.29 us against 8.20-8.33 us.
 
 SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
 operand values (the twin is exact), k_width 2 operands so every product sits in the same slot of
@@ -48,10 +60,11 @@ Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S),
 block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too) at most one
 tile per launch is partly resident while its CTAs wait, even with the target's and the draft's
 launches side by side; the grid is sized for one wave on an otherwise idle GPU.
-Measured (same run): G = 2, 9..16 rows 7.4 us against einsum's 8.9-9.0 (1.20-1.21x), 24..32 rows
-1.11-1.28x, 48 rows even, slower from 64 (0.48-0.92x at 64..192); G = 4 1.11-1.12x at 9..16,
-1.05-1.07x at 24..32; G = 8 1.30-1.31x at 9..16, 1.23x at 24..32, 1.05x at 48, slower from 64. The
-dispatch serves ``mid`` only where it was measured >= 1.1x; ``drop`` serves every row count.
+Measured (same run): G = 2, 24 rows 1.29x einsum, 32 rows 1.10x, 48 rows 0.96x, slower from 64
+(0.49-0.93x at 64..192; at 9..16 rows the small kernel serves: 1.47-1.52x, against 1.22x here);
+G = 4 1.14-1.15x at 9..16, 1.06-1.07x at 24..32; G = 8 1.31-1.32x at 9..16, 1.23-1.25x at 24..32,
+1.06x at 48, 1.02x at 64, slower from 96. The dispatch serves ``mid`` only where it was measured
+about >= 1.1x (G = 2 at 32 rows: 1.09-1.14x over four runs); ``drop`` serves every row count.
 What the mid goals (2x at 9..64, 1.5x at 65..192) still miss: about 2 us per call of split-K
 wait (partials out, arrival, partials in), and x's L2 traffic, which grows with the rows.
 """
@@ -84,13 +97,12 @@ D = 4096
 DK = gl.constexpr(D)
 MAX_ROWS = 16  # rows of x one small-kernel call takes (8 per n8 tile of the MMA)
 
-# e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_F16, the shipped one:
-# cvt.e4m3x2 -> f16x2 (F2FP), the f16 bits moved into bf16's (q * 2**-112), then the scale word
-# 2**(e - 127 + 112) in one HMUL2: 5 instructions per pair. CVT_PRMT, a candidate not yet measured
-# on the GPU (benchmark/probe_wo_a_fp8_small16.py): each byte sign-extended into a 16-bit half by
-# PRMT, shifted so that e4m3's exponent and mantissa land in bf16's low exponent bits and the
-# sign copies between them are masked off (q * 2**-120; e4m3 subnormals become bf16 subnormals,
-# which the HMUL2 by 2**(e - 127 + 120) takes exactly): 4 instructions per pair, no F2FP.
+# e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_PRMT, served: each
+# byte sign-extended into a 16-bit half by PRMT, shifted so that e4m3's exponent and mantissa land
+# in bf16's low exponent bits and the sign copies between them are masked off (q * 2**-120; e4m3
+# subnormals become bf16 subnormals, which the HMUL2 by 2**(e - 127 + 120) takes exactly): 4
+# instructions per pair. CVT_F16, served before (and the mid kernel's): cvt.e4m3x2 -> f16x2
+# (F2FP), the f16 bits moved into bf16's (q * 2**-112), then the scale 2**(e - 127 + 112): 5.
 CVT_F16, CVT_PRMT = 0, 1
 _SCALE_BIAS = {CVT_F16: 112, CVT_PRMT: 120}
 _E4M3X4_TO_BF16_PRMT_ASM = gl.constexpr("""{
@@ -155,8 +167,6 @@ _XC_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])
 _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8, 1, 1], instr_shape=[1, 16, 8])
 _P_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-# weights staged by cp.async (WCP): [block, split, lane, word], each thread's 8 bytes where it reads them
-_W_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 # [8, 8] fp32 (rows x x-rows) of one split's partial, one element per thread (4 warps)
 _OUT_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[2, 4], order=[1, 0])
 _OUT16_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 2], order=[1, 0])
@@ -189,8 +199,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                            PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
                            XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
-                           BIAS: gl.constexpr, XN: gl.constexpr, XW: gl.constexpr, WCP: gl.constexpr,
-                           W_SMEM: gl.constexpr):
+                           BIAS: gl.constexpr, XN: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
@@ -205,17 +214,13 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
              + gl.expand_dims(gl.expand_dims(lj, 0), 1))
     ws = ()
     wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
-    if WCP == 0:
-        for i in gl.static_range(NB):
-            ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
-            if RB == 16:
-                wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
-    # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i
+    for i in gl.static_range(NB):
+        ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
+        if RB == 16:
+            wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
+    # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i (loaded below)
     es = ()
     e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
-    if WCP == 1:
-        for i in gl.static_range(NB):
-            es = es + (gl.load(e_base + i).to(gl.int32),)
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
     x_s = ()  # one allocation per chunk: copies into slices of one buffer get a barrier each
@@ -230,38 +235,17 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
         if kc % 2 == 1:
             async_copy.commit_group()
-    if WCP == 1:
-        # the weights by cp.async too, one group per 32-K block after x's 4: each thread copies the
-        # 8 bytes it will read, so waiting for block i is its own cp.async.wait_group, in order, no
-        # barrier (registers from LDG share ptxas's 6 scoreboards: the first use waited for all)
-        # one allocation per block and piece: copies into one buffer's slices get a barrier each
-        w_s = ()
-        for i in gl.static_range(NB):
-            b = gl.allocate_shared_memory(gl.int32, [SPLITS, 32, 2], W_SMEM)
-            async_copy.async_copy_global_to_shared(b, W + (pid * (RB // 8) * NB + i) * 512 + w_off)
-            w_s = w_s + (b,)
-            if RB == 16:
-                b = gl.allocate_shared_memory(gl.int32, [SPLITS, 32, 2], W_SMEM)
-                async_copy.async_copy_global_to_shared(b, W + (pid * 2 * NB + NB + i) * 512 + w_off)
-                w_s = w_s + (b,)
-            async_copy.commit_group()
-    else:
-        # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
-        # so every weight load of the CTA issues before the first MMA waits for its bytes
-        gl.thread_barrier()
-        for i in gl.static_range(NB):
-            es = es + (gl.load(e_base + i).to(gl.int32),)
+    # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
+    # so every weight load of the CTA issues before the first MMA waits for its bytes
+    gl.thread_barrier()
+    for i in gl.static_range(NB):
+        es = es + (gl.load(e_base + i).to(gl.int32),)
     acc = gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA)
     for i in gl.static_range(NB):
-        if i % (NB // XW) == 0:  # XW waits for x: the 4 copy groups in XW parts
-            async_copy.wait_group(4 - (i // (NB // XW) + 1) * (4 // XW) + WCP * NB)
+        if i % 4 == 0:
+            async_copy.wait_group(3 - i // 4)
             gl.thread_barrier()
         xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
-        if WCP == 1:
-            async_copy.wait_group(NB - 1 - i)
-            ws = ws + (w_s[(RB // 8) * i].load(LD_L),)
-            if RB == 16:
-                wh = wh + (w_s[2 * i + 1].load(LD_L),)
         w32 = gl.reshape(ws[i], [SPLITS, 8, 8])
         sb = (es[i] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
         sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
@@ -299,25 +283,24 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
                         partials: bool = False, *, rows_per_cta: int = 16,
-                        cvt: int = CVT_PRMT, x_waits: int = 4, weights_cp_async: bool = False) -> torch.Tensor:
-    """``einsum('tgd,grd->tgr', x, twin)`` for 1..8 rows from ``pack_twin``'s words: bf16
-    [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``.
-    The defaults are the measured kernel. Candidates for benchmark/probe_wo_a_fp8_small16.py,
-    not served: ``rows_per_cta=16`` (a full m16 A operand, x read once per 16 weight rows),
-    ``cvt=CVT_PRMT``, and 9..16 rows of x (two n8 tiles; the dispatch sends those to ``mid``)."""
+                        cvt: int = CVT_PRMT) -> torch.Tensor:
+    """``einsum('tgd,grd->tgr', x, twin)`` for 1..16 rows from ``pack_twin``'s words: bf16
+    [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
+    (rows 9..16: each row's bits those of a call of <= 8 rows). The defaults are what serves;
+    ``rows_per_cta=8`` and ``cvt=CVT_F16`` give the same bits, slower (served before; kept for
+    benchmark/probe_wo_a_fp8_small16.py)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
-    assert x_waits in (1, 2, 4), x_waits
     xn = 8 if m <= 8 else 16
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT if xn == 8 else _X16_LAYOUT,
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        cvt, _SCALE_BIAS[cvt], xn, x_waits, int(weights_cp_async), _W_SMEM, num_warps=N_SPLITS,
+        cvt, _SCALE_BIAS[cvt], xn, num_warps=N_SPLITS,
     )
     return p if partials else y
 
