@@ -401,6 +401,26 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     assert twin_mod.apply_wo_a_fp8_twin(odd[:, :, :].contiguous(), w, **kw).shape == (4, 2, 1024)
 
 
+def test_hopper_packing_only_for_exponents_the_conversion_can_scale(monkeypatch):
+    """The served conversion's scale word 2**(e - 127 + 120) is a bf16: a layer with a block
+    exponent above MAX_BIASED_EXP (134) is not packed for the Hopper kernels and keeps the
+    row-major twin of the portable kernel; one at 134 is packed."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    assert sm90.MAX_BIASED_EXP == sm90.max_biased_exp(sm90.CVT_PRMT) == 134
+    monkeypatch.setattr(sm90, "available", lambda device: True)
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    q = (torch.randn(2, 64, 4096, generator=torch.Generator().manual_seed(3)) * 64).clamp(-448, 448)
+    q = q.to(torch.float8_e4m3fn).float()
+    q[:, :, 0] = 448.0  # every block's amax, so its exponent is the scale's
+    model = torch.nn.ModuleDict({"ok": _Attn((q * 2.0**7).to(torch.bfloat16)),
+                                 "big": _Attn((q * 2.0**8).to(torch.bfloat16))})
+    assert twin_mod.build_wo_a_fp8_twins(model, "small", "target") == (2, 0)
+    ok, big = model["ok"]._wo_a_fp8_twin, model["big"]._wo_a_fp8_twin
+    assert int(ok.exp.max()) == 134 and ok.packed is not None and ok.weight8 is None
+    assert int(big.exp.max()) == 135 and big.packed is None and big.weight8 is not None
+
+
 def test_dequant_from_packed_words_is_exact():
     """What prefill multiplies after drop on Hopper: the bf16 weight rebuilt from the packed words
     (signed zeros and e4m3 subnormals included)."""
