@@ -322,7 +322,8 @@ print(json.dumps(dump))
 def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile
     with triton's own ptxas: every weight load (LDG.64, 16 per 8 rows) issues before the first MMA,
-    nothing spills, and the registers allow 3 CTAs per SM (shipped: 64) or 2 (16 rows: <= 128)."""
+    no CTA barrier per x copy, nothing spills, and the registers allow 3 CTAs per SM (8 rows: 64)
+    or 2 (16 rows, served: <= 128)."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
@@ -336,7 +337,6 @@ def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64")]
     assert len(loads) == 16 * rb // 8 and max(loads) < ops.index(next(op for op in ops if op.startswith("HMMA")))
-    # copies into one shared buffer get a barrier each (the kernel gives every copy its own buffer);
     # barriers: one after the loads issue, one per x wait (4), one before the partials are added;
     # not one per x copy, as when the copies went to slices of one shared buffer (+8)
     assert ops.count("BAR.SYNC.DEFER_BLOCKING") == 6
@@ -714,10 +714,10 @@ def _all_codes_twin(g: int, seed: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows_per_cta,cvt", [(8, 0), (16, 0), (8, 1)])
 def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt):
-    """The small kernel's candidates (16 rows per CTA, the PRMT conversion, 9..16 rows of x) give the
-    shipped kernel's bits at every M, output and partials (rows 9..16: those of two calls of <= 8
-    rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through one-hot
-    rows of x, the shipped kernel included."""
+    """The small kernel's other configurations (8 rows per CTA, the F16 conversion: served before)
+    give the served kernel's bits at every M, output and partials (rows 9..16: those of two calls
+    of <= 8 rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through
+    one-hot rows of x."""
     sm90 = _hopper()
     for g in (2, 8):
         w8, e, w = _all_codes_twin(g, 40 + g)

@@ -23,7 +23,8 @@ python3 -m pytest -m gpu test -p no:cacheprovider -rA --junitxml "$results/gpu-t
 tests_rc=${PIPESTATUS[0]}
 
 bench_rc=0
-for pattern in ${BENCH:-bench_*.py}; do
+read -ra patterns <<< "${BENCH:-bench_*.py}"  # split on spaces, globbed only under benchmark/
+for pattern in "${patterns[@]}"; do
     for bench in benchmark/$pattern; do
         [ -e "$bench" ] || continue
         echo "==> $bench"

@@ -118,7 +118,7 @@ mul.rn.bf16x2 $1, t1, $4;
 }""")
 
 
-def max_biased_exp(cvt: int = CVT_F16) -> int:
+def max_biased_exp(cvt: int) -> int:
     """Largest ue8m0 exponent the conversion's bf16 scale word 2**(e - 127 + bias) can carry."""
     return 254 - _SCALE_BIAS[cvt]
 
