@@ -299,11 +299,12 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-rb, cvt, xn = map(int, sys.argv[1:4])
+rb, cvt, xn, stage = map(int, sys.argv[1:5])
 sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
 consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUT if xn == 8 else sm90._X16_LAYOUT,
               MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
-              XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn)
+              XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn,
+              STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM)
 # pointers and x's row stride SX specialised as multiples of 16, as the JIT does for real launches
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v[0] == "*" or k == "SX"}
 kernel = triton.compile(GluonASTSource(sm90._wo_a_fp8_small_kernel, sig, constexprs=consts, attrs=attrs),
@@ -318,23 +319,28 @@ print(json.dumps(dump))
 """
 
 
-@pytest.mark.parametrize("rb,cvt,xn", [(8, 0, 8), (8, 1, 8), (16, 0, 8), (16, 1, 8), (16, 1, 16)])
-def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
-    """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile
-    with triton's own ptxas: every weight load (LDG.64, 16 per 8 rows) issues before the first MMA,
-    no CTA barrier per x copy, nothing spills, and the registers allow 3 CTAs per SM (8 rows: 64)
-    or 2 (16 rows, served: <= 128)."""
+def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int) -> tuple[list[str], str]:
+    """The small kernel's sm_90 opcodes and resource usage, compiled offline with triton's ptxas."""
     import triton
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")):
         pytest.skip("triton ships no cuobjdump here")
     # a fresh process: the Triton interpreter the CPU tests run under patches the language
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn)],
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn), str(stage)],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     sass, usage = json.loads(run.stdout.strip().splitlines()[-1])
-    ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
+    return re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M), usage
+
+
+@pytest.mark.parametrize("rb,cvt,xn", [(8, 0, 8), (8, 1, 8), (16, 0, 8), (16, 1, 8), (16, 1, 16)])
+def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
+    """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile
+    with triton's own ptxas: every weight load (LDG.64, 16 per 8 rows) issues before the first MMA,
+    no CTA barrier per x copy, nothing spills, and the registers allow 3 CTAs per SM (8 rows: 64)
+    or 2 (16 rows, served: <= 128)."""
+    ops, usage = _sm90_small_sass(rb, cvt, xn, 0)
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64")]
     assert len(loads) == 16 * rb // 8 and max(loads) < ops.index(next(op for op in ops if op.startswith("HMMA")))
     # barriers: one after the loads issue, one per x wait (4), one before the partials are added;
@@ -342,6 +348,25 @@ def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     assert ops.count("BAR.SYNC.DEFER_BLOCKING") == 6
     regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
     assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
+
+
+def test_hopper_small_kernel_sm90_structure_staged():
+    """The staged small kernel (served at G = 2): the 16 exponent loads issue first, then x's 16
+    cp.async copies (2 per 64-K chunk) and the weights' 16 of 16 B, all with the L1 bypass, one
+    commit group per weight block; block i is waited for by DEPBAR.LE SB0 (15 - i), in order; no
+    weight reaches a register by LDG."""
+    ops, usage = _sm90_small_sass(16, 1, 8, 16)
+    copies = [i for i, op in enumerate(ops) if op.startswith("LDGSTS")]
+    assert len(copies) == 16 + 16 and all(ops[i] == "LDGSTS.E.BYPASS.128" for i in copies)
+    exps = [i for i, op in enumerate(ops) if op == "LDG.E.U8"]
+    assert len(exps) == 16 and max(exps) < min(copies)
+    assert not [op for op in ops if op.startswith("LDG.E.64")]
+    waits = [op for op in ops if op.startswith("DEPBAR.LE")]
+    assert len(waits) == 16, waits
+    # barriers: after the exponents, one per block wait (added by Gluon), before the partials
+    assert ops.count("BAR.SYNC.DEFER_BLOCKING") == 18
+    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    assert local == 0 and regs <= 64, usage
 
 
 def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
@@ -712,12 +737,14 @@ def _all_codes_twin(g: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta,cvt", [(8, 0), (16, 0), (8, 1)])
-def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt):
-    """The small kernel's other configurations (8 rows per CTA, the F16 conversion: served before)
-    give the served kernel's bits at every M, output and partials (rows 9..16: those of two calls
-    of <= 8 rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through
-    one-hot rows of x."""
+@pytest.mark.parametrize("rows_per_cta,cvt,stage", [(8, 0, 0), (16, 0, 0), (8, 1, 0), (16, 1, 0), (16, 1, 16),
+                                                   (16, 1, 4)])
+def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage):
+    """The small kernel's configurations (8 rows per CTA, the F16 conversion: served before; the
+    weights in registers, staged all at once or 4 blocks in flight in a ring) give the
+    served kernel's bits at every M, output and partials (rows 9..16: those of two calls of <= 8
+    rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through one-hot
+    rows of x."""
     sm90 = _hopper()
     for g in (2, 8):
         w8, e, w = _all_codes_twin(g, 40 + g)
@@ -725,7 +752,7 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt):
         ks = torch.tensor([0, 33, 511, 519, 1154, 2079, 3372, 4095], device="cuda")
         x = torch.zeros(8, g, 4096, device="cuda", dtype=torch.bfloat16)
         x[torch.arange(8, device="cuda"), :, ks] = 1
-        y = sm90.wo_a_fp8_small_sm90(x, packed, e, rows_per_cta=rows_per_cta, cvt=cvt)
+        y = sm90.wo_a_fp8_small_sm90(x, packed, e, rows_per_cta=rows_per_cta, cvt=cvt, stage=stage)
         assert torch.equal(y.float(), w[:, :, ks].permute(2, 0, 1).float()), g
         tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 50 + g))
         packed = sm90.pack_twin(tw[0])
@@ -735,7 +762,8 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt):
                 # 9..16 rows (two n8 tiles of x): each row's bits are those of a call of <= 8 rows
                 want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:b], packed, tw[1], part).transpose(0, int(part))
                                   for a, b in ((0, min(m, 8)), (8, m)) if b > a]).transpose(0, int(part))
-                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, cvt=cvt)
+                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, cvt=cvt,
+                                               stage=stage)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
 
 

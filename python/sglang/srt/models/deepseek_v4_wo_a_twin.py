@@ -60,9 +60,10 @@ MID_MAX_ROWS = 192
 
 
 # Hopper, mid and drop: rows up to which the small kernel (two n8 tiles of x) beats the wgmma one,
-# per group count (benchmark/results/wo_a_fp8_small16_probe-NVIDIA_H200.json: G = 2, 16 rows 5.9
-# against 7.3 us; G = 4 even, G = 8 1.3x slower); other G: 8.
-SMALL_KERNEL_MAX = {2: 16}
+# per group count (benchmark/results/wo_a_fp8_arrival_probe-NVIDIA_H200.json against
+# wo_a_fp8-NVIDIA_H200.json's mid rows: 12..16 rows G = 2 5.4 against 7.3 us, G = 4 9.2 against
+# 10.3; G = 8 16.6 against 14.7, so there the wgmma kernel); other G: 8.
+SMALL_KERNEL_MAX = {2: 16, 4: 16}
 
 
 def mid_rows_faster(g: int) -> int:

@@ -165,6 +165,12 @@ _X16_LAYOUT = gl.DistributedLinearLayout(
 # x staged by cp.async: [split, 8 rows of x, 64 K] bf16 tiles, 16 B per thread and copy
 _XC_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])
 _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+# weights staged by cp.async (STAGE): [rows 0..7 / 8..15, 512 words] of one 32-K block, 16 B per
+# thread and copy (a thread copies what two read), and one piece as read back: [1, 512] words,
+# thread 32 s + lane holding the two words ``_LD_LAYOUT`` gives it
+_WC_LAYOUT = gl.BlockedLayout([1, 4], [1, 32], [2, 4], [1, 0])
+_WS_LAYOUT = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])
+_W_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8, 1, 1], instr_shape=[1, 16, 8])
 _P_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # [8, 8] fp32 (rows x x-rows) of one split's partial, one element per thread (4 warps)
@@ -199,28 +205,37 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                            PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
                            XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
-                           BIAS: gl.constexpr, XN: gl.constexpr):
+                           BIAS: gl.constexpr, XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
+                           WS_L: gl.constexpr, W_SMEM: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
     pid = gl.program_id(0)
     group = pid // (R // RB)
     r0 = (pid % (R // RB)) * RB
-    # every weight byte of the CTA first: 16 LDG.64 per thread and 8 rows, 32 KB per 8 rows in flight
     ls = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LD_L)))
     ll = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LD_L)))
     lj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LD_L)))
     w_off = (gl.expand_dims(gl.expand_dims(ls * 64, 1), 2) + gl.expand_dims(gl.expand_dims(ll * 2, 0), 2)
              + gl.expand_dims(gl.expand_dims(lj, 0), 1))
-    ws = ()
-    wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
-    for i in gl.static_range(NB):
-        ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
-        if RB == 16:
-            wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
-    # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i (loaded below)
+    # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i
     es = ()
     e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
+    ws = ()
+    wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
+    FLIGHT: gl.constexpr = STAGE if STAGE < NB else NB
+    NBUF: gl.constexpr = FLIGHT + 1 if FLIGHT < NB else NB
+    if STAGE > 0:
+        # the exponents first: issued behind the CTA's 64 KB of weights they would arrive last
+        for i in gl.static_range(NB):
+            es = es + (gl.load(e_base + i).to(gl.int32),)
+        gl.thread_barrier()  # ptxas would sink them
+    else:
+        # every weight byte of the CTA first: 16 LDG.64 per thread and 8 rows, 32 KB per 8 rows in flight
+        for i in gl.static_range(NB):
+            ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
+            if RB == 16:
+                wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
     x_s = ()  # one allocation per chunk: copies into slices of one buffer get a barrier each
@@ -235,23 +250,52 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
         if kc % 2 == 1:
             async_copy.commit_group()
-    # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
-    # so every weight load of the CTA issues before the first MMA waits for its bytes
-    gl.thread_barrier()
-    for i in gl.static_range(NB):
-        es = es + (gl.load(e_base + i).to(gl.int32),)
+    w_s = ()
+    if STAGE > 0:
+        # the weights by cp.async, 16 B per thread, one group per 32-K block after x's 4: block i
+        # is waited for by cp.async.wait_group (DEPBAR.LE, in order), not a shared scoreboard;
+        # STAGE blocks in flight, in a ring of STAGE + 1 buffers (all 16 at once: no reuse)
+        cp = gl.arange(0, 2, layout=gl.SliceLayout(1, WC_L))
+        cw = gl.arange(0, 512, layout=gl.SliceLayout(0, WC_L))
+        cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(cw, 0)  # rows 0..7, 8..15
+        for j in gl.static_range(NBUF):
+            w_s = w_s + (gl.allocate_shared_memory(gl.int32, [2, 512], W_SMEM),)  # one each, as for x
+        for j in gl.static_range(FLIGHT):
+            async_copy.async_copy_global_to_shared(w_s[j], W + (pid * 2 * NB + j) * 512 + cp_off)
+            async_copy.commit_group()
+    else:
+        # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
+        # so every weight load of the CTA issues before the first MMA waits for its bytes
+        gl.thread_barrier()
+        for i in gl.static_range(NB):
+            es = es + (gl.load(e_base + i).to(gl.int32),)
     acc = gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA)
     for i in gl.static_range(NB):
-        if i % 4 == 0:
-            async_copy.wait_group(3 - i // 4)
-            gl.thread_barrier()
+        if STAGE > 0:
+            # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
+            async_copy.wait_group(NB - 1 - i if FLIGHT == NB else FLIGHT - 1)
+            if FLIGHT < NB:
+                if i + FLIGHT < NB:  # into block i - 1's buffer
+                    async_copy.async_copy_global_to_shared(w_s[(i + FLIGHT) % NBUF],
+                                                           W + (pid * 2 * NB + i + FLIGHT) * 512 + cp_off)
+                async_copy.commit_group()  # possibly empty: keeps the wait count uniform
+            wb = w_s[i % NBUF]
+            wlo = gl.convert_layout(gl.reshape(wb.slice(0, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L)
+            whi = gl.convert_layout(gl.reshape(wb.slice(1, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L)
+        else:
+            if i % 4 == 0:
+                async_copy.wait_group(3 - i // 4)
+                gl.thread_barrier()
+            wlo = ws[i]
+            if RB == 16:
+                whi = wh[i]
         xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
-        w32 = gl.reshape(ws[i], [SPLITS, 8, 8])
+        w32 = gl.reshape(wlo, [SPLITS, 8, 8])
         sb = (es[i] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
         sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
         lo = _dequant(w32, sb, CVT)
         if RB == 16:
-            a = _a_operand(lo, _dequant(gl.reshape(wh[i], [SPLITS, 8, 8]), sb, CVT), A_L)
+            a = _a_operand(lo, _dequant(gl.reshape(whi, [SPLITS, 8, 8]), sb, CVT), A_L)
         else:
             a = _a_operand(lo, gl.zeros_like(lo), A_L)
         acc = mma_v2(a, gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L), acc)
@@ -283,26 +327,38 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
                         partials: bool = False, *, rows_per_cta: int = 16,
-                        cvt: int = CVT_PRMT) -> torch.Tensor:
+                        cvt: int = CVT_PRMT, stage: int | None = None) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..16 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
-    (rows 9..16: each row's bits those of a call of <= 8 rows). The defaults are what serves;
-    ``rows_per_cta=8`` and ``cvt=CVT_F16`` give the same bits, slower (served before; kept for
-    benchmark/probe_wo_a_fp8_small16.py)."""
+    (rows 9..16: each row's bits those of a call of <= 8 rows). The defaults are what serves:
+    ``stage`` = 16 (the weights through shared memory, all 16 blocks of a split in flight, waited
+    for block by block) where the grid is one CTA per SM or fewer and x has <= 8 rows, else 8 (8
+    in flight in a ring of 9 buffers); 0 loads the weights by LDG into registers (served before).
+    Every configuration gives the same bits; ``rows_per_cta=8`` and ``cvt=CVT_F16`` are slower
+    (served before; kept for benchmark/probe_wo_a_fp8_small16.py)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     xn = 8 if m <= 8 else 16
+    if stage is None:  # all 16 blocks in flight where one wave holds the grid, else 8 (2 CTAs per SM)
+        one_wave = xn == 8 and g * r // rows_per_cta <= _sm_count(x.device)
+        stage = 0 if rows_per_cta != 16 else 16 if one_wave else 8
+    assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta == 16), ("staging takes 16 weight rows per CTA", stage)
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT if xn == 8 else _X16_LAYOUT,
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        cvt, _SCALE_BIAS[cvt], xn, num_warps=N_SPLITS,
+        cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, num_warps=N_SPLITS,
     )
     return p if partials else y
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # ---------------------------------------------------------------- mid rows (9..192): wgmma
@@ -339,11 +395,6 @@ def mid_config(m: int, g: int, r: int, sms: int = 132) -> tuple[int, int, int, i
     while mid_stages(g, r, split, np_, sms) < 2:
         split //= 2
     return 64, 4, split, np_, mid_stages(g, r, split, np_, sms)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def mid_counters(g: int, r: int, device) -> torch.Tensor:

@@ -1,0 +1,326 @@
+"""Probe (not a fork kernel): does the small wo_a twin kernel wait for its data or for its own
+arithmetic, and does consuming the weights in arrival order help? G = 2 / 8, 43 layers, CUDA graph.
+
+Variants of the served kernel (``_wo_a_fp8_small_kernel``, 16 rows per CTA, PRMT, XN = 8):
+  served        the served kernel itself (reference)
+  copy          this file's copy of it (VAR 0; must match served in time and bits)
+  load_only     its loads alone (weights, exponents, x), folded by XOR: the data's arrival time
+  l2_weights    every CTA reads the first two CTAs' weights (L2-resident): the arithmetic's time
+  cp16_inorder  the weights by cp.async, 16 B per thread and block (rows 0..7 and 8..15 adjacent),
+                one group per block, waited in order (DEPBAR.LE: no shared scoreboard), then LDS.128
+  ldg128        the weights by LDG.128 (rows 0..7 and 8..15 adjacent: 16 loads per thread instead
+                of 32) and the exponents by one LDG.128 issued first
+The served kernel's 32 LDG.64 per thread share ptxas's 6 scoreboards, so its first scale waits for
+nearly all of them (decoded from the sm_90 SASS): load_only and l2_weights say how much of its time
+is arrival and how much arithmetic; cp16_inorder whether in-order consumption overlaps them.
+Run: BENCH=probe_wo_a_fp8_arrival.py bash build/gpu-bundle/run.sh DIR
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+from sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90 import SPLITS, DK, _a_operand, _dequant
+from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import bf16_pair
+
+_L4 = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [8, 1, 1], [2, 1, 0])  # [split, lane, 4 words]: 16 B per thread
+_E_L = gl.BlockedLayout([1, 4], [32, 1], [8, 1], [1, 0])  # [split, 4 words]: a warp's 16 exponent bytes
+_W4_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+# [lo/hi piece, split, lane, word] of one block as copied: 16 B (two lanes' words) per thread
+_CP_L = gl.BlockedLayout([1, 4], [1, 32], [2, 4], [1, 0])  # [lo/hi piece, 512 words]
+_W8_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+_R_L = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])  # [1, 512] words of a piece as read: thread 32 s + lane
+# [2, 256] words of one TMA box (a 2 KB piece) as read back: warp s owns words 64 s .. 64 s + 63
+_T_L = gl.BlockedLayout([1, 2], [1, 32], [2, 4], [1, 0])
+_T_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+VARIANTS = {"copy": 0, "l2_weights": 2, "cp16_inorder": 3, "ldg128": 4, "exps_first": 5, "read128": 6,
+            "read64": 7, "cp16_packed": 8, "tma": 9}
+
+
+def pack16(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_twin`` words with each thread's rows 0..7 and 8..15 of a block adjacent (16 B):
+    [G, R/16, chunk 4, block 4, split 8, row 8, quad 4, half 2, word 2]."""
+    g, r8 = packed.shape[:2]
+    return packed.view(g, r8 // 2, 2, 4, 4, 8, 8, 4, 2).permute(0, 1, 3, 4, 5, 6, 7, 2, 8).contiguous()
+
+
+@gluon.jit
+def _split_halves(w4):
+    """[S, 32, 4] words (lo word 0, 1, hi word 0, 1) -> rows 0..7 and 8..15 as [S, 8, 8] each."""
+    w = gl.permute(gl.reshape(w4, [SPLITS, 32, 2, 2]), [0, 1, 3, 2])  # [S, lane, word, half]
+    lo, hi = gl.split(w)
+    return gl.reshape(lo, [SPLITS, 8, 8]), gl.reshape(hi, [SPLITS, 8, 8])
+
+
+@gluon.jit
+def _dequant_full(w32, sb):
+    """``_dequant`` (PRMT) with the scale word given per word of ``w32`` ([S, 8, 8])."""
+    o0, o1 = gl.inline_asm_elementwise(sm90._E4M3X4_TO_BF16_PRMT_ASM, "=r,=r,r,r,r", [w32, sb, sb],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    w = gl.join(bf16_pair(o0), bf16_pair(o1))
+    return gl.reshape(gl.permute(gl.reshape(w, [SPLITS, 8, 4, 2, 2, 2]), [0, 1, 3, 5, 2, 4]), [SPLITS, 8, 32])
+
+
+@gluon.jit
+def _read_kernel(W, O, LD_L: gl.constexpr, L4: gl.constexpr, WIDE: gl.constexpr):
+    """The small kernel's weight loads alone (LDG.128 from ``pack16`` or 2 x LDG.64), XOR-folded."""
+    pid = gl.program_id(0)
+    if WIDE:
+        qs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L4)))
+        ql = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L4)))
+        qj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L4)))
+        off = (gl.expand_dims(gl.expand_dims(qs * 128, 1), 2) + gl.expand_dims(gl.expand_dims(ql * 4, 0), 2)
+               + gl.expand_dims(gl.expand_dims(qj, 0), 1))
+        ws = ()
+        for i in gl.static_range(16):
+            ws = ws + (gl.load(W + (pid * 16 + i) * 1024 + off),)
+    else:
+        ls = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LD_L)))
+        ll = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LD_L)))
+        lj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LD_L)))
+        off = (gl.expand_dims(gl.expand_dims(ls * 64, 1), 2) + gl.expand_dims(gl.expand_dims(ll * 2, 0), 2)
+               + gl.expand_dims(gl.expand_dims(lj, 0), 1))
+        ws = ()
+        for i in gl.static_range(32):
+            ws = ws + (gl.load(W + (pid * 32 + i) * 512 + off),)
+    gl.thread_barrier()  # every load issued before the first use (ptxas sinks them otherwise)
+    k = gl.load(O + pid * 1024 + off)  # after the barrier: no use of a weight word moves above it
+    fold = ws[0] * k
+    for i in gl.static_range(1, len(ws)):
+        fold = (fold + ws[i]) * k
+    gl.store(O + pid * 1024 + off, fold)
+
+
+@gluon.jit
+def _probe_kernel(W, W_DESC, X, E, Y, O, M, SX, G: gl.constexpr, R: gl.constexpr, LD_L: gl.constexpr,
+                  X_L: gl.constexpr, MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
+                  XC_L: gl.constexpr, X_SMEM: gl.constexpr, L4: gl.constexpr, E_L: gl.constexpr,
+                  W4_SMEM: gl.constexpr, CP_L: gl.constexpr, W8_SMEM: gl.constexpr, T_L: gl.constexpr, R_L: gl.constexpr,
+                  BIAS: gl.constexpr, VAR: gl.constexpr):
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    NB: gl.constexpr = 16
+    RB: gl.constexpr = 16
+    XN: gl.constexpr = 8
+    pid = gl.program_id(0)
+    group = pid // (R // RB)
+    r0 = (pid % (R // RB)) * RB
+    wpid = pid % 2 if VAR == 2 else pid
+    ls = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LD_L)))
+    ll = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LD_L)))
+    lj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LD_L)))
+    w_off = (gl.expand_dims(gl.expand_dims(ls * 64, 1), 2) + gl.expand_dims(gl.expand_dims(ll * 2, 0), 2)
+             + gl.expand_dims(gl.expand_dims(lj, 0), 1))
+    qs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L4)))
+    ql = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L4)))
+    qj = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L4)))
+    q_off = (gl.expand_dims(gl.expand_dims(qs * 128, 1), 2) + gl.expand_dims(gl.expand_dims(ql * 4, 0), 2)
+             + gl.expand_dims(gl.expand_dims(qj, 0), 1))
+    e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
+    ew = ()
+    if VAR >= 3 and VAR != 6 and VAR != 7:  # the exponents first, one LDG.128 per thread (a warp's 16 bytes, E as int32 words)
+        e4 = gl.load(E.to(gl.pointer_type(gl.int32), bitcast=True)
+                     + ((group * (R // 32) + r0 // 32) * (DK // 32)) // 4 + (q_off // 128) * 4 + (q_off % 4))
+        a, b = gl.split(gl.reshape(e4, [SPLITS, 32, 2, 2]))  # words 2a + 0, 2a + 1
+        w0, w2 = gl.split(a)
+        w1, w3 = gl.split(b)
+        ew = (w0, w1, w2, w3)
+        gl.thread_barrier()  # ptxas would sink it below the weights, behind 64 KB of them
+    ws = ()
+    wh = ()
+    if VAR <= 2 or VAR == 5 or VAR == 7:
+        for i in gl.static_range(NB):
+            ws = ws + (gl.load(W + (wpid * 2 * NB + i) * 512 + w_off),)
+            wh = wh + (gl.load(W + (wpid * 2 * NB + NB + i) * 512 + w_off),)
+    if VAR == 4 or VAR == 6:
+        for i in gl.static_range(NB):
+            ws = ws + (gl.load(W + (pid * NB + i) * 1024 + q_off),)
+    x_s = ()
+    cs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC_L)))
+    ct = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC_L)))
+    ck = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC_L)))
+    c_off = (gl.expand_dims(gl.expand_dims(cs * 512 + group * DK, 1), 2)
+             + gl.expand_dims(gl.expand_dims(ct * SX, 0), 2) + gl.expand_dims(gl.expand_dims(ck, 0), 1))
+    c_mask = gl.expand_dims(gl.expand_dims(ct < M, 0), 2) & (c_off >= 0)
+    for kc in gl.static_range(8):
+        x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),)
+        async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
+        if kc % 2 == 1:
+            async_copy.commit_group()
+    w_s = ()
+    if VAR == 8:  # pack_twin's words by cp.async, 16 B per thread: a thread copies what two threads read
+        ps = gl.arange(0, 2, layout=gl.SliceLayout(1, CP_L))
+        pw = gl.arange(0, 512, layout=gl.SliceLayout(0, CP_L))
+        p_off = gl.expand_dims(ps * (NB * 512), 1) + gl.expand_dims(pw, 0)
+        for i in gl.static_range(NB):
+            buf = gl.allocate_shared_memory(gl.int32, [2, 512], W8_SMEM)
+            async_copy.async_copy_global_to_shared(buf, W + (pid * 2 * NB + i) * 512 + p_off)
+            async_copy.commit_group()
+            w_s = w_s + (buf,)
+    bars = ()
+    if VAR == 9:  # pack_twin's words by TMA: two 2 KB boxes per block on the block's mbarrier
+        for i in gl.static_range(NB):
+            bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(bar, count=1)
+            bars = bars + (bar,)
+        fence_async_shared()
+        for i in gl.static_range(NB):
+            lo_s = gl.allocate_shared_memory(gl.int32, [2, 256], W_DESC.layout)
+            hi_s = gl.allocate_shared_memory(gl.int32, [2, 256], W_DESC.layout)
+            mbarrier.expect(bars[i], 4096)
+            tma.async_copy_global_to_shared(W_DESC, [(pid * 2 * NB + i) * 2, 0], bars[i], lo_s)
+            tma.async_copy_global_to_shared(W_DESC, [(pid * 2 * NB + NB + i) * 2, 0], bars[i], hi_s)
+            w_s = w_s + (lo_s, hi_s)
+    if VAR == 3:  # one allocation and one copy group per block, after x's 4 groups
+        for i in gl.static_range(NB):
+            buf = gl.allocate_shared_memory(gl.int32, [SPLITS, 32, 4], W4_SMEM)
+            async_copy.async_copy_global_to_shared(buf, W + (pid * NB + i) * 1024 + q_off)
+            async_copy.commit_group()
+            w_s = w_s + (buf,)
+    elif VAR != 8 and VAR != 9:
+        gl.thread_barrier()
+    es = ()
+    if VAR <= 2:
+        for i in gl.static_range(NB):
+            es = es + (gl.load(e_base + i).to(gl.int32),)
+    if VAR == 1:
+        fold = gl.zeros([SPLITS, 32, 2], gl.int32, layout=LD_L)
+        for i in gl.static_range(NB):
+            fold = fold ^ ws[i] ^ wh[i] ^ gl.expand_dims(gl.expand_dims(es[i], 1), 2)
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        for kc in gl.static_range(8):
+            xv = x_s[kc].load(XC_L).to(gl.int16, bitcast=True).to(gl.int32)
+            fold = fold ^ gl.sum(gl.sum(gl.sum(xv, 2), 1), 0)
+        gl.store(O + pid * 512 + w_off, fold)
+    else:
+        acc = gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA)
+        for i in gl.static_range(NB):
+            if VAR == 3:
+                async_copy.wait_group(NB - 1 - i)
+                lo32, hi32 = _split_halves(w_s[i].load(L4))
+            elif VAR == 8:
+                async_copy.wait_group(NB - 1 - i)
+                lo32 = gl.reshape(gl.convert_layout(gl.reshape(w_s[i].slice(0, 1, dim=0).load(R_L), [SPLITS, 32, 2]), LD_L), [SPLITS, 8, 8])
+                hi32 = gl.reshape(gl.convert_layout(gl.reshape(w_s[i].slice(1, 1, dim=0).load(R_L), [SPLITS, 32, 2]), LD_L), [SPLITS, 8, 8])
+            elif VAR == 9:
+                if i % 4 == 0:
+                    async_copy.wait_group(3 - i // 4)
+                    gl.thread_barrier()
+                mbarrier.wait(bars[i], 0)
+                lo32 = gl.reshape(gl.convert_layout(gl.reshape(w_s[2 * i].load(T_L), [SPLITS, 32, 2]), LD_L), [SPLITS, 8, 8])
+                hi32 = gl.reshape(gl.convert_layout(gl.reshape(w_s[2 * i + 1].load(T_L), [SPLITS, 32, 2]), LD_L), [SPLITS, 8, 8])
+            else:
+                if i % 4 == 0:
+                    async_copy.wait_group(3 - i // 4)
+                    gl.thread_barrier()
+                if VAR == 4:
+                    lo32, hi32 = _split_halves(ws[i])
+                elif VAR == 5:
+                    lo32 = gl.reshape(ws[i], [SPLITS, 8, 8])
+                    hi32 = gl.reshape(wh[i], [SPLITS, 8, 8])
+                else:
+                    lo32 = gl.reshape(ws[i], [SPLITS, 8, 8])
+                    hi32 = gl.reshape(wh[i], [SPLITS, 8, 8])
+            xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
+            if VAR >= 3:  # the scale word of every (split, lane), then as the halves' words
+                sb = (((ew[i // 4] >> (8 * (i % 4))) & 255) + BIAS) << 7
+                sb = gl.reshape(gl.join(sb | (sb << 16), sb | (sb << 16)), [SPLITS, 8, 8])
+                sb = gl.convert_layout(sb, lo32.type.layout)
+                a = _a_operand(_dequant_full(lo32, sb), _dequant_full(hi32, sb), A_L)
+            else:
+                sb = (es[i] + BIAS) << 7
+                sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, lo32.type.layout)))
+                a = _a_operand(_dequant(lo32, sb, 1), _dequant(hi32, sb, 1), A_L)
+            acc = mma_v2(a, gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L), acc)
+        p_s = gl.allocate_shared_memory(gl.float32, [SPLITS * 16, XN], P_SMEM)
+        p_s.store(gl.reshape(acc, [SPLITS * 16, XN]))
+        gl.thread_barrier()
+        even = p_s.slice(0, RB).load(OUT_L)
+        odd = p_s.slice(16, RB).load(OUT_L)
+        for s in gl.static_range(1, SPLITS // 2):
+            even = even + p_s.slice(32 * s, RB).load(OUT_L)
+            odd = odd + p_s.slice(32 * s + 16, RB).load(OUT_L)
+        total = even + odd
+        orow = gl.arange(0, RB, layout=gl.SliceLayout(1, OUT_L))
+        otok = gl.arange(0, XN, layout=gl.SliceLayout(0, OUT_L))
+        o_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + gl.expand_dims(orow, 1)
+        gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
+
+
+def probe(x: torch.Tensor, words: torch.Tensor, exp: torch.Tensor, var: int) -> torch.Tensor:
+    """One call of variant ``var`` on ``words`` (``pack_twin``'s for VAR <= 2, ``pack16``'s above)."""
+    m, g = x.shape[0], x.shape[1]
+    r = words.numel() * 4 // (g * 4096)
+    if var in (6, 7):
+        o = torch.empty(g * r // 16 * 1024, dtype=torch.int32, device=x.device)
+        _read_kernel[(g * r // 16,)](words, o, sm90._LD_LAYOUT, _L4, var == 6, num_warps=8)
+        return o
+    assert m <= 8 and exp.data_ptr() % 16 == 0
+    y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
+    grid = g * r // 16
+    o = torch.empty(grid * 1024 if var in (1, 6, 7) else 1, dtype=torch.int32, device=x.device)
+    desc = TensorDescriptor.from_tensor(words.view(-1, 256), [2, 256], _T_SMEM)
+    _probe_kernel[(grid,)](words, desc, x, exp, y, o, m, x.stride(0), g, r, sm90._LD_LAYOUT, sm90._X_LAYOUT, sm90._MMA,
+                           sm90._P_SMEM, sm90._OUT16_LAYOUT, sm90._XC_LAYOUT, sm90._X_SMEM, _L4, _E_L, _W4_SMEM,
+                           _CP_L, _W8_SMEM, _T_L, _R_L, sm90._SCALE_BIAS[sm90.CVT_PRMT], var, num_warps=8)
+    return o if var in (1, 6, 7) else y
+
+
+def main() -> None:
+    from bench_wo_a_fp8 import pure_read, twin_exact_weight
+    from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
+    from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
+
+    args = parse_args(__doc__)
+    rows = []
+    for g in (2, 4, 8):
+        twins = [make_twin(twin_exact_weight(g, i)) for i in range(LAYERS)]
+        packed = [sm90.pack_twin(t[0]) for t in twins]
+        packed16 = [pack16(p) for p in packed]
+        nbytes = twins[0][0].numel() + twins[0][1].numel()
+        words = [torch.cat([t[0].view(torch.int32).flatten(), t[1].view(torch.int32).flatten()]) for t in twins]
+        read_us = min(
+            graph_us_per_call([lambda wd=wd, s=torch.empty(triton.cdiv(wd.numel(), b), dtype=torch.int32,
+                                                             device="cuda"), b=b: pure_read(wd, s, b) for wd in words],
+                              args.replays)
+            for b in (1024, 2048, 4096)
+        )
+        for m in (2, 8, 12, 16):
+            x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
+            ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1])
+            served_us = graph_us_per_call(
+                [lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1]) for i in range(LAYERS)], args.replays)
+            rows.append({"G": g, "M": m, "variant": "served", "us": served_us, "x_served": 1.0,
+                         "x_pure_read": served_us / read_us, "TB/s": tbps(nbytes, served_us), "pure_read_us": read_us,
+                         "bitwise_to_served": True})
+            for stage in (0, 4, 8, 12, 16):  # blocks in flight of the served kernel (0: registers)
+                out = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1], stage=stage)
+                us = graph_us_per_call(
+                    [lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], stage=stage) for i in range(LAYERS)],
+                    args.replays)
+                rows.append({"G": g, "M": m, "variant": f"served_stage{stage}", "us": us, "x_served": served_us / us,
+                             "x_pure_read": us / read_us, "TB/s": tbps(nbytes, us), "pure_read_us": read_us,
+                             "bitwise_to_served": torch.equal(out.view(torch.int16), ref.view(torch.int16))})
+            for name, var in VARIANTS.items() if m <= 8 and g != 4 else ():
+                wds = packed16 if var in (3, 4, 6) else packed
+                out = probe(x, wds[0], twins[0][1], var)
+                bitwise = None if var in (1, 2, 6, 7) else torch.equal(out.view(torch.int16), ref.view(torch.int16))
+                us = graph_us_per_call([lambda i=i: probe(x, wds[i], twins[i][1], var) for i in range(LAYERS)],
+                                       args.replays)
+                rows.append({"G": g, "M": m, "variant": name, "us": us, "x_served": served_us / us,
+                             "x_pure_read": us / read_us, "TB/s": tbps(nbytes, us), "pure_read_us": read_us,
+                             "bitwise_to_served": bitwise})
+        del twins, packed, packed16, words
+    report("wo_a_fp8_arrival_probe", ["G", "M", "variant", "us", "x_served", "x_pure_read", "TB/s",
+                                      "bitwise_to_served"], rows, args.out, {"layers": LAYERS})
+
+
+if __name__ == "__main__":
+    main()
