@@ -1,7 +1,7 @@
 """wo_a from the fp8 twin (--dsv4-wo-a-fp8-twin) against the stock path, per M and G, 43 layers in
 a CUDA graph: upstream's ``wo_a_bf16_small_batch`` (G = 2, 2..8 rows; its MXFP8 variant beside the
 twin's), ``torch.einsum`` (what 0.5.23 runs on Hopper for every G / row count but one decode row),
-the twin kernel the dispatch serves (on Hopper the small Gluon kernel at 1..8 rows, 1..16 at G = 2,
+the twin kernel the dispatch serves (on Hopper the small Gluon kernel at 1..8 rows, 1..16 at G = 2 and 4,
 and the wgmma kernel above; elsewhere the portable Triton kernel), and a pure read of the twin's bytes (e4m3 +
 exponents) in one Triton kernel, the floor that one kernel can reach. ``served_by`` names the
 lowest flag level whose dispatch sends that row count to the twin (mid only where it was measured

@@ -1,19 +1,27 @@
-"""Probe (not a fork kernel): does the small wo_a twin kernel wait for its data or for its own
-arithmetic, and does consuming the weights in arrival order help? G = 2 / 8, 43 layers, CUDA graph.
+"""Probe (not a fork kernel): does the small wo_a twin kernel wait for its bytes or for its own
+arithmetic, and does consuming the weights in arrival order help? G = 2 / 4 / 8, 43 layers, CUDA
+graph, bits checked against the served kernel.
 
-Variants of the served kernel (``_wo_a_fp8_small_kernel``, 16 rows per CTA, PRMT, XN = 8):
-  served        the served kernel itself (reference)
-  copy          this file's copy of it (VAR 0; must match served in time and bits)
-  load_only     its loads alone (weights, exponents, x), folded by XOR: the data's arrival time
-  l2_weights    every CTA reads the first two CTAs' weights (L2-resident): the arithmetic's time
-  cp16_inorder  the weights by cp.async, 16 B per thread and block (rows 0..7 and 8..15 adjacent),
-                one group per block, waited in order (DEPBAR.LE: no shared scoreboard), then LDS.128
-  ldg128        the weights by LDG.128 (rows 0..7 and 8..15 adjacent: 16 loads per thread instead
-                of 32) and the exponents by one LDG.128 issued first
-The served kernel's 32 LDG.64 per thread share ptxas's 6 scoreboards, so its first scale waits for
-nearly all of them (decoded from the sm_90 SASS): load_only and l2_weights say how much of its time
-is arrival and how much arithmetic; cp16_inorder whether in-order consumption overlaps them.
-Run: BENCH=probe_wo_a_fp8_arrival.py bash build/gpu-bundle/run.sh DIR
+The served kernel as it was (stage 0: 32 LDG.64 per thread issued at entry) spent 5.2 us at G = 2
+where its own loads alone take 3.8 us (``read64``; ``read128``: the same as LDG.128): its 32 loads
+share ptxas's 6 scoreboards (decoded from the sm_90 SASS) and the first scale waited on the one
+that held 28 of them, so all of the arithmetic ran after the bytes arrived. Variants:
+  served_stageN  the served kernel with N blocks of 32 K in flight through shared memory by
+                 cp.async, waited for in order (N = 16: all at once; else a ring of N + 1)
+  copy           this file's copy of the stage-0 kernel (VAR 0; same time and bits)
+  l2_weights     every CTA reads the first two CTAs' weights (L2-resident)
+  cp16_inorder   staged, with a repacked twin so each thread copies exactly what it reads
+  ldg128         LDG.128 from that repacked twin (16 loads per thread) and the exponents first
+  exps_first     stage 0 with the exponents loaded first (one word per split and thread)
+  cp16_packed    staged from the served packing (a thread copies what two threads read)
+  tma            the weights by TMA, two 2 KB boxes per block on the block's mbarrier
+Result (wo_a_fp8_arrival_probe-NVIDIA_H200.json): staging is the one that pays: G = 2 5.23 ->
+4.87 us (16 in flight; 8 and 12 even, 4 slower), G = 4 7.43 -> 6.55 and G = 8 12.84 -> 11.45 (8
+in flight: two CTAs per SM; 16 leave one, 8.4 / 14.0 us), 9..16 rows 1.09-1.19x faster (8 in
+flight). Registers by LDG.128 or the exponents first change nothing (5.3 us); TMA is slower
+(5.1 us at G = 2, 16.1 at G = 8: Gluon puts a CTA barrier before each of the 32 copies). Served
+since 0.5.23+fork.7.51ca6dc: 16 in flight where one wave holds the grid, else 8.
+Run: TESTS=none BENCH=probe_wo_a_fp8_arrival.py bash build/gpu-bundle/run.sh DIR
 """
 from __future__ import annotations
 

@@ -337,9 +337,9 @@ def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int) -> tuple[list[str],
 @pytest.mark.parametrize("rb,cvt,xn", [(8, 0, 8), (8, 1, 8), (16, 0, 8), (16, 1, 8), (16, 1, 16)])
 def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile
-    with triton's own ptxas: every weight load (LDG.64, 16 per 8 rows) issues before the first MMA,
-    no CTA barrier per x copy, nothing spills, and the registers allow 3 CTAs per SM (8 rows: 64)
-    or 2 (16 rows, served: <= 128)."""
+    with triton's own ptxas, weights in registers (stage 0, served before): every weight load
+    (LDG.64, 16 per 8 rows) issues before the first MMA, no CTA barrier per x copy, nothing
+    spills, and the registers allow 3 CTAs per SM (8 rows: 64) or 2 (16 rows: <= 128)."""
     ops, usage = _sm90_small_sass(rb, cvt, xn, 0)
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64")]
     assert len(loads) == 16 * rb // 8 and max(loads) < ops.index(next(op for op in ops if op.startswith("HMMA")))
@@ -350,12 +350,14 @@ def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
 
 
-def test_hopper_small_kernel_sm90_structure_staged():
-    """The staged small kernel (served at G = 2): the 16 exponent loads issue first, then x's 16
-    cp.async copies (2 per 64-K chunk) and the weights' 16 of 16 B, all with the L1 bypass, one
-    commit group per weight block; block i is waited for by DEPBAR.LE SB0 (15 - i), in order; no
-    weight reaches a register by LDG."""
-    ops, usage = _sm90_small_sass(16, 1, 8, 16)
+@pytest.mark.parametrize("stage", [16, 8])
+def test_hopper_small_kernel_sm90_structure_staged(stage):
+    """The staged small kernel (served: 16 blocks in flight at G = 2, else 8 in a ring of 9
+    buffers): the 16 exponent loads issue first, then x's 16 cp.async copies (2 per 64-K chunk)
+    and the weights' 16 of 16 B, all with the L1 bypass, one commit group per weight block; block
+    i is waited for by DEPBAR.LE SB0 (15 - i, or 7 in the ring), in order; no weight reaches a
+    register by LDG."""
+    ops, usage = _sm90_small_sass(16, 1, 8, stage)
     copies = [i for i, op in enumerate(ops) if op.startswith("LDGSTS")]
     assert len(copies) == 16 + 16 and all(ops[i] == "LDGSTS.E.BYPASS.128" for i in copies)
     exps = [i for i, op in enumerate(ops) if op == "LDG.E.U8"]

@@ -30,11 +30,11 @@ variant (H200, M = 2..8). wgmma and Triton kernels: within the fp32 accumulation
 exact result (G = 2/4/8, 9..192 rows), deterministic. drop: every route gives the bits it gave
 before the release (tests, CPU and H200).
 MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): G = 2,
-2..8 rows 1.52-1.55x ``wo_a_bf16_small_batch`` (1.67-1.73x the einsum 0.5.23 runs on Hopper
-there), 9..16 rows 1.47-1.52x einsum, 24..32 rows 1.10-1.29x; G = 4 1.54-1.56x at 2..8 /
-1.14-1.15x at 9..16; G = 8 1.47-1.51x / 1.23-1.32x at 9..32. drop releases 7.99 MiB per layer
+2..8 rows 1.64-1.66x ``wo_a_bf16_small_batch`` (1.83-1.85x the einsum 0.5.23 runs on Hopper
+there), 9..16 rows 1.65-1.67x einsum, 24..32 rows 1.12-1.28x; G = 4 1.75-1.77x at 2..8 /
+1.26-1.28x at 9..16; G = 8 1.65-1.70x / 1.24-1.33x at 9..32. drop releases 7.99 MiB per layer
 net of the twin at G = 2 (15.98 at G = 4, 31.97 at G = 8; 344 / 687 / 1375 MiB for 43 layers);
-its prefill dequantisation costs 12.4 us per layer and call at G = 2, and the row counts mid
+its prefill dequantisation costs 12.3 us per layer and call at G = 2, and the row counts mid
 leaves stock run at 0.43-1.07x einsum (still faster than rebuilding the weight).
 """
 

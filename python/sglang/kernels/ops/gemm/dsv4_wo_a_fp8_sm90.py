@@ -3,40 +3,51 @@ same fragment-major words (``pack_twin``). ``wo_a_fp8_small_sm90`` (1..16 rows) 
 to upstream's ``wo_a_bf16_small_batch`` (and, through ``partials``, to its MXFP8 variant);
 ``wo_a_fp8_mid_sm90`` (9..192 rows) is a wgmma kernel within the fp32 bound of the exact result.
 
-SMALL: HOW (H200, benchmark/results/wo_a_fp8-NVIDIA_H200.json, candidates in
-wo_a_fp8_small16_probe-NVIDIA_H200.json).
+SMALL: HOW (H200, benchmark/results/wo_a_fp8-NVIDIA_H200.json; candidates in
+wo_a_fp8_small16_probe- and wo_a_fp8_arrival_probe-NVIDIA_H200.json).
 - Grid G * R / 16: one CTA per 16 weight rows of one group and all of K (128 CTAs at G = 2, one
   per SM; 512 at G = 8); 8 warps, warp s owns upstream's K split s (K 512 s .. 512 s + 511). No
   split-K across CTAs, so no second kernel and no reduction through L2 (the earlier Triton twin
   lost 1.9 us there).
 - The twin is stored fragment-major: K permuted inside each 32-block and each warp's A fragment of
-  one 32-K block and 8 rows contiguous, so each thread's 8 bytes of a block are one LDG.64 and a
-  warp reads 256 contiguous bytes. All 32 loads per thread (the CTA's 64 KB) issue at entry; a CTA
-  barrier sits between them and the first MMA, because ptxas otherwise sinks each load to its use.
-- x goes to shared memory by cp.async (rows past M are zero-filled without traffic), one group per
-  128-K chunk, one shared allocation per 64-K chunk (copies into slices of one buffer got a CTA
-  barrier each: 8 more, 0.1 us), and comes back by ldmatrix. Loading x into registers with 4-byte
-  loads made the time grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us.
+  one 32-K block and 8 rows contiguous (256 B), so a CTA's 4 KB of one 32-K block (16 rows, 8
+  splits) are two contiguous 2 KB pieces, and a thread's 8 bytes of each are what its MMA takes.
+- The weights reach shared memory by cp.async in block order (``stage``): the 16 exponent loads
+  issue first (issued after the weights they would arrive last), then x's copies and one group of
+  16-byte copies (L1 bypass) per 32-K block. Block i is waited for by cp.async.wait_group, a
+  counter (DEPBAR.LE SB0, in order), so its conversion and 2 MMAs run while the later blocks are
+  in flight. All 16 blocks are in flight where one wave holds the grid (G = 2 with <= 8 rows of x:
+  64 KB of weights + 64 KB of x per CTA); else 8, in a ring of 9 buffers (two CTAs per SM).
+  Before, the weights came by LDG.64 into registers, all issued at entry: those 32 loads per
+  thread share ptxas's 6 scoreboards (decoded from the sm_90 SASS) and the first scale waited on
+  the one that held 28 of them, so the arithmetic ran after the bytes arrived: 5.2 us at G = 2,
+  where the same loads alone take 3.8 us.
+- x goes to shared memory by cp.async (rows past M are zero-filled without traffic), one shared
+  allocation per 64-K chunk (copies into slices of one buffer got a CTA barrier each: 8 more,
+  0.1 us), and comes back by ldmatrix. Loading x into registers with 4-byte loads made the time
+  grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us.
 - The e4m3 -> bf16 conversion (``CVT_PRMT``: byte permutes, shift, mask, and the power-of-two
   scale in one HMUL2, exact) runs right before each MMA; swap-AB mma.sync m16n8k16 with the 16
   weight rows as M and <= 8 rows of x as N (9..16 rows: two n8 tiles).
-- 121 registers, 64 KB of shared memory for x (128 KB with 16 rows of x).
+- 40 registers (52 with the ring), 18 CTA barriers (one per block wait, added by Gluon).
 What made it faster, each measured in one run: 16 rows per CTA instead of 8 (the A operand full,
 half the MMAs and ldmatrix per weight byte) and the PRMT conversion instead of cvt.e4m3x2 -> f16x2
-(4 instructions per pair of weights instead of 5): 5.83 -> 5.31 us at G = 2. The time follows the
-instructions per SM, not the bytes: registers loaded by LDG share ptxas's 6 scoreboards, so the
-first conversion waits for most of the CTA's loads and the arithmetic runs after the data arrives.
-Staging the weights by cp.async instead (each thread waits for its own block, in order) was slower
-(5.6-5.7 us at G = 2, 18.5 at G = 8): Gluon puts a CTA barrier after every wait and the 64 KB of
-weights leave one CTA per SM. One wait for all of x instead of four changed nothing.
-Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 5.18-5.33 us
-against 7.98-8.14 us for ``wo_a_bf16_small_batch`` (1.52-1.55x) and 8.85-9.04 us for einsum (what
-Hopper runs for 2..8 rows in 0.5.23, 1.67-1.73x); a pure read of the twin's bytes takes 3.82 us,
-so the kernel is at 1.36-1.39x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 5.98-6.08 us
-against einsum's 8.97-9.07 (1.47-1.52x; the wgmma kernel: 7.3 us in the probe). G = 4: 7.40-7.49
-us against einsum's 11.53-11.55 (1.54-1.56x, 1.29-1.31x a read); G = 8: 12.62-12.82 against
-18.75-19.26 (1.47-1.51x, 1.33-1.35x a read). The MXFP8 epilogue (upstream's ``_quantize_partial``
-on these partials) 7.09-7.29 us against 8.20-8.33 us.
+(4 instructions per pair of weights instead of 5): 5.83 -> 5.31 us at G = 2; staging: 5.23 ->
+4.87 us at G = 2, 7.43 -> 6.55 at G = 4, 12.84 -> 11.45 at G = 8 (9..16 rows: 5.91 -> 5.34, G = 4
+10.44 -> 9.16). Not faster (arrival probe): 8 or 12 blocks in flight at G = 2 (even), 4 (5.4
+us), all 16 at G = 4 / 8 (one CTA per SM: 8.4 / 14.0 us); the weights by TMA (5.1 us at G = 2:
+Gluon puts a CTA barrier before each of the 32 copies), by LDG.128 (5.3), 8-byte cp.async copies
+(5.6, measured before); the exponents first alone (5.3).
+Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 4.79-4.85 us
+against 7.90-8.00 us for ``wo_a_bf16_small_batch`` (1.64-1.66x) and 8.84-8.87 us for einsum (what
+Hopper runs for 2..8 rows in 0.5.23, 1.83-1.85x); a pure read of the twin's bytes takes 3.82 us,
+so the kernel is at 1.26-1.27x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 5.31-5.37 us
+against einsum's 8.88-8.89 (1.65-1.67x). G = 4: 6.51-6.56 us against einsum's 11.47-11.53
+(1.75-1.77x, 1.15-1.16x a read), 9..16 rows 9.12-9.18 (1.26-1.28x); G = 8: 11.18-11.51 against
+18.64-19.04 (1.65-1.70x, 1.20-1.24x a read). The MXFP8 epilogue (upstream's ``_quantize_partial``
+on these partials) 6.51-6.59 us against 8.14-8.19 us. What is left at G = 2 (1.05 us over the
+read): the conversion and MMAs of the blocks that arrive last, the partials' reduction, and the
+barrier per block; 8, 12 or 16 blocks in flight measure the same, so it is not the issue order.
 
 SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
 operand values (the twin is exact), k_width 2 operands so every product sits in the same slot of
@@ -60,11 +71,12 @@ Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S),
 block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too) at most one
 tile per launch is partly resident while its CTAs wait, even with the target's and the draft's
 launches side by side; the grid is sized for one wave on an otherwise idle GPU.
-Measured (same run): G = 2, 24 rows 1.29x einsum, 32 rows 1.10x, 48 rows 0.96x, slower from 64
-(0.49-0.93x at 64..192; at 9..16 rows the small kernel serves: 1.47-1.52x, against 1.22x here);
-G = 4 1.14-1.15x at 9..16, 1.06-1.07x at 24..32; G = 8 1.31-1.32x at 9..16, 1.23-1.25x at 24..32,
-1.06x at 48, 1.02x at 64, slower from 96. The dispatch serves ``mid`` only where it was measured
-about >= 1.1x (G = 2 at 32 rows: 1.09-1.14x over four runs); ``drop`` serves every row count.
+Measured (same run): G = 2, 24 rows 1.28x einsum, 32 rows 1.12x, 48 rows 0.96x, slower from 64
+(0.46-0.93x at 64..192; at 9..16 rows the small kernel serves: 1.65-1.67x); G = 4 1.07x at
+24..32 (9..16: the small kernel, 1.26-1.28x, against 1.14-1.15x here before); G = 8 1.30-1.33x at
+9..16, 1.24-1.25x at 24..32, 1.05x at 48, 0.98x at 64, slower from 96. The dispatch serves
+``mid`` only where it was measured about >= 1.1x (G = 2 at 32 rows: 1.09-1.14x over five runs);
+``drop`` serves every row count.
 What the mid goals (2x at 9..64, 1.5x at 65..192) still miss: about 2 us per call of split-K
 wait (partials out, arrival, partials in), and x's L2 traffic, which grows with the rows.
 """
@@ -232,6 +244,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         gl.thread_barrier()  # ptxas would sink them
     else:
         # every weight byte of the CTA first: 16 LDG.64 per thread and 8 rows, 32 KB per 8 rows in flight
+        # (stage 0, served before: the first scale waits on a scoreboard shared by most of them)
         for i in gl.static_range(NB):
             ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
             if RB == 16:
