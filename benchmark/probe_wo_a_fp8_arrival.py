@@ -48,7 +48,8 @@ _R_L = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])  # [1, 512] words of a 
 _T_L = gl.BlockedLayout([1, 2], [1, 32], [2, 4], [1, 0])
 _T_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 VARIANTS = {"copy": 0, "l2_weights": 2, "cp16_inorder": 3, "ldg128": 4, "exps_first": 5, "read128": 6,
-            "read64": 7, "cp16_packed": 8, "tma": 9}
+            "read64": 7, "cp16_packed": 8, "tma": 9, "staged_l2_weights": 10, "staged_one_wait": 11,
+            "staged_no_reduction": 12}
 
 
 def pack16(packed: torch.Tensor) -> torch.Tensor:
@@ -162,13 +163,13 @@ def _probe_kernel(W, W_DESC, X, E, Y, O, M, SX, G: gl.constexpr, R: gl.constexpr
         if kc % 2 == 1:
             async_copy.commit_group()
     w_s = ()
-    if VAR == 8:  # pack_twin's words by cp.async, 16 B per thread: a thread copies what two threads read
+    if VAR == 8 or VAR >= 10:  # pack_twin's words by cp.async, 16 B per thread: a thread copies what two threads read
         ps = gl.arange(0, 2, layout=gl.SliceLayout(1, CP_L))
         pw = gl.arange(0, 512, layout=gl.SliceLayout(0, CP_L))
         p_off = gl.expand_dims(ps * (NB * 512), 1) + gl.expand_dims(pw, 0)
         for i in gl.static_range(NB):
             buf = gl.allocate_shared_memory(gl.int32, [2, 512], W8_SMEM)
-            async_copy.async_copy_global_to_shared(buf, W + (pid * 2 * NB + i) * 512 + p_off)
+            async_copy.async_copy_global_to_shared(buf, W + ((pid % 2 if VAR == 10 else pid) * 2 * NB + i) * 512 + p_off)
             async_copy.commit_group()
             w_s = w_s + (buf,)
     bars = ()
@@ -191,7 +192,7 @@ def _probe_kernel(W, W_DESC, X, E, Y, O, M, SX, G: gl.constexpr, R: gl.constexpr
             async_copy.async_copy_global_to_shared(buf, W + (pid * NB + i) * 1024 + q_off)
             async_copy.commit_group()
             w_s = w_s + (buf,)
-    elif VAR != 8 and VAR != 9:
+    elif VAR != 8 and VAR != 9 and VAR < 10:
         gl.thread_barrier()
     es = ()
     if VAR <= 2:
@@ -213,8 +214,11 @@ def _probe_kernel(W, W_DESC, X, E, Y, O, M, SX, G: gl.constexpr, R: gl.constexpr
             if VAR == 3:
                 async_copy.wait_group(NB - 1 - i)
                 lo32, hi32 = _split_halves(w_s[i].load(L4))
-            elif VAR == 8:
-                async_copy.wait_group(NB - 1 - i)
+            elif VAR == 8 or VAR >= 10:
+                if VAR != 11:
+                    async_copy.wait_group(NB - 1 - i)
+                elif i == 0:  # every byte first, then all of the arithmetic
+                    async_copy.wait_group(0)
                 lo32 = gl.reshape(gl.convert_layout(gl.reshape(w_s[i].slice(0, 1, dim=0).load(R_L), [SPLITS, 32, 2]), LD_L), [SPLITS, 8, 8])
                 hi32 = gl.reshape(gl.convert_layout(gl.reshape(w_s[i].slice(1, 1, dim=0).load(R_L), [SPLITS, 32, 2]), LD_L), [SPLITS, 8, 8])
             elif VAR == 9:
@@ -247,6 +251,14 @@ def _probe_kernel(W, W_DESC, X, E, Y, O, M, SX, G: gl.constexpr, R: gl.constexpr
                 sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, lo32.type.layout)))
                 a = _a_operand(_dequant(lo32, sb, 1), _dequant(hi32, sb, 1), A_L)
             acc = mma_v2(a, gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L), acc)
+        if VAR == 12:  # the split partials stored as they are, no reduction (not the result)
+            ps = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+            pr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+            pt = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
+            off = (gl.expand_dims(gl.expand_dims(ps * 128, 1), 2) + gl.expand_dims(gl.expand_dims(pr * 8, 0), 2)
+                   + gl.expand_dims(gl.expand_dims(pt, 0), 1))
+            gl.store(O.to(gl.pointer_type(gl.float32), bitcast=True) + pid * 1024 + off, acc)
+            return
         p_s = gl.allocate_shared_memory(gl.float32, [SPLITS * 16, XN], P_SMEM)
         p_s.store(gl.reshape(acc, [SPLITS * 16, XN]))
         gl.thread_barrier()
@@ -273,7 +285,7 @@ def probe(x: torch.Tensor, words: torch.Tensor, exp: torch.Tensor, var: int) -> 
     assert m <= 8 and exp.data_ptr() % 16 == 0
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     grid = g * r // 16
-    o = torch.empty(grid * 1024 if var in (1, 6, 7) else 1, dtype=torch.int32, device=x.device)
+    o = torch.empty(grid * 1024 if var in (1, 6, 7, 12) else 1, dtype=torch.int32, device=x.device)
     desc = TensorDescriptor.from_tensor(words.view(-1, 256), [2, 256], _T_SMEM)
     _probe_kernel[(grid,)](words, desc, x, exp, y, o, m, x.stride(0), g, r, sm90._LD_LAYOUT, sm90._X_LAYOUT, sm90._MMA,
                            sm90._P_SMEM, sm90._OUT16_LAYOUT, sm90._XC_LAYOUT, sm90._X_SMEM, _L4, _E_L, _W4_SMEM,
@@ -308,18 +320,21 @@ def main() -> None:
             rows.append({"G": g, "M": m, "variant": "served", "us": served_us, "x_served": 1.0,
                          "x_pure_read": served_us / read_us, "TB/s": tbps(nbytes, served_us), "pure_read_us": read_us,
                          "bitwise_to_served": True})
-            for stage in (0, 4, 8, 12, 16):  # blocks in flight of the served kernel (0: registers)
-                out = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1], stage=stage)
+            # blocks in flight of the served kernel (0: registers), x up front or in the ring
+            for stage, xr in ((0, False), (4, False), (8, False), (12, False), (16, False), (4, True), (6, True),
+                              (8, True)):
+                out = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1], stage=stage, x_ring=xr)
                 us = graph_us_per_call(
-                    [lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], stage=stage) for i in range(LAYERS)],
-                    args.replays)
-                rows.append({"G": g, "M": m, "variant": f"served_stage{stage}", "us": us, "x_served": served_us / us,
+                    [lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], stage=stage, x_ring=xr)
+                     for i in range(LAYERS)], args.replays)
+                rows.append({"G": g, "M": m, "variant": f"served_stage{stage}" + "_xring" * xr, "us": us,
+                             "x_served": served_us / us,
                              "x_pure_read": us / read_us, "TB/s": tbps(nbytes, us), "pure_read_us": read_us,
                              "bitwise_to_served": torch.equal(out.view(torch.int16), ref.view(torch.int16))})
             for name, var in VARIANTS.items() if m <= 8 and g != 4 else ():
                 wds = packed16 if var in (3, 4, 6) else packed
                 out = probe(x, wds[0], twins[0][1], var)
-                bitwise = None if var in (1, 2, 6, 7) else torch.equal(out.view(torch.int16), ref.view(torch.int16))
+                bitwise = None if var in (1, 2, 6, 7, 10, 12) else torch.equal(out.view(torch.int16), ref.view(torch.int16))
                 us = graph_us_per_call([lambda i=i: probe(x, wds[i], twins[i][1], var) for i in range(LAYERS)],
                                        args.replays)
                 rows.append({"G": g, "M": m, "variant": name, "us": us, "x_served": served_us / us,

@@ -299,12 +299,13 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-rb, cvt, xn, stage = map(int, sys.argv[1:5])
+rb, cvt, xn, stage, xring = map(int, sys.argv[1:6])
 sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
 consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUT if xn == 8 else sm90._X16_LAYOUT,
               MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
               XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn,
-              STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM)
+              STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM, XRING=bool(xring),
+              XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM)
 # pointers and x's row stride SX specialised as multiples of 16, as the JIT does for real launches
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v[0] == "*" or k == "SX"}
 kernel = triton.compile(GluonASTSource(sm90._wo_a_fp8_small_kernel, sig, constexprs=consts, attrs=attrs),
@@ -319,7 +320,7 @@ print(json.dumps(dump))
 """
 
 
-def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int) -> tuple[list[str], str]:
+def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0) -> tuple[list[str], str]:
     """The small kernel's sm_90 opcodes and resource usage, compiled offline with triton's ptxas."""
     import triton
 
@@ -327,7 +328,8 @@ def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int) -> tuple[list[str],
         pytest.skip("triton ships no cuobjdump here")
     # a fresh process: the Triton interpreter the CPU tests run under patches the language
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn), str(stage)],
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn), str(stage),
+                          str(xring)],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     sass, usage = json.loads(run.stdout.strip().splitlines()[-1])
@@ -350,14 +352,14 @@ def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
 
 
-@pytest.mark.parametrize("stage", [16, 8])
-def test_hopper_small_kernel_sm90_structure_staged(stage):
-    """The staged small kernel (served: 16 blocks in flight at G = 2, else 8 in a ring of 9
-    buffers): the 16 exponent loads issue first, then x's 16 cp.async copies (2 per 64-K chunk)
-    and the weights' 16 of 16 B, all with the L1 bypass, one commit group per weight block; block
-    i is waited for by DEPBAR.LE SB0 (15 - i, or 7 in the ring), in order; no weight reaches a
-    register by LDG."""
-    ops, usage = _sm90_small_sass(16, 1, 8, stage)
+@pytest.mark.parametrize("stage,xring", [(16, 0), (8, 0), (8, 1)])
+def test_hopper_small_kernel_sm90_structure_staged(stage, xring):
+    """The staged small kernel (served: 8 blocks in flight in a ring of 9 buffers, x in the ring at
+    G = 2, up front else): the 16 exponent loads issue first, then 16 cp.async copies of x (2 per
+    64-K chunk up front, or 1 per block in the ring) and the weights' 16 of 16 B, all with the L1
+    bypass, one commit group per weight block; block i is waited for by DEPBAR.LE SB0 (15 - i, or
+    7 in the ring), in order; no weight reaches a register by LDG."""
+    ops, usage = _sm90_small_sass(16, 1, 8, stage, xring)
     copies = [i for i, op in enumerate(ops) if op.startswith("LDGSTS")]
     assert len(copies) == 16 + 16 and all(ops[i] == "LDGSTS.E.BYPASS.128" for i in copies)
     exps = [i for i, op in enumerate(ops) if op == "LDG.E.U8"]
@@ -739,11 +741,13 @@ def _all_codes_twin(g: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta,cvt,stage", [(8, 0, 0), (16, 0, 0), (8, 1, 0), (16, 1, 0), (16, 1, 16),
-                                                   (16, 1, 4)])
-def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage):
+@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring", [(8, 0, 0, False), (16, 0, 0, False), (8, 1, 0, False),
+                                                          (16, 1, 0, False), (16, 1, 16, False), (16, 1, 8, False),
+                                                          (16, 1, 4, True), (16, 1, 8, True)])
+def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring):
     """The small kernel's configurations (8 rows per CTA, the F16 conversion: served before; the
-    weights in registers, staged all at once or 4 blocks in flight in a ring) give the
+    weights in registers, staged all at once or 8 blocks in flight in a ring, x up front or in
+    the ring) give the
     served kernel's bits at every M, output and partials (rows 9..16: those of two calls of <= 8
     rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through one-hot
     rows of x."""
@@ -754,7 +758,7 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage
         ks = torch.tensor([0, 33, 511, 519, 1154, 2079, 3372, 4095], device="cuda")
         x = torch.zeros(8, g, 4096, device="cuda", dtype=torch.bfloat16)
         x[torch.arange(8, device="cuda"), :, ks] = 1
-        y = sm90.wo_a_fp8_small_sm90(x, packed, e, rows_per_cta=rows_per_cta, cvt=cvt, stage=stage)
+        y = sm90.wo_a_fp8_small_sm90(x, packed, e, rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring)
         assert torch.equal(y.float(), w[:, :, ks].permute(2, 0, 1).float()), g
         tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 50 + g))
         packed = sm90.pack_twin(tw[0])
@@ -765,7 +769,7 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage
                 want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:b], packed, tw[1], part).transpose(0, int(part))
                                   for a, b in ((0, min(m, 8)), (8, m)) if b > a]).transpose(0, int(part))
                 got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, cvt=cvt,
-                                               stage=stage)
+                                               stage=stage, x_ring=x_ring)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
 
 

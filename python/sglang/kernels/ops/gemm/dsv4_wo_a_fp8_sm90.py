@@ -183,6 +183,9 @@ _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank
 _WC_LAYOUT = gl.BlockedLayout([1, 4], [1, 32], [2, 4], [1, 0])
 _WS_LAYOUT = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])
 _W_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+# x in the ring (x_ring): [split, rows of x, 32 K] of one block, 16 B per thread and copy
+_XB_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [8, 1, 1], [2, 1, 0])
+_XB_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=3)
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8, 1, 1], instr_shape=[1, 16, 8])
 _P_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # [8, 8] fp32 (rows x x-rows) of one split's partial, one element per thread (4 warps)
@@ -218,7 +221,8 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
                            XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
                            BIAS: gl.constexpr, XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
-                           WS_L: gl.constexpr, W_SMEM: gl.constexpr):
+                           WS_L: gl.constexpr, W_SMEM: gl.constexpr, XRING: gl.constexpr, XB_L: gl.constexpr,
+                           XB_SMEM: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
@@ -258,11 +262,19 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     c_off = (gl.expand_dims(gl.expand_dims(cs * 512 + group * DK, 1), 2)
              + gl.expand_dims(gl.expand_dims(ct * SX, 0), 2) + gl.expand_dims(gl.expand_dims(ck, 0), 1))
     c_mask = gl.expand_dims(gl.expand_dims(ct < M, 0), 2) & (c_off >= 0)
-    for kc in gl.static_range(8):
-        x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),)
-        async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
-        if kc % 2 == 1:
-            async_copy.commit_group()
+    if not XRING:
+        for kc in gl.static_range(8):
+            x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),)
+            async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
+            if kc % 2 == 1:
+                async_copy.commit_group()
+    # XRING: x's 32-K block i travels with the weights' block i, in their ring (less shared memory)
+    bs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XB_L)))
+    bt = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, XB_L)))
+    bk = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, XB_L)))
+    b_off = (gl.expand_dims(gl.expand_dims(bs * 512 + group * DK, 1), 2)
+             + gl.expand_dims(gl.expand_dims(bt * SX, 0), 2) + gl.expand_dims(gl.expand_dims(bk, 0), 1))
+    b_mask = gl.expand_dims(gl.expand_dims(bt < M, 0), 2) & (b_off >= 0)
     w_s = ()
     if STAGE > 0:
         # the weights by cp.async, 16 B per thread, one group per 32-K block after x's 4: block i
@@ -273,7 +285,11 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(cw, 0)  # rows 0..7, 8..15
         for j in gl.static_range(NBUF):
             w_s = w_s + (gl.allocate_shared_memory(gl.int32, [2, 512], W_SMEM),)  # one each, as for x
+            if XRING:
+                x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 32], XB_SMEM),)
         for j in gl.static_range(FLIGHT):
+            if XRING:
+                async_copy.async_copy_global_to_shared(x_s[j], X + b_off + 32 * j, b_mask)
             async_copy.async_copy_global_to_shared(w_s[j], W + (pid * 2 * NB + j) * 512 + cp_off)
             async_copy.commit_group()
     else:
@@ -289,6 +305,9 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             async_copy.wait_group(NB - 1 - i if FLIGHT == NB else FLIGHT - 1)
             if FLIGHT < NB:
                 if i + FLIGHT < NB:  # into block i - 1's buffer
+                    if XRING:
+                        async_copy.async_copy_global_to_shared(x_s[(i + FLIGHT) % NBUF], X + b_off + 32 * (i + FLIGHT),
+                                                               b_mask)
                     async_copy.async_copy_global_to_shared(w_s[(i + FLIGHT) % NBUF],
                                                            W + (pid * 2 * NB + i + FLIGHT) * 512 + cp_off)
                 async_copy.commit_group()  # possibly empty: keeps the wait count uniform
@@ -302,7 +321,10 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             wlo = ws[i]
             if RB == 16:
                 whi = wh[i]
-        xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
+        if XRING:
+            xb = x_s[i % NBUF].load(X_L)
+        else:
+            xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
         w32 = gl.reshape(wlo, [SPLITS, 8, 8])
         sb = (es[i] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
         sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
@@ -340,31 +362,37 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
                         partials: bool = False, *, rows_per_cta: int = 16,
-                        cvt: int = CVT_PRMT, stage: int | None = None) -> torch.Tensor:
+                        cvt: int = CVT_PRMT, stage: int | None = None,
+                        x_ring: bool | None = None) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..16 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
-    (rows 9..16: each row's bits those of a call of <= 8 rows). The defaults are what serves:
-    ``stage`` = 16 (the weights through shared memory, all 16 blocks of a split in flight, waited
-    for block by block) where the grid is one CTA per SM or fewer and x has <= 8 rows, else 8 (8
-    in flight in a ring of 9 buffers); 0 loads the weights by LDG into registers (served before).
-    Every configuration gives the same bits; ``rows_per_cta=8`` and ``cvt=CVT_F16`` are slower
-    (served before; kept for benchmark/probe_wo_a_fp8_small16.py)."""
+    (rows 9..16: each row's bits those of a call of <= 8 rows). ``stage``: 32-K blocks of the
+    weights in flight through shared memory, waited for block by block (16: all at once; 1..15: a
+    ring of stage + 1 buffers; 0: the weights by LDG into registers, served before); ``x_ring``:
+    x's blocks travel in that ring instead of all of x up front. The defaults are what serves
+    (the fastest measured): 8 in flight, x in the ring where one wave of CTAs holds the grid (G = 2),
+    else up front; 16 rows of x: 6, x in the ring. Every configuration gives the same bits;
+    ``rows_per_cta=8`` and ``cvt=CVT_F16`` are slower (served before; kept for
+    benchmark/probe_wo_a_fp8_small16.py)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     xn = 8 if m <= 8 else 16
-    if stage is None:  # all 16 blocks in flight where one wave holds the grid, else 8 (2 CTAs per SM)
-        one_wave = xn == 8 and g * r // rows_per_cta <= _sm_count(x.device)
-        stage = 0 if rows_per_cta != 16 else 16 if one_wave else 8
+    if stage is None:  # the fastest of benchmark/results/wo_a_fp8_arrival_probe-NVIDIA_H200.json
+        one_wave = g * r // rows_per_cta <= _sm_count(x.device)
+        stage, x_ring = (0, False) if rows_per_cta != 16 else (6, True) if xn == 16 else (8, one_wave)
     assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta == 16), ("staging takes 16 weight rows per CTA", stage)
+    x_ring = bool(x_ring)
+    assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT if xn == 8 else _X16_LAYOUT,
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, num_warps=N_SPLITS,
+        cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
+        num_warps=N_SPLITS,
     )
     return p if partials else y
 
