@@ -6,21 +6,30 @@ The served kernel as it was (stage 0: 32 LDG.64 per thread issued at entry) spen
 where its own loads alone take 3.8 us (``read64``; ``read128``: the same as LDG.128): its 32 loads
 share ptxas's 6 scoreboards (decoded from the sm_90 SASS) and the first scale waited on the one
 that held 28 of them, so all of the arithmetic ran after the bytes arrived. Variants:
-  served_stageN  the served kernel with N blocks of 32 K in flight through shared memory by
-                 cp.async, waited for in order (N = 16: all at once; else a ring of N + 1)
+  served_stageN[_xring]  the served kernel with N blocks of 32 K in flight through shared memory
+                 by cp.async, waited for in order (N = 16: all at once; else a ring of N + 1;
+                 _xring: x's blocks in that ring too, else all of x up front)
   copy           this file's copy of the stage-0 kernel (VAR 0; same time and bits)
-  l2_weights     every CTA reads the first two CTAs' weights (L2-resident)
-  cp16_inorder   staged, with a repacked twin so each thread copies exactly what it reads
+  l2_weights     stage 0, every CTA reading the first two CTAs' weights (L2-resident)
+  cp16_inorder   staged, from a repacked twin so each thread copies exactly what it reads
   ldg128         LDG.128 from that repacked twin (16 loads per thread) and the exponents first
-  exps_first     stage 0 with the exponents loaded first (one word per split and thread)
-  cp16_packed    staged from the served packing (a thread copies what two threads read)
+  exps_first     stage 0 with the exponents loaded first
+  cp16_packed    staged (16) from the served packing: this file's copy of served_stage16
   tma            the weights by TMA, two 2 KB boxes per block on the block's mbarrier
-Result (wo_a_fp8_arrival_probe-NVIDIA_H200.json): staging is the one that pays: G = 2 5.23 ->
-4.87 us (16 in flight; 8 and 12 even, 4 slower), G = 4 7.43 -> 6.55 and G = 8 12.84 -> 11.45 (8
-in flight: two CTAs per SM; 16 leave one, 8.4 / 14.0 us), 9..16 rows 1.09-1.19x faster (8 in
-flight). Registers by LDG.128 or the exponents first change nothing (5.3 us); TMA is slower
-(5.1 us at G = 2, 16.1 at G = 8: Gluon puts a CTA barrier before each of the 32 copies). Served
-since 0.5.23+fork.7.51ca6dc: 16 in flight where one wave holds the grid, else 8.
+  staged_l2_weights / staged_one_wait / staged_no_reduction   cp16_packed from L2-resident
+                 weights / waiting for every byte before any arithmetic / without the partials'
+                 reduction (not the result): where the staged kernel's time goes
+Result (wo_a_fp8_arrival_probe-NVIDIA_H200.json, the same run as wo_a_fp8-NVIDIA_H200.json):
+staging pays. G = 2: 5.19-5.27 us in registers, 4.82-4.87 with 16 in flight, 4.50-4.73 with 8
+and x in the ring (served); G = 4 7.42-7.59 -> 6.57-6.71 and G = 8 12.66-12.92 -> 11.38-11.46 with
+8 and x up front (served; x in the ring is faster there at 2 rows, slower at 8; 16 in flight
+leaves one CTA per SM: 8.4 / 14.0 us); 9..16 rows 6 in flight with x in the ring. 4 in flight
+is slower (5.4 us at G = 2). Registers by LDG.128 or the exponents first change nothing (5.3
+us); TMA is slower (5.1 us at G = 2, 16.1 at G = 8: Gluon puts a CTA barrier before each of the
+32 copies). Where the staged kernel's time goes at G = 2: 5.45-5.56 us waiting for every byte
+first, 3.37-3.52 from L2-resident weights, 4.76-4.79 without the reduction: the arithmetic fits
+under a read but runs in K order (upstream's MMA chain) while a CTA's blocks arrive spread
+over the whole read.
 Run: TESTS=none BENCH=probe_wo_a_fp8_arrival.py bash build/gpu-bundle/run.sh DIR
 """
 from __future__ import annotations

@@ -30,12 +30,12 @@ variant (H200, M = 2..8). wgmma and Triton kernels: within the fp32 accumulation
 exact result (G = 2/4/8, 9..192 rows), deterministic. drop: every route gives the bits it gave
 before the release (tests, CPU and H200).
 MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): G = 2,
-2..8 rows 1.64-1.66x ``wo_a_bf16_small_batch`` (1.83-1.85x the einsum 0.5.23 runs on Hopper
-there), 9..16 rows 1.65-1.67x einsum, 24..32 rows 1.12-1.28x; G = 4 1.75-1.77x at 2..8 /
-1.26-1.28x at 9..16; G = 8 1.65-1.70x / 1.24-1.33x at 9..32. drop releases 7.99 MiB per layer
+2..8 rows 1.77-1.78x ``wo_a_bf16_small_batch`` (1.95-1.97x the einsum 0.5.23 runs on Hopper
+there), 9..16 rows 1.76-1.79x einsum, 24..32 rows 1.11-1.31x; G = 4 1.75-1.76x at 2..8 /
+1.36-1.51x at 9..16; G = 8 1.65-1.69x / 1.24-1.31x at 9..32. drop releases 7.99 MiB per layer
 net of the twin at G = 2 (15.98 at G = 4, 31.97 at G = 8; 344 / 687 / 1375 MiB for 43 layers);
-its prefill dequantisation costs 12.3 us per layer and call at G = 2, and the row counts mid
-leaves stock run at 0.43-1.07x einsum (still faster than rebuilding the weight).
+its prefill dequantisation costs 12.5 us per layer and call at G = 2, and the row counts mid
+leaves stock run at 0.45-1.07x einsum (still faster than rebuilding the weight).
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ MID_MAX_ROWS = 192
 
 # Hopper, mid and drop: rows up to which the small kernel (two n8 tiles of x) beats the wgmma one,
 # per group count (benchmark/results/wo_a_fp8_arrival_probe-NVIDIA_H200.json against
-# wo_a_fp8-NVIDIA_H200.json's mid rows: 12..16 rows G = 2 5.4 against 7.3 us, G = 4 9.2 against
-# 10.3; G = 8 16.6 against 14.7, so there the wgmma kernel); other G: 8.
+# wo_a_fp8-NVIDIA_H200.json's mid rows: 12..16 rows G = 2 5.0-5.3 against 7.3 us, G = 4 7.5-8.9
+# against 10.3; G = 8 14.8-16.5 against 14.6, so there the wgmma kernel); other G: 8.
 SMALL_KERNEL_MAX = {2: 16, 4: 16}
 
 

@@ -13,41 +13,45 @@ wo_a_fp8_small16_probe- and wo_a_fp8_arrival_probe-NVIDIA_H200.json).
   one 32-K block and 8 rows contiguous (256 B), so a CTA's 4 KB of one 32-K block (16 rows, 8
   splits) are two contiguous 2 KB pieces, and a thread's 8 bytes of each are what its MMA takes.
 - The weights reach shared memory by cp.async in block order (``stage``): the 16 exponent loads
-  issue first (issued after the weights they would arrive last), then x's copies and one group of
-  16-byte copies (L1 bypass) per 32-K block. Block i is waited for by cp.async.wait_group, a
-  counter (DEPBAR.LE SB0, in order), so its conversion and 2 MMAs run while the later blocks are
-  in flight. All 16 blocks are in flight where one wave holds the grid (G = 2 with <= 8 rows of x:
-  64 KB of weights + 64 KB of x per CTA); else 8, in a ring of 9 buffers (two CTAs per SM).
+  issue first (issued after the weights they would arrive last), then one group of 16-byte
+  copies (L1 bypass) per 32-K block. Block i is waited for by cp.async.wait_group, a counter
+  (DEPBAR.LE SB0, in order), so its conversion and 2 MMAs run while the later blocks are in
+  flight: 8 blocks in a ring of 9 buffers, x's block travelling with the weights' where one wave
+  holds the grid (G = 2: 72 KB of shared memory per CTA instead of 128), x up front else (G = 4 /
+  8: two CTAs per SM); 16 rows of x: 6 in flight, x in the ring.
   Before, the weights came by LDG.64 into registers, all issued at entry: those 32 loads per
   thread share ptxas's 6 scoreboards (decoded from the sm_90 SASS) and the first scale waited on
-  the one that held 28 of them, so the arithmetic ran after the bytes arrived: 5.2 us at G = 2,
-  where the same loads alone take 3.8 us.
+  the one that held 28 of them, so the arithmetic ran after the bytes arrived: 5.19-5.27 us at
+  G = 2, where the same loads alone take 3.79-3.86 us (the staged kernel waiting for every byte
+  first: 5.45-5.56 us; from L2-resident weights: 3.37-3.52 us).
 - x goes to shared memory by cp.async (rows past M are zero-filled without traffic), one shared
-  allocation per 64-K chunk (copies into slices of one buffer got a CTA barrier each: 8 more,
-  0.1 us), and comes back by ldmatrix. Loading x into registers with 4-byte loads made the time
-  grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us.
+  allocation per 64-K chunk or ring block (copies into slices of one buffer got a CTA barrier
+  each: 8 more, 0.1 us), and comes back by ldmatrix. Loading x into registers with 4-byte loads
+  made the time grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us.
 - The e4m3 -> bf16 conversion (``CVT_PRMT``: byte permutes, shift, mask, and the power-of-two
   scale in one HMUL2, exact) runs right before each MMA; swap-AB mma.sync m16n8k16 with the 16
   weight rows as M and <= 8 rows of x as N (9..16 rows: two n8 tiles).
-- 40 registers (52 with the ring), 18 CTA barriers (one per block wait, added by Gluon).
+- 40-56 registers, 18 CTA barriers (one per block wait, added by Gluon).
 What made it faster, each measured in one run: 16 rows per CTA instead of 8 (the A operand full,
 half the MMAs and ldmatrix per weight byte) and the PRMT conversion instead of cvt.e4m3x2 -> f16x2
-(4 instructions per pair of weights instead of 5): 5.83 -> 5.31 us at G = 2; staging: 5.23 ->
-4.87 us at G = 2, 7.43 -> 6.55 at G = 4, 12.84 -> 11.45 at G = 8 (9..16 rows: 5.91 -> 5.34, G = 4
-10.44 -> 9.16). Not faster (arrival probe): 8 or 12 blocks in flight at G = 2 (even), 4 (5.4
-us), all 16 at G = 4 / 8 (one CTA per SM: 8.4 / 14.0 us); the weights by TMA (5.1 us at G = 2:
+(4 instructions per pair of weights instead of 5): 5.83 -> 5.31 us at G = 2; staging (arrival
+probe, same run as below): at G = 2 4.82-4.87 us with all 16 blocks and x up front, 4.50-4.73
+with 8 and x in the ring, against 5.19-5.27 in registers; G = 4 6.57-6.71 and G = 8 11.38-11.46
+with 8 and x up front, against 7.42-7.59 and 12.66-12.92. Not faster: 4 blocks in flight (5.4 us
+at G = 2), 16 at G = 4 / 8 (one CTA per SM: 8.4 / 14.0 us); the weights by TMA (5.1 us at G = 2:
 Gluon puts a CTA barrier before each of the 32 copies), by LDG.128 (5.3), 8-byte cp.async copies
-(5.6, measured before); the exponents first alone (5.3).
-Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 4.79-4.85 us
-against 7.90-8.00 us for ``wo_a_bf16_small_batch`` (1.64-1.66x) and 8.84-8.87 us for einsum (what
-Hopper runs for 2..8 rows in 0.5.23, 1.83-1.85x); a pure read of the twin's bytes takes 3.82 us,
-so the kernel is at 1.26-1.27x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 5.31-5.37 us
-against einsum's 8.88-8.89 (1.65-1.67x). G = 4: 6.51-6.56 us against einsum's 11.47-11.53
-(1.75-1.77x, 1.15-1.16x a read), 9..16 rows 9.12-9.18 (1.26-1.28x); G = 8: 11.18-11.51 against
-18.64-19.04 (1.65-1.70x, 1.20-1.24x a read). The MXFP8 epilogue (upstream's ``_quantize_partial``
-on these partials) 6.51-6.59 us against 8.14-8.19 us. What is left at G = 2 (1.05 us over the
-read): the conversion and MMAs of the blocks that arrive last, the partials' reduction, and the
-barrier per block; 8, 12 or 16 blocks in flight measure the same, so it is not the issue order.
+(5.6, measured before); the exponents first alone (5.3). x in the ring at G = 4 / 8 is faster at
+2 rows and slower at 8 (6.29 / 7.04 us at G = 4), so it stays up front there.
+Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 4.49-4.52 us
+against 7.96-8.01 us for ``wo_a_bf16_small_batch`` (1.77-1.78x) and 8.80-8.84 us for einsum (what
+Hopper runs for 2..8 rows in 0.5.23, 1.95-1.97x); a pure read of the twin's bytes takes 3.84 us,
+so the kernel is at 1.17-1.18x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 4.93-5.03 us
+against einsum's 8.84-8.85 (1.76-1.79x). G = 4: 6.50-6.59 us against einsum's 11.48-11.56
+(1.75-1.76x, 1.14-1.16x a read), 9..16 rows 7.71-8.58 (1.36-1.51x); G = 8: 11.18-11.44 against
+18.66-18.93 (1.65-1.69x, 1.20-1.23x a read). The MXFP8 epilogue (upstream's ``_quantize_partial``
+on these partials) 6.28-6.40 us against 8.13-8.24 us. What is left over a read: each split's 32
+MMAs run in K order (upstream's chain, for the bits), and a CTA's blocks arrive spread over the
+whole read, so part of the chain runs after the last byte.
 
 SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
 operand values (the twin is exact), k_width 2 operands so every product sits in the same slot of
@@ -71,11 +75,11 @@ Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S),
 block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too) at most one
 tile per launch is partly resident while its CTAs wait, even with the target's and the draft's
 launches side by side; the grid is sized for one wave on an otherwise idle GPU.
-Measured (same run): G = 2, 24 rows 1.28x einsum, 32 rows 1.12x, 48 rows 0.96x, slower from 64
-(0.46-0.93x at 64..192; at 9..16 rows the small kernel serves: 1.65-1.67x); G = 4 1.07x at
-24..32 (9..16: the small kernel, 1.26-1.28x, against 1.14-1.15x here before); G = 8 1.30-1.33x at
-9..16, 1.24-1.25x at 24..32, 1.05x at 48, 0.98x at 64, slower from 96. The dispatch serves
-``mid`` only where it was measured about >= 1.1x (G = 2 at 32 rows: 1.09-1.14x over five runs);
+Measured (same run): G = 2, 24 rows 1.31x einsum, 32 rows 1.11x, 48 rows 0.97x, slower from 64
+(0.49-0.93x at 64..192; at 9..16 rows the small kernel serves: 1.76-1.79x); G = 4 1.07x at
+24..32 (9..16: the small kernel, 1.36-1.51x, against 1.14-1.15x here before); G = 8 1.30-1.31x at
+9..16, 1.24-1.25x at 24..32, 1.06x at 48, 1.01x at 64, slower from 96. The dispatch serves
+``mid`` only where it was measured about >= 1.1x (G = 2 at 32 rows: 1.09-1.14x over six runs);
 ``drop`` serves every row count.
 What the mid goals (2x at 9..64, 1.5x at 65..192) still miss: about 2 us per call of split-K
 wait (partials out, arrival, partials in), and x's L2 traffic, which grows with the rows.
