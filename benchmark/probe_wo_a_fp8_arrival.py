@@ -35,7 +35,6 @@ Run: TESTS=none BENCH=probe_wo_a_fp8_arrival.py bash build/gpu-bundle/run.sh DIR
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -303,7 +302,7 @@ def probe(x: torch.Tensor, words: torch.Tensor, exp: torch.Tensor, var: int) -> 
 
 
 def main() -> None:
-    from bench_wo_a_fp8 import pure_read, twin_exact_weight
+    from bench_wo_a_fp8 import pure_read_us, twin_exact_weight
     from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
     from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
@@ -314,13 +313,7 @@ def main() -> None:
         packed = [sm90.pack_twin(t[0]) for t in twins]
         packed16 = [pack16(p) for p in packed]
         nbytes = twins[0][0].numel() + twins[0][1].numel()
-        words = [torch.cat([t[0].view(torch.int32).flatten(), t[1].view(torch.int32).flatten()]) for t in twins]
-        read_us = min(
-            graph_us_per_call([lambda wd=wd, s=torch.empty(triton.cdiv(wd.numel(), b), dtype=torch.int32,
-                                                             device="cuda"), b=b: pure_read(wd, s, b) for wd in words],
-                              args.replays)
-            for b in (1024, 2048, 4096)
-        )
+        read_us = pure_read_us(twins, args.replays)
         for m in (2, 8, 12, 16):
             x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
             ref = sm90.wo_a_fp8_small_sm90(x, packed[0], twins[0][1])
@@ -349,7 +342,7 @@ def main() -> None:
                 rows.append({"G": g, "M": m, "variant": name, "us": us, "x_served": served_us / us,
                              "x_pure_read": us / read_us, "TB/s": tbps(nbytes, us), "pure_read_us": read_us,
                              "bitwise_to_served": bitwise})
-        del twins, packed, packed16, words
+        del twins, packed, packed16
     report("wo_a_fp8_arrival_probe", ["G", "M", "variant", "us", "x_served", "x_pure_read", "TB/s",
                                       "bitwise_to_served"], rows, args.out, {"layers": LAYERS})
 

@@ -19,9 +19,8 @@ Not run by the GPU bundle by default: BENCH=probe_wo_a_fp8_small16.py bash build
 from __future__ import annotations
 
 import torch
-import triton
 
-from bench_wo_a_fp8 import pure_read, twin_exact_weight
+from bench_wo_a_fp8 import pure_read_us, twin_exact_weight
 from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
 from sglang.kernels.ops.gemm import dsv4_wo_a as up
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
@@ -45,13 +44,7 @@ def main() -> None:
         assert all(t is not None and int(t[1].max()) <= sm90.max_biased_exp(sm90.CVT_PRMT) for t in twins)
         packed = [sm90.pack_twin(t[0]) for t in twins]
         nbytes = twins[0][0].numel() + twins[0][1].numel()
-        words = [torch.cat([t[0].view(torch.int32).flatten(), t[1].view(torch.int32).flatten()]) for t in twins]
-        read_us = min(
-            graph_us_per_call([lambda wd=wd, s=torch.empty(triton.cdiv(wd.numel(), b), dtype=torch.int32,
-                                                             device="cuda"), b=b: pure_read(wd, s, b) for wd in words],
-                              args.replays)
-            for b in (1024, 2048, 4096)
-        )
+        read_us = pure_read_us(twins, args.replays)
         counters = [sm90.mid_counters(g, 1024, "cuda") for _ in twins]
         for m in (1, 2, 4, 8, 12, 16):
             x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
@@ -87,7 +80,7 @@ def main() -> None:
                              "x_pure_read": us / read_us, "x_stock": stock_us / us, "TB/s": tbps(nbytes, us),
                              "pure_read_us": read_us, "stock": stock_name, "stock_us": stock_us,
                              "bitwise_to_small": bitwise, "served_before": served})
-        del weights, twins, packed, words, counters
+        del weights, twins, packed, counters
     report("wo_a_fp8_small16_probe", ["G", "M", "kernel", "us", "x_before", "x_pure_read", "x_stock", "TB/s",
                                       "bitwise_to_small"], rows, args.out,
            {"layers": LAYERS, "configs": {k: list(v) for k, v in CONFIGS.items()}})

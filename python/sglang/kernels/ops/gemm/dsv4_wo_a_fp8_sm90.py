@@ -220,6 +220,18 @@ def _a_operand(lo, hi, A_L: gl.constexpr):
 
 
 @gluon.jit
+def _x_tiles(L: gl.constexpr, XN: gl.constexpr, KW: gl.constexpr, group, SX, M):
+    """Offsets into x of its [split, XN rows, KW] copy tiles at K 512 split, and their mask (rows
+    past M: cp.async zero-fills them without traffic)."""
+    s = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    t = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
+    k = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    off = (gl.expand_dims(gl.expand_dims(s * 512 + group * DK, 1), 2)
+           + gl.expand_dims(gl.expand_dims(t * SX, 0), 2) + gl.expand_dims(gl.expand_dims(k, 0), 1))
+    return off, gl.expand_dims(gl.expand_dims(t < M, 0), 2) & (off >= 0)
+
+
+@gluon.jit
 def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexpr,
                            PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
@@ -260,12 +272,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
     x_s = ()  # one allocation per chunk: copies into slices of one buffer get a barrier each
-    cs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XC_L)))
-    ct = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, XC_L)))
-    ck = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XC_L)))
-    c_off = (gl.expand_dims(gl.expand_dims(cs * 512 + group * DK, 1), 2)
-             + gl.expand_dims(gl.expand_dims(ct * SX, 0), 2) + gl.expand_dims(gl.expand_dims(ck, 0), 1))
-    c_mask = gl.expand_dims(gl.expand_dims(ct < M, 0), 2) & (c_off >= 0)
+    c_off, c_mask = _x_tiles(XC_L, XN, 64, group, SX, M)
     if not XRING:
         for kc in gl.static_range(8):
             x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),)
@@ -273,12 +280,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             if kc % 2 == 1:
                 async_copy.commit_group()
     # XRING: x's 32-K block i travels with the weights' block i, in their ring (less shared memory)
-    bs = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, XB_L)))
-    bt = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, XB_L)))
-    bk = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, XB_L)))
-    b_off = (gl.expand_dims(gl.expand_dims(bs * 512 + group * DK, 1), 2)
-             + gl.expand_dims(gl.expand_dims(bt * SX, 0), 2) + gl.expand_dims(gl.expand_dims(bk, 0), 1))
-    b_mask = gl.expand_dims(gl.expand_dims(bt < M, 0), 2) & (b_off >= 0)
+    b_off, b_mask = _x_tiles(XB_L, XN, 32, group, SX, M)
     w_s = ()
     if STAGE > 0:
         # the weights by cp.async, 16 B per thread, one group per 32-K block after x's 4: block i
