@@ -3,7 +3,8 @@
 # a machine that has torch and triton but no sglang dependencies and no network.
 #   bash run.sh [RESULTS_DIR]      (default: $OUT if set, else ./results)
 #   BENCH='bench_wo_a_*.py probe_x.py' bash run.sh ...   runs only those benchmarks, in that order
-#   (space-separated globs; BENCH=none: tests only; TESTS=none: benchmarks only, for a probe run)
+#   (space-separated globs; BENCH=none: tests only; TESTS=none: benchmarks only, for a probe run;
+#   TESTS='test/test_x.py -k y': those tests only)
 # Writes gpu-tests.log, gpu-tests.xml, every benchmark's JSON and bundle-run.json (summary).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,7 +21,8 @@ cd "$here"
 tests_rc=0
 if [ "${TESTS:-}" != none ]; then
     echo "==> pytest -m gpu"
-    python3 -m pytest -m gpu test -p no:cacheprovider -rA --junitxml "$results/gpu-tests.xml" \
+    read -ra selection <<< "${TESTS:-test}"
+    python3 -m pytest -m gpu "${selection[@]}" -p no:cacheprovider -rA --junitxml "$results/gpu-tests.xml" \
         2>&1 | tee "$results/gpu-tests.log"
     tests_rc=${PIPESTATUS[0]}
 fi
