@@ -107,6 +107,28 @@ def test_row_gate_and_refusals():
     assert Spec.__struct_defaults__[i] is False
 
 
+def test_refuses_deterministic_inference(monkeypatch):
+    """Above MAX_ROWS the bf16 head serves, so a row's draft logits would follow its batch's row
+    count: with --enable-deterministic-inference the fp8 head refuses to build, naming both."""
+    import sglang.srt.runtime_context as rc
+
+    def exec_ns(on):
+        return lambda: types.SimpleNamespace(deterministic=types.SimpleNamespace(enable_deterministic_inference=on))
+
+    assert mod._deterministic_inference() is False  # no server context here
+    monkeypatch.setattr(rc, "get_exec", exec_ns(True))
+    assert mod._deterministic_inference() is True
+    # a head every other check accepts: a bf16 [64, 64] weight on an SM90 device
+    weight = types.SimpleNamespace(dtype=torch.bfloat16, shape=(64, 64), dim=lambda: 2, device=torch.device("cuda", 0))
+    head = types.SimpleNamespace(weight=weight, quant_method=None)
+    model = types.SimpleNamespace(uses_own_vocab_modules=False, _use_fp32_lm_head=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    with pytest.raises(ValueError, match="cannot be used with --enable-deterministic-inference"):
+        mod.check_draft_head_fp8_applies(model, head)
+    monkeypatch.setattr(rc, "get_exec", exec_ns(False))
+    mod.check_draft_head_fp8_applies(model, head)
+
+
 def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 20, 32, 33, 48, 64)):
     """The mma.sync kernel (served on SM89, tuned by tune_draft_head_fp8.py): each row's logits
     (fp32 and bf16) are the same bits at every row count, eager and replayed from a CUDA graph;
