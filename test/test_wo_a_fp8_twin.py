@@ -373,6 +373,22 @@ def test_hopper_small_kernel_sm90_structure_staged(stage, xring):
     assert local == 0 and regs <= 64, usage
 
 
+def test_hopper_small_staging_follows_the_probe():
+    """The small kernel's staging by shape, as measured (arrival probe on the H200, 132 SMs):
+    G = 2 (128 CTAs, one wave) 8 in flight with x in the ring; G = 4 / 8 8 with x up front;
+    9..16 rows 6 with x in the ring; 8 rows per CTA keep the weights in registers."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    assert sm90.small_staging(2, 2, 1024, 16, 132) == (8, True)
+    assert sm90.small_staging(8, 2, 1024, 16, 132) == (8, True)
+    assert sm90.small_staging(8, 2, 1024, 16, 114) == (8, False)  # a smaller GPU: two waves
+    assert sm90.small_staging(4, 4, 1024, 16, 132) == (8, False)
+    assert sm90.small_staging(8, 8, 1024, 16, 132) == (8, False)
+    assert sm90.small_staging(9, 2, 1024, 16, 132) == (6, True)
+    assert sm90.small_staging(16, 8, 1024, 16, 132) == (6, True)
+    assert sm90.small_staging(4, 2, 1024, 8, 132) == (0, False)
+
+
 def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     """A twin with Hopper words: 2..8 rows go to the Gluon kernel, MXFP8 calls through its
     partials and upstream's own epilogue (G = 2 only); 9..192 rows without a row-major copy stay stock."""

@@ -141,7 +141,7 @@ def max_biased_exp(cvt: int) -> int:
 
 MAX_BIASED_EXP = max_biased_exp(CVT_PRMT)  # 134: the served conversion's
 
-__all__ = ["available", "pack_twin", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
+__all__ = ["available", "pack_twin", "small_staging", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
 
 
 def available(device: torch.device) -> bool:
@@ -366,6 +366,18 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
 
 
+def small_staging(m: int, g: int, r: int, rows_per_cta: int, sms: int) -> tuple[int, bool]:
+    """(stage, x_ring) the small kernel serves, the fastest of
+    benchmark/results/wo_a_fp8_arrival_probe-NVIDIA_H200.json: 8 blocks in flight, x in the ring
+    where one wave of CTAs holds the grid (G = 2 on 132 SMs), else up front (two CTAs per SM);
+    9..16 rows of x: 6 in flight, x in the ring; 8 rows per CTA: the weights in registers."""
+    if rows_per_cta != 16:
+        return 0, False
+    if m > 8:
+        return 6, True
+    return 8, g * r // rows_per_cta <= sms
+
+
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
                         partials: bool = False, *, rows_per_cta: int = 16,
                         cvt: int = CVT_PRMT, stage: int | None = None,
@@ -376,8 +388,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     weights in flight through shared memory, waited for block by block (16: all at once; 1..15: a
     ring of stage + 1 buffers; 0: the weights by LDG into registers, served before); ``x_ring``:
     x's blocks travel in that ring instead of all of x up front. The defaults are what serves
-    (the fastest measured): 8 in flight, x in the ring where one wave of CTAs holds the grid (G = 2),
-    else up front; 16 rows of x: 6, x in the ring. Every configuration gives the same bits;
+    (``small_staging``, the fastest measured). Every configuration gives the same bits;
     ``rows_per_cta=8`` and ``cvt=CVT_F16`` are slower (served before; kept for
     benchmark/probe_wo_a_fp8_small16.py)."""
     m = x.shape[0]
@@ -386,9 +397,8 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     assert x.stride(2) == 1 and x.stride(1) == D
     assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     xn = 8 if m <= 8 else 16
-    if stage is None:  # the fastest of benchmark/results/wo_a_fp8_arrival_probe-NVIDIA_H200.json
-        one_wave = g * r // rows_per_cta <= _sm_count(x.device)
-        stage, x_ring = (0, False) if rows_per_cta != 16 else (6, True) if xn == 16 else (8, one_wave)
+    if stage is None:
+        stage, x_ring = small_staging(m, g, r, rows_per_cta, _sm_count(x.device))
     assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta == 16), ("staging takes 16 weight rows per CTA", stage)
     x_ring = bool(x_ring)
     assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
