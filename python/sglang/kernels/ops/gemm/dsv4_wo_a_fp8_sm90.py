@@ -255,8 +255,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
     ws = ()
     wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
-    FLIGHT: gl.constexpr = STAGE if STAGE < NB else NB
-    NBUF: gl.constexpr = FLIGHT + 1 if FLIGHT < NB else NB
+    NBUF: gl.constexpr = STAGE + 1 if STAGE < NB else NB  # ring buffers (STAGE <= 16: the wrapper)
     if STAGE > 0:
         # the exponents first: issued behind the CTA's 64 KB of weights they would arrive last
         for i in gl.static_range(NB):
@@ -272,19 +271,20 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
     x_s = ()  # one allocation per chunk: copies into slices of one buffer get a barrier each
-    c_off, c_mask = _x_tiles(XC_L, XN, 64, group, SX, M)
     if not XRING:
+        c_off, c_mask = _x_tiles(XC_L, XN, 64, group, SX, M)
         for kc in gl.static_range(8):
             x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),)
             async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
             if kc % 2 == 1:
                 async_copy.commit_group()
-    # XRING: x's 32-K block i travels with the weights' block i, in their ring (less shared memory)
-    b_off, b_mask = _x_tiles(XB_L, XN, 32, group, SX, M)
+    else:  # x's 32-K block i travels with the weights' block i, in their ring (less shared memory)
+        b_off, b_mask = _x_tiles(XB_L, XN, 32, group, SX, M)
     w_s = ()
     if STAGE > 0:
-        # the weights by cp.async, 16 B per thread, one group per 32-K block after x's 4: block i
-        # is waited for by cp.async.wait_group (DEPBAR.LE, in order), not a shared scoreboard;
+        # the weights by cp.async, 16 B per thread, one group per 32-K block (after x's 4, or
+        # holding x's block under XRING): block i is waited for by cp.async.wait_group
+        # (DEPBAR.LE, in order), not a shared scoreboard;
         # STAGE blocks in flight, in a ring of STAGE + 1 buffers (all 16 at once: no reuse)
         cp = gl.arange(0, 2, layout=gl.SliceLayout(1, WC_L))
         cw = gl.arange(0, 512, layout=gl.SliceLayout(0, WC_L))
@@ -293,7 +293,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             w_s = w_s + (gl.allocate_shared_memory(gl.int32, [2, 512], W_SMEM),)  # one each, as for x
             if XRING:
                 x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 32], XB_SMEM),)
-        for j in gl.static_range(FLIGHT):
+        for j in gl.static_range(STAGE):
             if XRING:
                 async_copy.async_copy_global_to_shared(x_s[j], X + b_off + 32 * j, b_mask)
             async_copy.async_copy_global_to_shared(w_s[j], W + (pid * 2 * NB + j) * 512 + cp_off)
@@ -308,14 +308,14 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     for i in gl.static_range(NB):
         if STAGE > 0:
             # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
-            async_copy.wait_group(NB - 1 - i if FLIGHT == NB else FLIGHT - 1)
-            if FLIGHT < NB:
-                if i + FLIGHT < NB:  # into block i - 1's buffer
+            async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
+            if STAGE < NB:
+                if i + STAGE < NB:  # into block i - 1's buffer
                     if XRING:
-                        async_copy.async_copy_global_to_shared(x_s[(i + FLIGHT) % NBUF], X + b_off + 32 * (i + FLIGHT),
+                        async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE),
                                                                b_mask)
-                    async_copy.async_copy_global_to_shared(w_s[(i + FLIGHT) % NBUF],
-                                                           W + (pid * 2 * NB + i + FLIGHT) * 512 + cp_off)
+                    async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
+                                                           W + (pid * 2 * NB + i + STAGE) * 512 + cp_off)
                 async_copy.commit_group()  # possibly empty: keeps the wait count uniform
             wb = w_s[i % NBUF]
             wlo = gl.convert_layout(gl.reshape(wb.slice(0, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L)
