@@ -110,14 +110,14 @@ def test_row_gate_and_refusals():
 def test_refuses_deterministic_inference(monkeypatch):
     """Above MAX_ROWS the bf16 head serves, so a row's draft logits would follow its batch's row
     count: with --enable-deterministic-inference the fp8 head refuses to build, naming both."""
-    import sglang.srt.runtime_context as rc
+    import sglang.srt.layers.logprob_processor as lp
 
     def exec_ns(on):
         return lambda: types.SimpleNamespace(deterministic=types.SimpleNamespace(enable_deterministic_inference=on))
 
-    assert mod._deterministic_inference() is False  # no server context here
-    monkeypatch.setattr(rc, "get_exec", exec_ns(True))
-    assert mod._deterministic_inference() is True
+    assert lp._deterministic_inference_enabled() is False  # no server context here
+    monkeypatch.setattr(lp, "get_exec", exec_ns(True))
+    assert lp._deterministic_inference_enabled() is True
     # a head every other check accepts: a bf16 [64, 64] weight on an SM90 device
     weight = types.SimpleNamespace(dtype=torch.bfloat16, shape=(64, 64), dim=lambda: 2, device=torch.device("cuda", 0))
     head = types.SimpleNamespace(weight=weight, quant_method=None)
@@ -125,7 +125,7 @@ def test_refuses_deterministic_inference(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     with pytest.raises(ValueError, match="cannot be used with --enable-deterministic-inference"):
         mod.check_draft_head_fp8_applies(model, head)
-    monkeypatch.setattr(rc, "get_exec", exec_ns(False))
+    monkeypatch.setattr(lp, "get_exec", exec_ns(False))
     mod.check_draft_head_fp8_applies(model, head)
 
 

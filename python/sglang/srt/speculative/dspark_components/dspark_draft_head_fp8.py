@@ -133,22 +133,15 @@ def check_draft_head_fp8_applies(model, lm_head) -> None:
         megakernel = False
     if megakernel:
         raise ValueError(f"{what}: the NVIDIA megakernel draft sampler computes its own logits")
-    if _deterministic_inference():
+    # upstream's own reader of the flag (fails open without a server context: unit tests)
+    from sglang.srt.layers.logprob_processor import _deterministic_inference_enabled
+
+    if _deterministic_inference_enabled():
         raise ValueError(
             f"{what} cannot be used with --enable-deterministic-inference: calls above {MAX_ROWS} "
             "rows keep the bf16 head, so a request's draft logits (and the tokens it accepts) "
             "would depend on how many rows its batch has"
         )
-
-
-def _deterministic_inference() -> bool:
-    from sglang.srt.runtime_context import get_exec
-
-    try:
-        exec_ns = get_exec()
-    except ValueError:  # no server context (tests, offline tools): no flag to honour
-        return False
-    return bool(exec_ns.deterministic.enable_deterministic_inference)
 
 
 def maybe_build_draft_head_fp8(model, lm_head, enabled: bool):
