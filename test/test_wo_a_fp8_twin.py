@@ -301,7 +301,7 @@ from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
 rb, cvt, xn, stage, xring = map(int, sys.argv[1:6])
 sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
-consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUT if xn == 8 else sm90._X16_LAYOUT,
+consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L={8: sm90._X_LAYOUT, 16: sm90._X16_LAYOUT, 32: sm90._X32_LAYOUT}[xn],
               MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
               XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn,
               STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM, XRING=bool(xring),
@@ -350,6 +350,16 @@ def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     assert ops.count("BAR.SYNC.DEFER_BLOCKING") == 6
     regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
     assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
+
+
+def test_hopper_small_kernel_sm90_structure_32_rows():
+    """The 17..32-row candidate (x in the ring, four n8 tiles): 4 copies of x and 1 of weights per
+    block, 16 in-order waits, 128 MMAs (16 blocks x 2 k16 x 4 tiles), nothing spills."""
+    ops, usage = _sm90_small_sass(16, 1, 32, 6, 1)
+    assert ops.count("LDGSTS.E.BYPASS.128") == 16 * 5 and len([op for op in ops if op.startswith("DEPBAR.LE")]) == 16
+    assert len([op for op in ops if op.startswith("HMMA")]) == 128
+    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
+    assert local == 0 and regs <= 128, usage
 
 
 @pytest.mark.parametrize("stage,xring", [(16, 0), (8, 0), (8, 1)])
@@ -786,6 +796,24 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage
                                   for a, b in ((0, min(m, 8)), (8, m)) if b > a]).transpose(0, int(part))
                 got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, cvt=cvt,
                                                stage=stage, x_ring=x_ring)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [4, 6, 8])
+def test_gpu_hopper_small_kernel_32_rows_bitwise(stage):
+    """Candidate for 17..32 rows (not served yet): the small kernel with x in the ring and four n8
+    tiles of x gives each row the bits of a call of <= 8 rows, output and partials, at G = 2/4/8."""
+    sm90 = _hopper()
+    for g in (2, 4, 8):
+        tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 60 + g))
+        packed = sm90.pack_twin(tw[0])
+        for m in (17, 24, 32):
+            x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
+            for part in (False, True):
+                want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:min(a + 8, m)], packed, tw[1], part).transpose(0, int(part))
+                                  for a in range(0, m, 8)]).transpose(0, int(part))
+                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, stage=stage, x_ring=True)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
 
 

@@ -112,6 +112,7 @@ ROWS = 8  # packing unit: weight rows per fragment-major piece (the live half of
 D = 4096
 DK = gl.constexpr(D)
 MAX_ROWS = 16  # rows of x one small-kernel call takes (8 per n8 tile of the MMA)
+MAX_RING_ROWS = 32  # with x in the ring (x up front would not fit shared memory): 4 n8 tiles
 
 # e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_PRMT, served: each
 # byte sign-extended into a 16-bit half by PRMT, shifted so that e4m3's exponent and mantissa land
@@ -177,6 +178,14 @@ _X16_LAYOUT = gl.DistributedLinearLayout(
     warp_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0]],
     block_bases=[],
     shape=[8, 16, 32],
+)
+# the same for 32 rows of x (four n8 tiles; x in the ring only): the candidate for 17..32 rows
+_X32_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 8, 0], [0, 16, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    block_bases=[],
+    shape=[8, 32, 32],
 )
 # x staged by cp.async: [split, 8 rows of x, 64 K] bf16 tiles, 16 B per thread and copy
 _XC_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])
@@ -393,10 +402,10 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     benchmark/probe_wo_a_fp8_small16.py)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
-    assert 1 <= m <= MAX_ROWS and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
+    assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS) and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
-    xn = 8 if m <= 8 else 16
+    xn = 8 if m <= 8 else 16 if m <= 16 else 32
     if stage is None:
         stage, x_ring = small_staging(m, g, r, rows_per_cta, _sm_count(x.device))
     assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta == 16), ("staging takes 16 weight rows per CTA", stage)
@@ -405,7 +414,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
-        packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUT if xn == 8 else _X16_LAYOUT,
+        packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, {8: _X_LAYOUT, 16: _X16_LAYOUT, 32: _X32_LAYOUT}[xn],
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
         cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
         num_warps=N_SPLITS,
