@@ -299,13 +299,13 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-rb, cvt, xn, stage, xring = map(int, sys.argv[1:6])
+rb, cvt, xn, stage, xring, la = map(int, sys.argv[1:7])
 sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
-consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L={8: sm90._X_LAYOUT, 16: sm90._X16_LAYOUT, 32: sm90._X32_LAYOUT}[xn],
+consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUTS[xn],
               MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
               XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn,
               STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM, XRING=bool(xring),
-              XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM)
+              XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM, LA=la)
 # pointers and x's row stride SX specialised as multiples of 16, as the JIT does for real launches
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v[0] == "*" or k == "SX"}
 kernel = triton.compile(GluonASTSource(sm90._wo_a_fp8_small_kernel, sig, constexprs=consts, attrs=attrs),
@@ -320,7 +320,7 @@ print(json.dumps(dump))
 """
 
 
-def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0) -> tuple[list[str], str]:
+def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0, la: int = 0) -> tuple[list[str], str]:
     """The small kernel's sm_90 opcodes and resource usage, compiled offline with triton's ptxas."""
     import triton
 
@@ -329,7 +329,7 @@ def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0) -> 
     # a fresh process: the Triton interpreter the CPU tests run under patches the language
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn), str(stage),
-                          str(xring)],
+                          str(xring), str(la)],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     sass, usage = json.loads(run.stdout.strip().splitlines()[-1])
@@ -767,24 +767,26 @@ def _all_codes_twin(g: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring", [(8, 0, 0, False), (16, 0, 0, False), (8, 1, 0, False),
-                                                          (16, 1, 0, False), (16, 1, 16, False), (16, 1, 8, False),
-                                                          (16, 1, 4, True), (16, 1, 8, True)])
-def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring):
+@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring,lookahead", [
+    (8, 0, 0, False, False), (16, 0, 0, False, False), (8, 1, 0, False, False), (16, 1, 0, False, False),
+    (16, 1, 16, False, False), (16, 1, 8, False, False), (16, 1, 4, True, False), (16, 1, 8, True, False),
+    (16, 1, 8, True, True), (16, 1, 8, False, True), (32, 1, 8, False, False), (32, 1, 8, True, True),
+    (32, 1, 6, True, False)])
+def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring, lookahead):
     """The small kernel's configurations (8 rows per CTA, the F16 conversion: served before; the
     weights in registers, staged all at once or 8 blocks in flight in a ring, x up front or in
-    the ring) give the
-    served kernel's bits at every M, output and partials (rows 9..16: those of two calls of <= 8
-    rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through one-hot
-    rows of x."""
+    the ring; 32 weight rows per CTA; the raw loads one block ahead) give the served kernel's bits
+    at every M, output and partials (rows 9..16: those of two calls of <= 8 rows); and every e4m3
+    code (subnormals, zeros, both signs) comes back exactly through one-hot rows of x."""
     sm90 = _hopper()
+    kw = dict(rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring, lookahead=lookahead)
     for g in (2, 8):
         w8, e, w = _all_codes_twin(g, 40 + g)
         packed = sm90.pack_twin(w8)
         ks = torch.tensor([0, 33, 511, 519, 1154, 2079, 3372, 4095], device="cuda")
         x = torch.zeros(8, g, 4096, device="cuda", dtype=torch.bfloat16)
         x[torch.arange(8, device="cuda"), :, ks] = 1
-        y = sm90.wo_a_fp8_small_sm90(x, packed, e, rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring)
+        y = sm90.wo_a_fp8_small_sm90(x, packed, e, **kw)
         assert torch.equal(y.float(), w[:, :, ks].permute(2, 0, 1).float()), g
         tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 50 + g))
         packed = sm90.pack_twin(tw[0])
@@ -794,26 +796,26 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage
                 # 9..16 rows (two n8 tiles of x): each row's bits are those of a call of <= 8 rows
                 want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:b], packed, tw[1], part).transpose(0, int(part))
                                   for a, b in ((0, min(m, 8)), (8, m)) if b > a]).transpose(0, int(part))
-                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, cvt=cvt,
-                                               stage=stage, x_ring=x_ring)
+                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, **kw)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stage", [4, 6, 8])
-def test_gpu_hopper_small_kernel_32_rows_bitwise(stage):
-    """Candidate for 17..32 rows (not served yet): the small kernel with x in the ring and four n8
-    tiles of x gives each row the bits of a call of <= 8 rows, output and partials, at G = 2/4/8."""
+@pytest.mark.parametrize("rows_per_cta,lookahead", [(16, False), (16, True), (32, False), (32, True)])
+def test_gpu_hopper_small_kernel_ring_rows_bitwise(rows_per_cta, lookahead):
+    """17..64 rows of x (x in the ring, 4 or 8 n8 tiles, 4 blocks in flight): each row gets the
+    bits of a call of <= 8 rows, output and partials, at G = 2 / 4 / 8."""
     sm90 = _hopper()
     for g in (2, 4, 8):
         tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 60 + g))
         packed = sm90.pack_twin(tw[0])
-        for m in (17, 24, 32):
+        for m in (17, 24, 32, 40, 64):
             x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
             for part in (False, True):
                 want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:min(a + 8, m)], packed, tw[1], part).transpose(0, int(part))
                                   for a in range(0, m, 8)]).transpose(0, int(part))
-                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, stage=stage, x_ring=True)
+                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, stage=4,
+                                               x_ring=True, lookahead=lookahead)
                 assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
 
 

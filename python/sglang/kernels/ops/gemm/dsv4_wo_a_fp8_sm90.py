@@ -112,7 +112,7 @@ ROWS = 8  # packing unit: weight rows per fragment-major piece (the live half of
 D = 4096
 DK = gl.constexpr(D)
 MAX_ROWS = 16  # rows of x one small-kernel call takes (8 per n8 tile of the MMA)
-MAX_RING_ROWS = 32  # with x in the ring (x up front would not fit shared memory): 4 n8 tiles
+MAX_RING_ROWS = 64  # with x in the ring (x up front would not fit shared memory): 8 n8 tiles
 
 # e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_PRMT, served: each
 # byte sign-extended into a 16-bit half by PRMT, shifted so that e4m3's exponent and mantissa land
@@ -187,6 +187,14 @@ _X32_LAYOUT = gl.DistributedLinearLayout(
     block_bases=[],
     shape=[8, 32, 32],
 )
+_X64_LAYOUT = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 1], [0, 0, 8], [0, 0, 16], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
+    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0], [4, 0, 0]],
+    block_bases=[],
+    shape=[8, 64, 32],
+)
+_X_LAYOUTS = {8: _X_LAYOUT, 16: _X16_LAYOUT, 32: _X32_LAYOUT, 64: _X64_LAYOUT}
 # x staged by cp.async: [split, 8 rows of x, 64 K] bf16 tiles, 16 B per thread and copy
 _XC_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [8, 1, 1], [2, 1, 0])
 _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
@@ -247,10 +255,13 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                            XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
                            BIAS: gl.constexpr, XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
                            WS_L: gl.constexpr, W_SMEM: gl.constexpr, XRING: gl.constexpr, XB_L: gl.constexpr,
-                           XB_SMEM: gl.constexpr):
+                           XB_SMEM: gl.constexpr, LA: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
+    NPC: gl.constexpr = RB // 8  # fragment-major pieces of 8 weight rows per CTA
+    NA: gl.constexpr = (RB + 8) // 16  # A operands (m16) per block: RB = 8 fills half of one
+    RH: gl.constexpr = 8 if RB == 8 else 16  # live rows of each A operand
     pid = gl.program_id(0)
     group = pid // (R // RB)
     r0 = (pid % (R // RB)) * RB
@@ -295,17 +306,17 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         # holding x's block under XRING): block i is waited for by cp.async.wait_group
         # (DEPBAR.LE, in order), not a shared scoreboard;
         # STAGE blocks in flight, in a ring of STAGE + 1 buffers (all 16 at once: no reuse)
-        cp = gl.arange(0, 2, layout=gl.SliceLayout(1, WC_L))
+        cp = gl.arange(0, NPC, layout=gl.SliceLayout(1, WC_L))
         cw = gl.arange(0, 512, layout=gl.SliceLayout(0, WC_L))
-        cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(cw, 0)  # rows 0..7, 8..15
+        cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(cw, 0)  # rows 0..7, 8..15, ..
         for j in gl.static_range(NBUF):
-            w_s = w_s + (gl.allocate_shared_memory(gl.int32, [2, 512], W_SMEM),)  # one each, as for x
+            w_s = w_s + (gl.allocate_shared_memory(gl.int32, [NPC, 512], W_SMEM),)  # one each, as for x
             if XRING:
                 x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 32], XB_SMEM),)
         for j in gl.static_range(STAGE):
             if XRING:
                 async_copy.async_copy_global_to_shared(x_s[j], X + b_off + 32 * j, b_mask)
-            async_copy.async_copy_global_to_shared(w_s[j], W + (pid * 2 * NB + j) * 512 + cp_off)
+            async_copy.async_copy_global_to_shared(w_s[j], W + (pid * NPC * NB + j) * 512 + cp_off)
             async_copy.commit_group()
     else:
         # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
@@ -313,42 +324,67 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         gl.thread_barrier()
         for i in gl.static_range(NB):
             es = es + (gl.load(e_base + i).to(gl.int32),)
-    acc = gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA)
-    for i in gl.static_range(NB):
-        if STAGE > 0:
-            # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
-            async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
-            if STAGE < NB:
-                if i + STAGE < NB:  # into block i - 1's buffer
-                    if XRING:
-                        async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE),
-                                                               b_mask)
-                    async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
-                                                           W + (pid * 2 * NB + i + STAGE) * 512 + cp_off)
-                async_copy.commit_group()  # possibly empty: keeps the wait count uniform
-            wb = w_s[i % NBUF]
-            wlo = gl.convert_layout(gl.reshape(wb.slice(0, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L)
-            whi = gl.convert_layout(gl.reshape(wb.slice(1, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L)
-        else:
-            if i % 4 == 0:
-                async_copy.wait_group(3 - i // 4)
-                gl.thread_barrier()
-            wlo = ws[i]
-            if RB == 16:
-                whi = wh[i]
-        if XRING:
-            xb = x_s[i % NBUF].load(X_L)
-        else:
-            xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
-        w32 = gl.reshape(wlo, [SPLITS, 8, 8])
-        sb = (es[i] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
-        sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
-        lo = _dequant(w32, sb, CVT)
-        if RB == 16:
-            a = _a_operand(lo, _dequant(gl.reshape(whi, [SPLITS, 8, 8]), sb, CVT), A_L)
-        else:
-            a = _a_operand(lo, gl.zeros_like(lo), A_L)
-        acc = mma_v2(a, gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L), acc)
+    accs = ()
+    for h in gl.static_range(NA):
+        accs = accs + (gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA),)
+    for i in gl.static_range(NB + LA):
+        if i < NB:  # block i from shared memory into registers, as loaded (LA: one block ahead)
+            if STAGE > 0:
+                # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
+                async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
+                if STAGE < NB:
+                    if i + STAGE < NB:  # into block i - 1's buffer
+                        if XRING:
+                            async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF],
+                                                                   X + b_off + 32 * (i + STAGE), b_mask)
+                        async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
+                                                               W + (pid * NPC * NB + i + STAGE) * 512 + cp_off)
+                    async_copy.commit_group()  # possibly empty: keeps the wait count uniform
+                wb = w_s[i % NBUF]
+                wp = ()
+                for q in gl.static_range(NPC):
+                    wp = wp + (gl.convert_layout(gl.reshape(wb.slice(q, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L),)
+            else:
+                if i % 4 == 0:
+                    async_copy.wait_group(3 - i // 4)
+                    gl.thread_barrier()
+                if RB == 16:
+                    wp = (ws[i], wh[i])
+                else:
+                    wp = (ws[i],)
+            if XRING:
+                xb = x_s[i % NBUF].load(X_L)
+            else:
+                xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
+            if LA > 0:
+                wp_pre = wp
+                xb_pre = xb
+        if i >= LA:  # block i - LA: conversion and MMAs
+            if LA > 0:
+                wp_j = wp_pre_last
+                xb_j = xb_pre_last
+            else:
+                wp_j = wp
+                xb_j = xb
+            w32 = gl.reshape(wp_j[0], [SPLITS, 8, 8])
+            sb = (es[i - LA] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
+            sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
+            lo = _dequant(w32, sb, CVT)
+            b = gl.convert_layout(gl.permute(xb_j, (0, 2, 1)), B_L)
+            nxt = ()
+            for h in gl.static_range(NA):
+                if RB == 8:
+                    a = _a_operand(lo, gl.zeros_like(lo), A_L)
+                else:
+                    if h > 0:
+                        lo = _dequant(gl.reshape(wp_j[2 * h], [SPLITS, 8, 8]), sb, CVT)
+                    a = _a_operand(lo, _dequant(gl.reshape(wp_j[2 * h + 1], [SPLITS, 8, 8]), sb, CVT), A_L)
+                nxt = nxt + (mma_v2(a, b, accs[h]),)
+            accs = nxt
+        if LA > 0:
+            if i < NB:
+                wp_pre_last = wp_pre
+                xb_pre_last = xb_pre
     if PARTIALS:  # upstream's partial layout [8, M, G, R] for its MXFP8 epilogue
         ps = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         pr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -356,23 +392,26 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         s3 = gl.expand_dims(gl.expand_dims(ps, 1), 2)
         r3 = gl.expand_dims(gl.expand_dims(pr, 0), 2)
         t3 = gl.expand_dims(gl.expand_dims(pt, 0), 1)
-        off = ((s3 * M + t3) * G + group) * R + r0 + r3
-        gl.store(P + off, acc, (t3 < M) & (r3 < RB) & (s3 >= 0))
+        for h in gl.static_range(NA):
+            off = ((s3 * M + t3) * G + group) * R + r0 + 16 * h + r3
+            gl.store(P + off, accs[h], (t3 < M) & (r3 < RB) & (s3 >= 0))
     else:
         # the split partials meet in shared memory and are added as _wo_a_reduce's tl.sum adds them
-        p_s = gl.allocate_shared_memory(gl.float32, [SPLITS * 16, XN], P_SMEM)
-        p_s.store(gl.reshape(acc, [SPLITS * 16, XN]))
+        p_s = gl.allocate_shared_memory(gl.float32, [NA * SPLITS * 16, XN], P_SMEM)
+        for h in gl.static_range(NA):
+            p_s.slice(h * SPLITS * 16, SPLITS * 16).store(gl.reshape(accs[h], [SPLITS * 16, XN]))
         gl.thread_barrier()
-        even = p_s.slice(0, RB).load(OUT_L)
-        odd = p_s.slice(16, RB).load(OUT_L)
-        for s in gl.static_range(1, SPLITS // 2):
-            even = even + p_s.slice(32 * s, RB).load(OUT_L)
-            odd = odd + p_s.slice(32 * s + 16, RB).load(OUT_L)
-        total = even + odd
-        orow = gl.arange(0, RB, layout=gl.SliceLayout(1, OUT_L))
         otok = gl.arange(0, XN, layout=gl.SliceLayout(0, OUT_L))
-        o_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + gl.expand_dims(orow, 1)
-        gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
+        for h in gl.static_range(NA):
+            even = p_s.slice(h * SPLITS * 16, RH).load(OUT_L)
+            odd = p_s.slice(h * SPLITS * 16 + 16, RH).load(OUT_L)
+            for s in gl.static_range(1, SPLITS // 2):
+                even = even + p_s.slice(h * SPLITS * 16 + 32 * s, RH).load(OUT_L)
+                odd = odd + p_s.slice(h * SPLITS * 16 + 32 * s + 16, RH).load(OUT_L)
+            total = even + odd
+            orow = gl.arange(0, RH, layout=gl.SliceLayout(1, OUT_L))
+            o_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + 16 * h + gl.expand_dims(orow, 1)
+            gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
 
 
 def small_staging(m: int, g: int, r: int, rows_per_cta: int, sms: int) -> tuple[int, bool]:
@@ -390,7 +429,7 @@ def small_staging(m: int, g: int, r: int, rows_per_cta: int, sms: int) -> tuple[
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
                         partials: bool = False, *, rows_per_cta: int = 16,
                         cvt: int = CVT_PRMT, stage: int | None = None,
-                        x_ring: bool | None = None) -> torch.Tensor:
+                        x_ring: bool | None = None, lookahead: bool = False) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..16 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
     (rows 9..16: each row's bits those of a call of <= 8 rows). ``stage``: 32-K blocks of the
@@ -404,20 +443,21 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS) and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
-    assert rows_per_cta in (8, 16) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
-    xn = 8 if m <= 8 else 16 if m <= 16 else 32
+    assert rows_per_cta in (8, 16, 32) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
+    xn = max(8, 1 << (m - 1).bit_length())
     if stage is None:
         stage, x_ring = small_staging(m, g, r, rows_per_cta, _sm_count(x.device))
-    assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta == 16), ("staging takes 16 weight rows per CTA", stage)
+    assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta >= 16), ("staging takes 16 or 32 weight rows per CTA", stage)
+    assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
     x_ring = bool(x_ring)
     assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
-        packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, {8: _X_LAYOUT, 16: _X16_LAYOUT, 32: _X32_LAYOUT}[xn],
+        packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUTS[xn],
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
         cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
-        num_warps=N_SPLITS,
+        int(lookahead), num_warps=N_SPLITS,
     )
     return p if partials else y
 

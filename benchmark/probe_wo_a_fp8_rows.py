@@ -1,0 +1,116 @@
+"""Candidates for the wo_a twin's small kernel, in one run against what serves now (43 layers,
+CUDA graph, G = 2 / 4 / 8): 32 weight rows per CTA (two m16 A operands share each B fragment
+of x, so half the CTAs and half of x's L2 and shared-memory traffic per weight byte), the raw
+shared-memory loads of block i + 1 issued before block i's conversion and MMAs (``lookahead``),
+and more rows of x than 16 (17..64: 4 or 8 n8 tiles, x in the weights' ring), against the wgmma
+``mid`` kernel and einsum. Every candidate gives each row the bits of a call of <= 8 rows of the
+served kernel (``bitwise`` column). Variants that do not fit the SM (shared memory) are listed
+with the error. FORK_PROBE_BUDGET_S (default 480) stops early and still writes what it has.
+Run: TESTS=none BENCH=probe_wo_a_fp8_rows.py bash build/gpu-bundle/run.sh DIR
+"""
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from bench_wo_a_fp8 import pure_read_us, twin_exact_weight
+from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
+
+
+def variants(g: int, m: int) -> list[tuple[str, dict]]:
+    """(name, small-kernel keyword arguments) measured at G = g and m rows of x."""
+    if m <= 8:
+        out = [("served", {}), ("served_la", {"lookahead": True})]
+        if g == 8:
+            out += [("s4_xr", {"stage": 4, "x_ring": True}), ("s4_xr_la", {"stage": 4, "x_ring": True, "lookahead": True})]
+        for stage, ring in ((8, False), (8, True), (6, True)):
+            for la in (False, True):
+                out.append((f"rb32_s{stage}{'_xr' if ring else ''}{'_la' if la else ''}",
+                            {"rows_per_cta": 32, "stage": stage, "x_ring": ring, "lookahead": la}))
+        return out
+    out = []
+    xn = max(8, 1 << (m - 1).bit_length())
+    for rb, stages in ((16, (6,) if xn <= 32 else (5,)), (32, (4, 6) if xn <= 32 else (4,))):
+        for stage in stages:
+            for la in (False, True):
+                out.append((f"rb{rb}_s{stage}_xr{'_la' if la else ''}",
+                            {"rows_per_cta": rb, "stage": stage, "x_ring": True, "lookahead": la}))
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    budget = float(os.environ.get("FORK_PROBE_BUDGET_S", "480"))
+    t0 = time.time()
+    rows = []
+    cols = ["G", "M", "kernel", "us", "x_einsum", "x_served", "x_pure_read", "TB/s", "bitwise"]
+    for g in (2, 8, 4):
+        weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
+        twins = [make_twin(w) for w in weights]
+        packed = [sm90.pack_twin(t[0]) for t in twins]
+        counters = [sm90.mid_counters(g, 1024, "cuda") for _ in twins]
+        nbytes = twins[0][0].numel() + twins[0][1].numel()
+        read_us = pure_read_us(twins, args.replays)
+        ms = (2, 8, 16, 24, 32, 48, 64)
+        xs = {m: torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16) for m in ms}
+
+        def warm(job):  # compile in threads (ptxas runs outside the GIL); errors are measured below
+            m, kw = job
+            try:
+                sm90.wo_a_fp8_small_sm90(xs[m], packed[0], twins[0][1], **kw)
+            except Exception:
+                pass
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(warm, [(m, kw) for m in ms for _, kw in variants(g, m)]))
+        torch.cuda.synchronize()
+        for m in ms:
+            if time.time() - t0 > budget:
+                break
+            x = xs[m]
+            einsum_us = graph_us_per_call(
+                [lambda i=i: torch.einsum("tgd,grd->tgr", x, weights[i]) for i in range(LAYERS)], args.replays)
+            want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:min(a + 8, m)], packed[0], twins[0][1])
+                              for a in range(0, m, 8)])
+            base = {"G": g, "M": m, "einsum_us": einsum_us, "pure_read_us": read_us}
+            if m > 8:
+                ref = {"kernel": "mid" if m > 16 or g == 8 else "served_small"}
+                if ref["kernel"] == "mid":
+                    ref_call = lambda i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i])  # noqa: E731
+                else:
+                    ref_call = lambda i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])  # noqa: E731
+                served_us = graph_us_per_call([lambda i=i: ref_call(i) for i in range(LAYERS)], args.replays)
+                rows.append({**base, **ref, "us": served_us, "x_einsum": einsum_us / served_us, "x_served": 1.0,
+                             "x_pure_read": served_us / read_us, "TB/s": tbps(nbytes, served_us), "bitwise": None})
+            else:
+                served_us = None
+            for name, kw in variants(g, m):
+                def call(i, kw=kw):
+                    return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], **kw)
+
+                try:
+                    bitwise = torch.equal(call(0).view(torch.int16), want.view(torch.int16))
+                    us = graph_us_per_call([lambda i=i: call(i) for i in range(LAYERS)], args.replays)
+                except Exception as e:  # noqa: BLE001 - a candidate that does not fit is a result
+                    rows.append({**base, "kernel": name, "us": None, "x_einsum": None, "x_served": None,
+                                 "x_pure_read": None, "TB/s": None, "bitwise": f"error: {str(e)[:120]}"})
+                    continue
+                if served_us is None and name == "served":
+                    served_us = us
+                rows.append({**base, "kernel": name, "us": us, "x_einsum": einsum_us / us,
+                             "x_served": served_us / us, "x_pure_read": us / read_us,
+                             "TB/s": tbps(nbytes, us), "bitwise": bitwise})
+            print(f"G={g} M={m} done at {time.time() - t0:.0f} s", flush=True)
+        del weights, twins, packed, counters, xs
+        torch.cuda.empty_cache()
+        report("wo_a_fp8_rows_probe", cols, [{c: r.get(c) for c in cols} | r for r in rows], args.out,
+               {"layers": LAYERS, "budget_s": budget})
+
+
+if __name__ == "__main__":
+    main()
