@@ -299,13 +299,13 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-rb, cvt, xn, stage, xring, la = map(int, sys.argv[1:7])
+rb, cvt, xn, stage, xring = map(int, sys.argv[1:6])
 sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
 consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUTS[xn],
               MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
               XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn,
               STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM, XRING=bool(xring),
-              XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM, LA=la)
+              XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM)
 # pointers and x's row stride SX specialised as multiples of 16, as the JIT does for real launches
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v[0] == "*" or k == "SX"}
 kernel = triton.compile(GluonASTSource(sm90._wo_a_fp8_small_kernel, sig, constexprs=consts, attrs=attrs),
@@ -320,7 +320,7 @@ print(json.dumps(dump))
 """
 
 
-def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0, la: int = 0) -> tuple[list[str], str]:
+def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0) -> tuple[list[str], str]:
     """The small kernel's sm_90 opcodes and resource usage, compiled offline with triton's ptxas."""
     import triton
 
@@ -329,7 +329,7 @@ def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0, la:
     # a fresh process: the Triton interpreter the CPU tests run under patches the language
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn), str(stage),
-                          str(xring), str(la)],
+                          str(xring)],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     sass, usage = json.loads(run.stdout.strip().splitlines()[-1])
@@ -352,12 +352,16 @@ def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
 
 
-def test_hopper_small_kernel_sm90_structure_32_rows():
-    """The 17..32-row candidate (x in the ring, four n8 tiles): 4 copies of x and 1 of weights per
-    block, 16 in-order waits, 128 MMAs (16 blocks x 2 k16 x 4 tiles), nothing spills."""
-    ops, usage = _sm90_small_sass(16, 1, 32, 6, 1)
-    assert ops.count("LDGSTS.E.BYPASS.128") == 16 * 5 and len([op for op in ops if op.startswith("DEPBAR.LE")]) == 16
-    assert len([op for op in ops if op.startswith("HMMA")]) == 128
+@pytest.mark.parametrize("rb,xn,stage", [(16, 32, 6), (32, 8, 8), (32, 8, 6), (32, 16, 6), (32, 32, 6)])
+def test_hopper_small_kernel_sm90_structure_ring(rb, xn, stage):
+    """The served configurations past 16 rows of x or with 32 weight rows per CTA (x in the ring):
+    per block one 16-byte copy of x per 8 rows of x and one of weights per 16 weight rows, 16
+    in-order waits, 2 MMAs per 16 weight rows and n8 tile of x, nothing spills, and the registers
+    allow 2 CTAs per SM (G = 8 runs 2)."""
+    ops, usage = _sm90_small_sass(rb, 1, xn, stage, 1)
+    assert ops.count("LDGSTS.E.BYPASS.128") == 16 * (xn // 8 + rb // 16)
+    assert len([op for op in ops if op.startswith("DEPBAR.LE")]) == 16
+    assert len([op for op in ops if op.startswith("HMMA")]) == 16 * 2 * (rb // 16) * (xn // 8)
     regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
     assert local == 0 and regs <= 128, usage
 
@@ -383,20 +387,23 @@ def test_hopper_small_kernel_sm90_structure_staged(stage, xring):
     assert local == 0 and regs <= 64, usage
 
 
-def test_hopper_small_staging_follows_the_probe():
-    """The small kernel's staging by shape, as measured (arrival probe on the H200, 132 SMs):
-    G = 2 (128 CTAs, one wave) 8 in flight with x in the ring; G = 4 / 8 8 with x up front;
-    9..16 rows 6 with x in the ring; 8 rows per CTA keep the weights in registers."""
+def test_hopper_small_config_follows_the_probe():
+    """The small kernel's configuration by shape, as measured (rows probe on the H200, 132 SMs):
+    G = 2 (128 CTAs of 16 weight rows, one wave) 8 blocks in flight; G = 4 / 8 32 weight rows per
+    CTA, 8 in flight at one CTA per SM (G = 4), 6 at two (G = 8); more rows of x: 6, or what shared
+    memory holds (64 rows: 5 / 4); x always in the ring; 8 rows per CTA: the weights in registers."""
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-    assert sm90.small_staging(2, 2, 1024, 16, 132) == (8, True)
-    assert sm90.small_staging(8, 2, 1024, 16, 132) == (8, True)
-    assert sm90.small_staging(8, 2, 1024, 16, 114) == (8, False)  # a smaller GPU: two waves
-    assert sm90.small_staging(4, 4, 1024, 16, 132) == (8, False)
-    assert sm90.small_staging(8, 8, 1024, 16, 132) == (8, False)
-    assert sm90.small_staging(9, 2, 1024, 16, 132) == (6, True)
-    assert sm90.small_staging(16, 8, 1024, 16, 132) == (6, True)
-    assert sm90.small_staging(4, 2, 1024, 8, 132) == (0, False)
+    assert sm90.small_config(2, 2, 1024, 132) == (16, 8, True)
+    assert sm90.small_config(8, 2, 1024, 132) == (16, 8, True)
+    assert sm90.small_config(4, 4, 1024, 132) == (32, 8, True)
+    assert sm90.small_config(8, 8, 1024, 132) == (32, 6, True)
+    assert sm90.small_config(9, 2, 1024, 132) == (16, 6, True)
+    assert sm90.small_config(32, 2, 1024, 132) == (16, 6, True)
+    assert sm90.small_config(16, 8, 1024, 132) == (32, 6, True)
+    assert sm90.small_config(64, 2, 1024, 132) == (16, 5, True)
+    assert sm90.small_config(64, 8, 1024, 132) == (32, 4, True)
+    assert sm90.small_config(4, 2, 1024, 132, rows_per_cta=8) == (8, 0, False)
 
 
 def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
@@ -767,19 +774,17 @@ def _all_codes_twin(g: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring,lookahead", [
-    (8, 0, 0, False, False), (16, 0, 0, False, False), (8, 1, 0, False, False), (16, 1, 0, False, False),
-    (16, 1, 16, False, False), (16, 1, 8, False, False), (16, 1, 4, True, False), (16, 1, 8, True, False),
-    (16, 1, 8, True, True), (16, 1, 8, False, True), (32, 1, 8, False, False), (32, 1, 8, True, True),
-    (32, 1, 6, True, False)])
-def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring, lookahead):
+@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring", [
+    (8, 0, 0, False), (16, 0, 0, False), (8, 1, 0, False), (16, 1, 0, False), (16, 1, 16, False), (16, 1, 8, False),
+    (16, 1, 4, True), (16, 1, 8, True), (32, 1, 8, False), (32, 1, 8, True), (32, 1, 6, True)])
+def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring):
     """The small kernel's configurations (8 rows per CTA, the F16 conversion: served before; the
     weights in registers, staged all at once or 8 blocks in flight in a ring, x up front or in
-    the ring; 32 weight rows per CTA; the raw loads one block ahead) give the served kernel's bits
+    the ring; 32 weight rows per CTA) give the served kernel's bits
     at every M, output and partials (rows 9..16: those of two calls of <= 8 rows); and every e4m3
     code (subnormals, zeros, both signs) comes back exactly through one-hot rows of x."""
     sm90 = _hopper()
-    kw = dict(rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring, lookahead=lookahead)
+    kw = dict(rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring)
     for g in (2, 8):
         w8, e, w = _all_codes_twin(g, 40 + g)
         packed = sm90.pack_twin(w8)
@@ -801,10 +806,10 @@ def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta,lookahead", [(16, False), (16, True), (32, False), (32, True)])
-def test_gpu_hopper_small_kernel_ring_rows_bitwise(rows_per_cta, lookahead):
-    """17..64 rows of x (x in the ring, 4 or 8 n8 tiles, 4 blocks in flight): each row gets the
-    bits of a call of <= 8 rows, output and partials, at G = 2 / 4 / 8."""
+@pytest.mark.parametrize("rows_per_cta", [16, 32])
+def test_gpu_hopper_small_kernel_ring_rows_bitwise(rows_per_cta):
+    """17..64 rows of x (x in the ring, 4 or 8 n8 tiles; 4 or 6 blocks in flight, and what serves):
+    each row gets the bits of a call of <= 8 rows, output and partials, at G = 2 / 4 / 8."""
     sm90 = _hopper()
     for g in (2, 4, 8):
         tw = twin_mod.make_twin(twin_weight(g, 1024, 4096, 60 + g))
@@ -814,9 +819,10 @@ def test_gpu_hopper_small_kernel_ring_rows_bitwise(rows_per_cta, lookahead):
             for part in (False, True):
                 want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:min(a + 8, m)], packed, tw[1], part).transpose(0, int(part))
                                   for a in range(0, m, 8)]).transpose(0, int(part))
-                got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, rows_per_cta=rows_per_cta, stage=4,
-                                               x_ring=True, lookahead=lookahead)
-                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part)
+                kws = [dict(rows_per_cta=rows_per_cta, stage=st, x_ring=True) for st in ((4, 6) if m <= 32 else (4,))]
+                for kw in kws + ([{}] if m <= 32 else []):
+                    got = sm90.wo_a_fp8_small_sm90(x, packed, tw[1], part, **kw)
+                    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (g, m, part, kw)
 
 
 @pytest.mark.gpu

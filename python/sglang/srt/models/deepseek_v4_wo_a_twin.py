@@ -52,18 +52,18 @@ _USAGE = (
     "accepted: off (stock wo_a), small (2..8 decode/verify rows from the fp8 twin), mid (also more "
     "rows, where the twin kernel is faster), drop (every call reads the twin; the bf16 weight is released)"
 )
-# Hopper, mid: rows up to which the wgmma kernel was measured >= 1.1x faster than stock (einsum)
-# on the H200, per group count (benchmark/results/wo_a_fp8-NVIDIA_H200.json); other G: 16.
-# drop serves every decode/verify row count up to MID_MAX_ROWS from the twin.
-MID_FASTER_MAX = {2: 32, 4: 16, 8: 32}
+# Hopper, mid: rows up to which the twin (small kernel, then the wgmma kernel) was measured >= 1.1x
+# faster than stock (einsum) on the H200, per group count (benchmark/results/wo_a_fp8-NVIDIA_H200.json);
+# other G: 16. drop serves every decode/verify row count up to MID_MAX_ROWS from the twin.
+MID_FASTER_MAX = {2: 32, 4: 32, 8: 32}
 MID_MAX_ROWS = 192
 
 
-# Hopper, mid and drop: rows up to which the small kernel (two n8 tiles of x) beats the wgmma one,
-# per group count (benchmark/results/wo_a_fp8_arrival_probe-NVIDIA_H200.json against
-# wo_a_fp8-NVIDIA_H200.json's mid rows: 12..16 rows G = 2 5.0-5.3 against 7.3 us, G = 4 7.5-8.9
-# against 10.3; G = 8 14.8-16.5 against 14.6, so there the wgmma kernel); other G: 8.
-SMALL_KERNEL_MAX = {2: 16, 4: 16}
+# Hopper, mid and drop: rows up to which the small kernel (x in the ring, up to 4 n8 tiles) beats
+# the wgmma one, per group count (benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json: G = 2 at
+# 24 / 32 rows 6.7 / 6.9 us against 8.1; G = 4 8.3-8.6 against 10.9; G = 8 at 16 rows 12.0
+# against 14.6, at 24 rows 16.2 against 15.7, so there the wgmma kernel); other G: 8.
+SMALL_KERNEL_MAX = {2: 32, 4: 32, 8: 16}
 
 
 def mid_rows_faster(g: int) -> int:

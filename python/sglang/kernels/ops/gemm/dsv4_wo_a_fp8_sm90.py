@@ -111,7 +111,8 @@ SPLITS = gl.constexpr(N_SPLITS)
 ROWS = 8  # packing unit: weight rows per fragment-major piece (the live half of the MMA's M = 16)
 D = 4096
 DK = gl.constexpr(D)
-MAX_ROWS = 16  # rows of x one small-kernel call takes (8 per n8 tile of the MMA)
+MAX_ROWS = 16  # rows of x one small-kernel call takes with x up front (8 per n8 tile of the MMA)
+_SM_SMEM = 227 * 1024  # shared memory one SM gives its CTAs (H100 / H200)
 MAX_RING_ROWS = 64  # with x in the ring (x up front would not fit shared memory): 8 n8 tiles
 
 # e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_PRMT, served: each
@@ -142,7 +143,7 @@ def max_biased_exp(cvt: int) -> int:
 
 MAX_BIASED_EXP = max_biased_exp(CVT_PRMT)  # 134: the served conversion's
 
-__all__ = ["available", "pack_twin", "small_staging", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
+__all__ = ["available", "pack_twin", "small_config", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
 
 
 def available(device: torch.device) -> bool:
@@ -255,7 +256,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                            XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
                            BIAS: gl.constexpr, XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
                            WS_L: gl.constexpr, W_SMEM: gl.constexpr, XRING: gl.constexpr, XB_L: gl.constexpr,
-                           XB_SMEM: gl.constexpr, LA: gl.constexpr):
+                           XB_SMEM: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
@@ -327,64 +328,49 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     accs = ()
     for h in gl.static_range(NA):
         accs = accs + (gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA),)
-    for i in gl.static_range(NB + LA):
-        if i < NB:  # block i from shared memory into registers, as loaded (LA: one block ahead)
-            if STAGE > 0:
-                # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
-                async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
-                if STAGE < NB:
-                    if i + STAGE < NB:  # into block i - 1's buffer
-                        if XRING:
-                            async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF],
-                                                                   X + b_off + 32 * (i + STAGE), b_mask)
-                        async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
-                                                               W + (pid * NPC * NB + i + STAGE) * 512 + cp_off)
-                    async_copy.commit_group()  # possibly empty: keeps the wait count uniform
-                wb = w_s[i % NBUF]
-                wp = ()
-                for q in gl.static_range(NPC):
-                    wp = wp + (gl.convert_layout(gl.reshape(wb.slice(q, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L),)
+    for i in gl.static_range(NB):
+        if STAGE > 0:
+            # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
+            async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
+            if STAGE < NB:
+                if i + STAGE < NB:  # into block i - 1's buffer
+                    if XRING:
+                        async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE),
+                                                               b_mask)
+                    async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
+                                                           W + (pid * NPC * NB + i + STAGE) * 512 + cp_off)
+                async_copy.commit_group()  # possibly empty: keeps the wait count uniform
+            wb = w_s[i % NBUF]
+            wp = ()
+            for q in gl.static_range(NPC):
+                wp = wp + (gl.convert_layout(gl.reshape(wb.slice(q, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L),)
+        else:
+            if i % 4 == 0:
+                async_copy.wait_group(3 - i // 4)
+                gl.thread_barrier()
+            if RB == 16:
+                wp = (ws[i], wh[i])
             else:
-                if i % 4 == 0:
-                    async_copy.wait_group(3 - i // 4)
-                    gl.thread_barrier()
-                if RB == 16:
-                    wp = (ws[i], wh[i])
-                else:
-                    wp = (ws[i],)
-            if XRING:
-                xb = x_s[i % NBUF].load(X_L)
+                wp = (ws[i],)
+        if XRING:
+            xb = x_s[i % NBUF].load(X_L)
+        else:
+            xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
+        w32 = gl.reshape(wp[0], [SPLITS, 8, 8])
+        sb = (es[i] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
+        sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
+        lo = _dequant(w32, sb, CVT)
+        b = gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L)
+        nxt = ()
+        for h in gl.static_range(NA):  # 32 rows: both A operands take the same B fragment of x
+            if RB == 8:
+                a = _a_operand(lo, gl.zeros_like(lo), A_L)
             else:
-                xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
-            if LA > 0:
-                wp_pre = wp
-                xb_pre = xb
-        if i >= LA:  # block i - LA: conversion and MMAs
-            if LA > 0:
-                wp_j = wp_pre_last
-                xb_j = xb_pre_last
-            else:
-                wp_j = wp
-                xb_j = xb
-            w32 = gl.reshape(wp_j[0], [SPLITS, 8, 8])
-            sb = (es[i - LA] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
-            sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
-            lo = _dequant(w32, sb, CVT)
-            b = gl.convert_layout(gl.permute(xb_j, (0, 2, 1)), B_L)
-            nxt = ()
-            for h in gl.static_range(NA):
-                if RB == 8:
-                    a = _a_operand(lo, gl.zeros_like(lo), A_L)
-                else:
-                    if h > 0:
-                        lo = _dequant(gl.reshape(wp_j[2 * h], [SPLITS, 8, 8]), sb, CVT)
-                    a = _a_operand(lo, _dequant(gl.reshape(wp_j[2 * h + 1], [SPLITS, 8, 8]), sb, CVT), A_L)
-                nxt = nxt + (mma_v2(a, b, accs[h]),)
-            accs = nxt
-        if LA > 0:
-            if i < NB:
-                wp_pre_last = wp_pre
-                xb_pre_last = xb_pre
+                if h > 0:
+                    lo = _dequant(gl.reshape(wp[2 * h], [SPLITS, 8, 8]), sb, CVT)
+                a = _a_operand(lo, _dequant(gl.reshape(wp[2 * h + 1], [SPLITS, 8, 8]), sb, CVT), A_L)
+            nxt = nxt + (mma_v2(a, b, accs[h]),)
+        accs = nxt
     if PARTIALS:  # upstream's partial layout [8, M, G, R] for its MXFP8 epilogue
         ps = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         pr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -414,39 +400,46 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
             gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
 
 
-def small_staging(m: int, g: int, r: int, rows_per_cta: int, sms: int) -> tuple[int, bool]:
-    """(stage, x_ring) the small kernel serves, the fastest of
-    benchmark/results/wo_a_fp8_arrival_probe-NVIDIA_H200.json: 8 blocks in flight, x in the ring
-    where one wave of CTAs holds the grid (G = 2 on 132 SMs), else up front (two CTAs per SM);
-    9..16 rows of x: 6 in flight, x in the ring; 8 rows per CTA: the weights in registers."""
-    if rows_per_cta != 16:
-        return 0, False
-    if m > 8:
-        return 6, True
-    return 8, g * r // rows_per_cta <= sms
+def small_config(m: int, g: int, r: int, sms: int, rows_per_cta: int | None = None) -> tuple[int, int, bool]:
+    """(weight rows per CTA, stage, x_ring) the small kernel serves for ``m`` rows of x, the fastest
+    of benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json (132 SMs): 16 weight rows per CTA
+    where that grid is one CTA per SM at most (G = 2: 128 CTAs), else 32 (G = 4 / 8: half the CTAs,
+    and half of x's L2 and shared-memory traffic per weight byte); x in the weights' ring; 8
+    blocks in flight at <= 8 rows of x with one CTA per SM, else 6 (two CTAs per SM, or more rows
+    of x), fewer where shared memory holds fewer. 8 rows per CTA (served before): the weights in
+    registers."""
+    rows = rows_per_cta or (16 if g * r // 16 <= sms else 32)
+    if rows == 8:
+        return 8, 0, False
+    xn = max(8, 1 << (m - 1).bit_length())
+    stage = 8 if m <= 8 and g * r // rows <= sms else 6
+    fit = (_SM_SMEM - 1024) // (rows * 256 + xn * 512) - 1  # ring buffers: weights + x of one block
+    return rows, min(stage, fit), True
 
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
-                        partials: bool = False, *, rows_per_cta: int = 16,
+                        partials: bool = False, *, rows_per_cta: int | None = None,
                         cvt: int = CVT_PRMT, stage: int | None = None,
-                        x_ring: bool | None = None, lookahead: bool = False) -> torch.Tensor:
-    """``einsum('tgd,grd->tgr', x, twin)`` for 1..16 rows from ``pack_twin``'s words: bf16
+                        x_ring: bool | None = None) -> torch.Tensor:
+    """``einsum('tgd,grd->tgr', x, twin)`` for 1..64 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
-    (rows 9..16: each row's bits those of a call of <= 8 rows). ``stage``: 32-K blocks of the
-    weights in flight through shared memory, waited for block by block (16: all at once; 1..15: a
-    ring of stage + 1 buffers; 0: the weights by LDG into registers, served before); ``x_ring``:
-    x's blocks travel in that ring instead of all of x up front. The defaults are what serves
-    (``small_staging``, the fastest measured). Every configuration gives the same bits;
+    (rows past 8: each row's bits those of a call of <= 8 rows). ``rows_per_cta``: 8, 16 or 32
+    weight rows per CTA; ``stage``: 32-K blocks of the weights in flight through shared memory,
+    waited for block by block (16: all at once; 1..15: a ring of stage + 1 buffers; 0: the
+    weights by LDG into registers, served before); ``x_ring``: x's blocks travel in that ring
+    instead of all of x up front (needed past 16 rows of x). The defaults are what serves
+    (``small_config``, the fastest measured). Every configuration gives the same bits;
     ``rows_per_cta=8`` and ``cvt=CVT_F16`` are slower (served before; kept for
     benchmark/probe_wo_a_fp8_small16.py)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
-    assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS) and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
-    assert x.stride(2) == 1 and x.stride(1) == D
+    assert x.shape[1:] == (g, D) and x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == D
+    if stage is None:
+        rows_per_cta, stage, x_ring = small_config(m, g, r, _sm_count(x.device), rows_per_cta)
+    rows_per_cta = rows_per_cta or 16
+    assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS), (m, x_ring)
     assert rows_per_cta in (8, 16, 32) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     xn = max(8, 1 << (m - 1).bit_length())
-    if stage is None:
-        stage, x_ring = small_staging(m, g, r, rows_per_cta, _sm_count(x.device))
     assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta >= 16), ("staging takes 16 or 32 weight rows per CTA", stage)
     assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
     x_ring = bool(x_ring)
@@ -457,7 +450,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUTS[xn],
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
         cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
-        int(lookahead), num_warps=N_SPLITS,
+        num_warps=N_SPLITS,
     )
     return p if partials else y
 
@@ -470,7 +463,6 @@ def _sm_count(device: torch.device) -> int:
 # ---------------------------------------------------------------- mid rows (9..192): wgmma
 
 MAX_SPLITS = gl.constexpr(16)  # K splits of the mid kernel: a power of two up to this
-_SM_SMEM = 227 * 1024  # shared memory one SM gives its CTAs (H100 / H200)
 
 
 def mid_stages(g: int, r: int, split: int, np_: int, sms: int) -> int:
