@@ -176,7 +176,7 @@ def main() -> None:
             [lambda i=i: k.wo_a_fp8_dequant_packed(packed[i], twins[i][1]) for i in range(LAYERS)] if hopper else
             [lambda t=t: k.wo_a_fp8_dequant(t[0], t[1]) for t in twins], args.replays)
         drop_rows.append({"G": g, "dequant_us": dequant_us, **drop_memory(weights)})
-        del weights, twins, words, packed, mid_cnt
+        del weights, twins, packed, mid_cnt
         torch.cuda.empty_cache()
     cols = ["G", "M", "kernel", "served_by", "stock", "stock_us", "einsum_us", "twin_us", "read_us", "twin_over_read", "speedup", "over_einsum",
             "twin_TBps", "floor_us", "stock_mx_us", "twin_mx_us"]

@@ -1,0 +1,28 @@
+"""One launch of each served small-kernel shape for Nsight Compute (not a benchmark: no JSON), to
+see where the kernel waits: G = 2 / 4 / 8 at 2 and 8 rows of x, and G = 2 at 32 rows. Run on the
+GPU machine (see tools/gpu_bundle_run.sh for the environment), e.g.
+  ncu --kernel-name _wo_a_fp8_small_kernel --section WarpStateStats --section SchedulerStats \
+      --section SpeedOfLight python3 benchmark/profile_wo_a_fp8_small.py
+"""
+from __future__ import annotations
+
+import torch
+
+from bench_wo_a_fp8 import twin_exact_weight
+from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
+
+
+def main() -> None:
+    for g, ms in ((2, (2, 8, 32)), (4, (2, 8)), (8, (2, 8))):
+        w8, e = make_twin(twin_exact_weight(g, 0))
+        packed = sm90.pack_twin(w8)
+        for m in ms:
+            x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
+            print(f"G={g} M={m} config {sm90.small_config(m, g, 1024, sm90._sm_count(x.device))}", flush=True)
+            sm90.wo_a_fp8_small_sm90(x, packed, e)
+            torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
