@@ -1,6 +1,7 @@
 """Candidates for the wo_a twin's small kernel, in one run against what serves (43 layers, CUDA
 graph, G = 2 / 4 / 8): 32 weight rows per CTA (two m16 A operands share each B fragment of x, so
-half the CTAs and half of x's L2 and shared-memory traffic per weight byte) and more rows of x
+half the CTAs and half of x's L2 and shared-memory traffic per weight byte), 8 weight rows per CTA
+staged (twice the CTAs, so two or more per SM hide each other's block barriers) and more rows of x
 than 16 (17..64: 4 or 8 n8 tiles, x in the weights' ring), against the wgmma ``mid`` kernel and
 einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
 (``bitwise`` column). A variant that does not fit the SM is listed with the error.
@@ -32,10 +33,12 @@ def variants(g: int, m: int) -> list[tuple[str, dict]]:
             out += [("s4_xr", {"rows_per_cta": 16, "stage": 4, "x_ring": True})]
         for stage, ring in ((8, False), (8, True), (6, True)):
             out.append((f"rb32_s{stage}{'_xr' if ring else ''}", {"rows_per_cta": 32, "stage": stage, "x_ring": ring}))
+        for stage in (6, 8, 12, 15):  # 8 rows per CTA, staged: twice the CTAs (two or more per SM)
+            out.append((f"rb8_s{stage}_xr", {"rows_per_cta": 8, "stage": stage, "x_ring": True}))
         return out
     out = []
     xn = max(8, 1 << (m - 1).bit_length())
-    for rb, stages in ((16, (6,) if xn <= 32 else (5,)), (32, (4, 6) if xn <= 32 else (4,))):
+    for rb, stages in ((8, (8,) if xn <= 16 else ()), (16, (6,) if xn <= 32 else (5,)), (32, (4, 6) if xn <= 32 else (4,))):
         for stage in stages:
             out.append((f"rb{rb}_s{stage}_xr", {"rows_per_cta": rb, "stage": stage, "x_ring": True}))
     return out
@@ -47,14 +50,14 @@ def main() -> None:
     t0 = time.time()
     rows = []
     cols = ["G", "M", "kernel", "us", "x_einsum", "x_served", "x_pure_read", "TB/s", "bitwise"]
-    for g in (2, 8, 4):
+    for g in tuple(int(v) for v in os.environ.get("FORK_PROBE_G", "2,8,4").split(",")):
         weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
         twins = [make_twin(w) for w in weights]
         packed = [sm90.pack_twin(t[0]) for t in twins]
         counters = [sm90.mid_counters(g, 1024, "cuda") for _ in twins]
         nbytes = twins[0][0].numel() + twins[0][1].numel()
         read_us = pure_read_us(twins, args.replays)
-        ms = (2, 8, 16, 24, 32, 48, 64)
+        ms = tuple(int(v) for v in os.environ.get("FORK_PROBE_M", "2,8,16,24,32,48,64").split(","))
         xs = {m: torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16) for m in ms}
 
         def warm(job):  # compile in threads (ptxas runs outside the GIL); errors are measured below

@@ -203,6 +203,7 @@ _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank
 # thread and copy (a thread copies what two read), and one piece as read back: [1, 512] words,
 # thread 32 s + lane holding the two words ``_LD_LAYOUT`` gives it
 _WC_LAYOUT = gl.BlockedLayout([1, 4], [1, 32], [2, 4], [1, 0])
+_WC8_LAYOUT = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])  # 8 rows per CTA: 8 B per thread and copy
 _WS_LAYOUT = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])
 _W_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # x in the ring (x_ring): [split, rows of x, 32 K] of one block, 16 B per thread and copy
@@ -440,7 +441,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS), (m, x_ring)
     assert rows_per_cta in (8, 16, 32) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     xn = max(8, 1 << (m - 1).bit_length())
-    assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta >= 16), ("staging takes 16 or 32 weight rows per CTA", stage)
+    assert 0 <= stage <= 16, stage
     assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
     x_ring = bool(x_ring)
     assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
@@ -449,7 +450,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUTS[xn],
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
+        cvt, _SCALE_BIAS[cvt], xn, stage, _WC8_LAYOUT if rows_per_cta == 8 else _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
         num_warps=N_SPLITS,
     )
     return p if partials else y
