@@ -1,7 +1,6 @@
 """Candidates for the wo_a twin's small kernel, in one run against what serves (43 layers, CUDA
 graph, G = 2 / 4 / 8): 32 weight rows per CTA (two m16 A operands share each B fragment of x, so
-half the CTAs and half of x's L2 and shared-memory traffic per weight byte), 8 weight rows per CTA
-staged (twice the CTAs, so two or more per SM hide each other's block barriers) and more rows of x
+half the CTAs and half of x's L2 and shared-memory traffic per weight byte) and more rows of x
 than 16 (17..64: 4 or 8 n8 tiles, x in the weights' ring), against the wgmma ``mid`` kernel and
 einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
 (``bitwise`` column). A variant that does not fit the SM is listed with the error.
@@ -9,6 +8,9 @@ FORK_PROBE_BUDGET_S (default 480) stops early and still writes what it has.
 benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json (build 0.5.23+fork.7.288a10a, before
 small_config served its choices) also has ``_la`` rows: block i + 1's raw shared-memory loads
 issued before block i's conversion and MMAs, within 1% of the same kernel without, so removed.
+wo_a_fp8_rows_probe_rb8-NVIDIA_H200.json (FORK_PROBE_G=2,4,8 FORK_PROBE_M=2,8,16) has 8 weight
+rows per CTA staged (8-byte copies; twice the CTAs, two or more per SM to hide each other's block
+barriers): 5.0-5.9 us at G = 2 against 4.50-4.52 served, slower at every shape, so removed.
 Run: TESTS=none BENCH=probe_wo_a_fp8_rows.py bash build/gpu-bundle/run.sh DIR
 """
 from __future__ import annotations
@@ -33,12 +35,10 @@ def variants(g: int, m: int) -> list[tuple[str, dict]]:
             out += [("s4_xr", {"rows_per_cta": 16, "stage": 4, "x_ring": True})]
         for stage, ring in ((8, False), (8, True), (6, True)):
             out.append((f"rb32_s{stage}{'_xr' if ring else ''}", {"rows_per_cta": 32, "stage": stage, "x_ring": ring}))
-        for stage in (6, 8, 12, 15):  # 8 rows per CTA, staged: twice the CTAs (two or more per SM)
-            out.append((f"rb8_s{stage}_xr", {"rows_per_cta": 8, "stage": stage, "x_ring": True}))
         return out
     out = []
     xn = max(8, 1 << (m - 1).bit_length())
-    for rb, stages in ((8, (8,) if xn <= 16 else ()), (16, (6,) if xn <= 32 else (5,)), (32, (4, 6) if xn <= 32 else (4,))):
+    for rb, stages in ((16, (6,) if xn <= 32 else (5,)), (32, (4, 6) if xn <= 32 else (4,))):
         for stage in stages:
             out.append((f"rb{rb}_s{stage}_xr", {"rows_per_cta": rb, "stage": stage, "x_ring": True}))
     return out

@@ -1,57 +1,67 @@
 """WO-A (``einsum('tgd,grd->tgr')``) from the fp8 twin on Hopper: two Gluon kernels that read the
-same fragment-major words (``pack_twin``). ``wo_a_fp8_small_sm90`` (1..16 rows) is bitwise identical
-to upstream's ``wo_a_bf16_small_batch`` (and, through ``partials``, to its MXFP8 variant);
-``wo_a_fp8_mid_sm90`` (9..192 rows) is a wgmma kernel within the fp32 bound of the exact result.
+same fragment-major words (``pack_twin``). ``wo_a_fp8_small_sm90`` (1..64 rows; served up to 32)
+is bitwise identical to upstream's ``wo_a_bf16_small_batch`` (and, through ``partials``, to its
+MXFP8 variant); ``wo_a_fp8_mid_sm90`` (9..192 rows) is a wgmma kernel within the fp32 bound of
+the exact result.
 
 SMALL: HOW (H200, benchmark/results/wo_a_fp8-NVIDIA_H200.json; candidates in
-wo_a_fp8_small16_probe- and wo_a_fp8_arrival_probe-NVIDIA_H200.json).
-- Grid G * R / 16: one CTA per 16 weight rows of one group and all of K (128 CTAs at G = 2, one
-  per SM; 512 at G = 8); 8 warps, warp s owns upstream's K split s (K 512 s .. 512 s + 511). No
-  split-K across CTAs, so no second kernel and no reduction through L2 (the earlier Triton twin
-  lost 1.9 us there).
+wo_a_fp8_small16_probe-, wo_a_fp8_arrival_probe- and wo_a_fp8_rows_probe-NVIDIA_H200.json).
+- Grid G * R / RB: one CTA per RB weight rows of one group and all of K; 8 warps, warp s owns
+  upstream's K split s (K 512 s .. 512 s + 511). No split-K across CTAs, so no second kernel and
+  no reduction through L2 (the earlier Triton twin lost 1.9 us there). RB = 16 where that grid is
+  one CTA per SM at most (G = 2: 128 CTAs), else 32 (G = 4: 128 CTAs, G = 8: 256, two per SM):
+  two m16 A operands per warp take the same B fragment of x, so half of x's L2 and shared-memory
+  traffic per weight byte (G = 8: 10.4-10.9 us against 11.3-11.6 at RB = 16; G = 4 at 16 rows
+  7.0 against 8.3).
 - The twin is stored fragment-major: K permuted inside each 32-block and each warp's A fragment of
   one 32-K block and 8 rows contiguous (256 B), so a CTA's 4 KB of one 32-K block (16 rows, 8
   splits) are two contiguous 2 KB pieces, and a thread's 8 bytes of each are what its MMA takes.
 - The weights reach shared memory by cp.async in block order (``stage``): the 16 exponent loads
   issue first (issued after the weights they would arrive last), then one group of 16-byte
-  copies (L1 bypass) per 32-K block. Block i is waited for by cp.async.wait_group, a counter
-  (DEPBAR.LE SB0, in order), so its conversion and 2 MMAs run while the later blocks are in
-  flight: 8 blocks in a ring of 9 buffers, x's block travelling with the weights' where one wave
-  holds the grid (G = 2: 72 KB of shared memory per CTA instead of 128), x up front else (G = 4 /
-  8: two CTAs per SM); 16 rows of x: 6 in flight, x in the ring.
+  copies (L1 bypass) per 32-K block, x's block in the same group (``x_ring``). Block i is waited
+  for by cp.async.wait_group, a counter (DEPBAR.LE SB0, in order), so its conversion and MMAs run
+  while the later blocks are in flight: 8 blocks in a ring of 9 buffers at one CTA per SM and
+  <= 8 rows of x (72 KB of shared memory at G = 2), else 6 (``small_config``).
   Before, the weights came by LDG.64 into registers, all issued at entry: those 32 loads per
   thread share ptxas's 6 scoreboards (decoded from the sm_90 SASS) and the first scale waited on
   the one that held 28 of them, so the arithmetic ran after the bytes arrived: 5.19-5.27 us at
   G = 2, where the same loads alone take 3.79-3.86 us (the staged kernel waiting for every byte
   first: 5.45-5.56 us; from L2-resident weights: 3.37-3.52 us).
-- x goes to shared memory by cp.async (rows past M are zero-filled without traffic), one shared
-  allocation per 64-K chunk or ring block (copies into slices of one buffer got a CTA barrier
-  each: 8 more, 0.1 us), and comes back by ldmatrix. Loading x into registers with 4-byte loads
-  made the time grow with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us.
+- x: rows past M are zero-filled by cp.async without traffic, one shared allocation per ring
+  buffer (copies into slices of one buffer got a CTA barrier each: 8 more, 0.1 us), read back by
+  ldmatrix as the B fragments of up to 4 n8 tiles (8 are compiled and bitwise too; at 48..64 rows
+  the wgmma kernel is faster). Loading x into registers with 4-byte loads made the time grow
+  with M (5.7 us at M = 1, 8.4 us at M = 8), TMA for x cost 6.0-6.2 us.
 - The e4m3 -> bf16 conversion (``CVT_PRMT``: byte permutes, shift, mask, and the power-of-two
-  scale in one HMUL2, exact) runs right before each MMA; swap-AB mma.sync m16n8k16 with the 16
-  weight rows as M and <= 8 rows of x as N (9..16 rows: two n8 tiles).
-- 40-56 registers, 18 CTA barriers (one per block wait, added by Gluon).
+  scale in one HMUL2, exact) runs right before each MMA; swap-AB mma.sync m16n8k16 with the
+  weight rows as M and 8 rows of x per n8 tile as N.
+- 48-76 registers (RB 32 at 32 rows of x: 128), 18 CTA barriers (one per block wait, added by Gluon).
 What made it faster, each measured in one run: 16 rows per CTA instead of 8 (the A operand full,
 half the MMAs and ldmatrix per weight byte) and the PRMT conversion instead of cvt.e4m3x2 -> f16x2
 (4 instructions per pair of weights instead of 5): 5.83 -> 5.31 us at G = 2; staging (arrival
-probe, same run as below): at G = 2 4.82-4.87 us with all 16 blocks and x up front, 4.50-4.73
-with 8 and x in the ring, against 5.19-5.27 in registers; G = 4 6.57-6.71 and G = 8 11.38-11.46
-with 8 and x up front, against 7.42-7.59 and 12.66-12.92. Not faster: 4 blocks in flight (5.4 us
-at G = 2), 16 at G = 4 / 8 (one CTA per SM: 8.4 / 14.0 us); the weights by TMA (5.1 us at G = 2:
-Gluon puts a CTA barrier before each of the 32 copies), by LDG.128 (5.3), 8-byte cp.async copies
-(5.6, measured before); the exponents first alone (5.3). x in the ring at G = 4 / 8 is faster at
-2 rows and slower at 8 (6.29 / 7.04 us at G = 4), so it stays up front there.
-Measured against upstream in one run (43 layers, CUDA graph): G = 2, 2..8 rows 4.49-4.52 us
-against 7.96-8.01 us for ``wo_a_bf16_small_batch`` (1.77-1.78x) and 8.80-8.84 us for einsum (what
-Hopper runs for 2..8 rows in 0.5.23, 1.95-1.97x); a pure read of the twin's bytes takes 3.84 us,
-so the kernel is at 1.17-1.18x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 4.93-5.03 us
-against einsum's 8.84-8.85 (1.76-1.79x). G = 4: 6.50-6.59 us against einsum's 11.48-11.56
-(1.75-1.76x, 1.14-1.16x a read), 9..16 rows 7.71-8.58 (1.36-1.51x); G = 8: 11.18-11.44 against
-18.66-18.93 (1.65-1.69x, 1.20-1.23x a read). The MXFP8 epilogue (upstream's ``_quantize_partial``
-on these partials) 6.28-6.40 us against 8.13-8.24 us. What is left over a read: each split's 32
-MMAs run in K order (upstream's chain, for the bits), and a CTA's blocks arrive spread over the
-whole read, so part of the chain runs after the last byte.
+probe): at G = 2 4.82-4.87 us with all 16 blocks and x up front, 4.50-4.73 with 8 and x in the
+ring, against 5.19-5.27 in registers; 32 rows per CTA at G = 4 / 8 (rows probe). Not faster: 4
+blocks in flight (5.4 us at G = 2), 16 at G = 4 / 8 (one CTA per SM: 8.4 / 14.0 us); the weights
+by TMA (5.1 us at G = 2: Gluon puts a CTA barrier before each of the 32 copies), by LDG.128
+(5.3), 8-byte cp.async copies (5.6); the exponents first alone (5.3); block i + 1's shared-memory
+loads issued before block i's conversion (within 1%); 8 rows per CTA staged, two or more CTAs
+per SM (5.0-5.9 us at G = 2).
+Measured against upstream in one run (build 351fe12; 43 layers, CUDA graph): G = 2, 2..8 rows
+4.49-4.72 us against 7.92-8.10 us for ``wo_a_bf16_small_batch`` (1.72-1.77x; two probe runs of
+the same build: 4.50-4.52 at 2 rows, 4.52-4.64 at 8) and 8.84-8.90 us for einsum (what Hopper
+runs for 2..8 rows in 0.5.23, 1.87-1.98x); a pure read of the twin's bytes takes 3.82 us, so the
+kernel is at 1.18-1.24x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 4.99-5.15 us against
+einsum's 8.95-9.00 (1.75-1.80x), 17..32 rows 6.61-6.87 us (1.30-1.60x). G = 4: 6.38-6.47 us
+against einsum's 11.52-11.63 (1.79-1.82x, 1.12-1.13x a read), 9..16 rows 1.66-1.69x, 17..32
+1.34-1.38x; G = 8: 10.60-10.90 against 18.69-19.05 (1.75-1.80x, 1.14-1.17x a read), 9..16 rows
+1.60-1.64x. The MXFP8 epilogue (upstream's ``_quantize_partial`` on these partials) 6.28-6.67 us
+against 8.11-8.29 us.
+What is left over a read (Nsight Compute, ncu-wo_a-small-stalls-NVIDIA_H200.txt, G = 2 / 8 at 8
+rows): 7.0 / 10.9 warp cycles per issued instruction, of them 1.8 / 2.3 at the block barrier and
+1.3 / 3.6 on the long scoreboard; the busiest SM is active 1.13 / 1.09x the average (of the SMs
+with a CTA), and the slowest CTA ends the kernel. Each split's MMAs run in K order (upstream's chain, for the bits),
+and a CTA's blocks arrive spread over the whole read, so part of the chain runs after the last
+byte.
 
 SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
 operand values (the twin is exact), k_width 2 operands so every product sits in the same slot of
@@ -75,12 +85,11 @@ Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S),
 block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too) at most one
 tile per launch is partly resident while its CTAs wait, even with the target's and the draft's
 launches side by side; the grid is sized for one wave on an otherwise idle GPU.
-Measured (same run): G = 2, 24 rows 1.31x einsum, 32 rows 1.11x, 48 rows 0.97x, slower from 64
-(0.49-0.93x at 64..192; at 9..16 rows the small kernel serves: 1.76-1.79x); G = 4 1.07x at
-24..32 (9..16: the small kernel, 1.36-1.51x, against 1.14-1.15x here before); G = 8 1.30-1.31x at
-9..16, 1.24-1.25x at 24..32, 1.06x at 48, 1.01x at 64, slower from 96. The dispatch serves
-``mid`` only where it was measured about >= 1.1x (G = 2 at 32 rows: 1.09-1.14x over six runs);
-``drop`` serves every row count.
+Measured (bench and rows probe): G = 2 1.31x einsum at 24 rows, 1.11x at 32, 0.93-0.97x at 48..64, slower
+from 96 (the small kernel serves 9..32 rows: 1.30-1.80x); G = 4 0.95-1.07x at 24..64 (the small
+kernel serves 9..32: 1.34-1.69x); G = 8 1.30-1.31x at 9..16 (the small kernel: 1.60-1.64x),
+1.24-1.26x at 24..32, 1.01-1.06x at 48..64, slower from 96. The dispatch serves ``mid`` only
+where the twin was measured about >= 1.1x; ``drop`` serves every row count.
 What the mid goals (2x at 9..64, 1.5x at 65..192) still miss: about 2 us per call of split-K
 wait (partials out, arrival, partials in), and x's L2 traffic, which grows with the rows.
 """
@@ -203,7 +212,6 @@ _X_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank
 # thread and copy (a thread copies what two read), and one piece as read back: [1, 512] words,
 # thread 32 s + lane holding the two words ``_LD_LAYOUT`` gives it
 _WC_LAYOUT = gl.BlockedLayout([1, 4], [1, 32], [2, 4], [1, 0])
-_WC8_LAYOUT = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])  # 8 rows per CTA: 8 B per thread and copy
 _WS_LAYOUT = gl.BlockedLayout([1, 2], [1, 32], [1, 8], [1, 0])
 _W_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # x in the ring (x_ring): [split, rows of x, 32 K] of one block, 16 B per thread and copy
@@ -441,7 +449,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS), (m, x_ring)
     assert rows_per_cta in (8, 16, 32) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     xn = max(8, 1 << (m - 1).bit_length())
-    assert 0 <= stage <= 16, stage
+    assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta >= 16), ("staging takes 16 or 32 weight rows per CTA", stage)
     assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
     x_ring = bool(x_ring)
     assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
@@ -450,7 +458,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUTS[xn],
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        cvt, _SCALE_BIAS[cvt], xn, stage, _WC8_LAYOUT if rows_per_cta == 8 else _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
+        cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
         num_warps=N_SPLITS,
     )
     return p if partials else y
