@@ -1,12 +1,13 @@
 """Candidates for the wo_a twin's small kernel, in one run against what serves (43 layers, CUDA
-graph, G = 2 / 4 / 8): 32 weight rows per CTA (two m16 A operands share each B fragment of x, so
-half the CTAs and half of x's L2 and shared-memory traffic per weight byte) and more rows of x
-than 16 (17..64: 4 or 8 n8 tiles, x in the weights' ring), against the wgmma ``mid`` kernel and
-einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
+graph, G = 2 / 4 / 8): the block waits in pairs, other ring depths, 64 weight rows per CTA at
+G = 8, against the wgmma ``mid`` kernel and einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
 (``bitwise`` column). A variant that does not fit the SM is listed with the error.
 FORK_PROBE_BUDGET_S (default 480) stops early and still writes what it has.
-benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json (build 0.5.23+fork.7.288a10a, before
-small_config served its choices) also has ``_la`` rows: block i + 1's raw shared-memory loads
+Earlier runs (their JSON kept under benchmark/results/): wo_a_fp8_rows_probe-NVIDIA_H200.json
+(build 0.5.23+fork.7.288a10a, before small_config served its choices) measured 32 weight rows
+per CTA (two m16 A operands share each B fragment of x: half the CTAs and half of x's L2 and
+shared-memory traffic per weight byte; now served at G = 4 / 8) and 17..64 rows of x (4 or 8
+n8 tiles, x in the ring; now served up to 32 rows), and ``_la`` rows: block i + 1's raw shared-memory loads
 issued before block i's conversion and MMAs, within 1% of the same kernel without, so removed.
 wo_a_fp8_rows_probe_rb8-NVIDIA_H200.json (FORK_PROBE_G=2,4,8 FORK_PROBE_M=2,8,16) has 8 weight
 rows per CTA staged (8-byte copies; twice the CTAs, two or more per SM to hide each other's block
@@ -28,19 +29,21 @@ from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 
 def variants(g: int, m: int) -> list[tuple[str, dict]]:
-    """(name, small-kernel keyword arguments) measured at G = g and m rows of x."""
-    if m <= 8:
-        out = [("served", {}), ("rb16_s8", {"rows_per_cta": 16, "stage": 8, "x_ring": False})]
-        if g == 8:
-            out += [("s4_xr", {"rows_per_cta": 16, "stage": 4, "x_ring": True})]
-        for stage, ring in ((8, False), (8, True), (6, True)):
-            out.append((f"rb32_s{stage}{'_xr' if ring else ''}", {"rows_per_cta": 32, "stage": stage, "x_ring": ring}))
-        return out
-    out = []
-    xn = max(8, 1 << (m - 1).bit_length())
-    for rb, stages in ((16, (6,) if xn <= 32 else (5,)), (32, (4, 6) if xn <= 32 else (4,))):
-        for stage in stages:
-            out.append((f"rb{rb}_s{stage}_xr", {"rows_per_cta": rb, "stage": stage, "x_ring": True}))
+    """(name, small-kernel keyword arguments) measured at G = g and m rows of x: what serves, the
+    same with its block waits in pairs (``blocks_per_wait=2``: half the CTA barriers, each block
+    pair waited for at once), other depths, and at G = 8 64 weight rows per CTA (128 CTAs, four A
+    operands per fragment of x: a quarter of x's traffic per weight byte)."""
+    rb, stage, _ = sm90.small_config(m, g, 1024, 132)
+    out = [("served", {})]
+    if m > 32:
+        return [(f"rb{rb}_s{stage}_xr", {"rows_per_cta": rb, "stage": stage, "x_ring": True})]
+    for st in sorted({stage, stage - 2, stage + 2} - {0}):
+        if st <= 10 and (rb, st) != (32, 10):
+            out.append((f"rb{rb}_s{st}_xr_w2", {"rows_per_cta": rb, "stage": st, "x_ring": True, "blocks_per_wait": 2}))
+    if g == 8 and m <= 16:
+        for st, wb in ((8, 1), (6, 1), (8, 2)):
+            out.append((f"rb64_s{st}_xr{'_w2' if wb == 2 else ''}",
+                        {"rows_per_cta": 64, "stage": st, "x_ring": True, "blocks_per_wait": wb}))
     return out
 
 
@@ -57,7 +60,7 @@ def main() -> None:
         counters = [sm90.mid_counters(g, 1024, "cuda") for _ in twins]
         nbytes = twins[0][0].numel() + twins[0][1].numel()
         read_us = pure_read_us(twins, args.replays)
-        ms = tuple(int(v) for v in os.environ.get("FORK_PROBE_M", "2,8,16,24,32,48,64").split(","))
+        ms = tuple(int(v) for v in os.environ.get("FORK_PROBE_M", "2,8,16,32").split(","))
         xs = {m: torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16) for m in ms}
 
         def warm(job):  # compile in threads (ptxas runs outside the GIL); errors are measured below
@@ -79,17 +82,12 @@ def main() -> None:
             want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:min(a + 8, m)], packed[0], twins[0][1])
                               for a in range(0, m, 8)])
             base = {"G": g, "M": m, "einsum_us": einsum_us, "pure_read_us": read_us}
-            if m > 8:
-                ref = {"kernel": "mid" if m > 16 or g == 8 else "served_small"}
-                if ref["kernel"] == "mid":
-                    ref_call = lambda i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i])  # noqa: E731
-                else:
-                    ref_call = lambda i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])  # noqa: E731
-                served_us = graph_us_per_call([lambda i=i: ref_call(i) for i in range(LAYERS)], args.replays)
-                rows.append({**base, **ref, "us": served_us, "x_einsum": einsum_us / served_us, "x_served": 1.0,
-                             "x_pure_read": served_us / read_us, "TB/s": tbps(nbytes, served_us), "bitwise": None})
-            else:
-                served_us = None
+            served_us = None
+            mid_us = None
+            if m > 8:  # the wgmma kernel, for comparison (x_served filled in below)
+                mid_us = graph_us_per_call(
+                    [lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i]) for i in range(LAYERS)],
+                    args.replays)
             for name, kw in variants(g, m):
                 def call(i, kw=kw):
                     return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], **kw)
@@ -106,10 +104,14 @@ def main() -> None:
                 rows.append({**base, "kernel": name, "us": us, "x_einsum": einsum_us / us,
                              "x_served": served_us / us, "x_pure_read": us / read_us,
                              "TB/s": tbps(nbytes, us), "bitwise": bitwise})
+            if mid_us is not None:
+                rows.append({**base, "kernel": "mid", "us": mid_us, "x_einsum": einsum_us / mid_us,
+                             "x_served": served_us / mid_us if served_us else None, "x_pure_read": mid_us / read_us,
+                             "TB/s": tbps(nbytes, mid_us), "bitwise": None})
             print(f"G={g} M={m} done at {time.time() - t0:.0f} s", flush=True)
         del weights, twins, packed, counters, xs
         torch.cuda.empty_cache()
-        report("wo_a_fp8_rows_probe", cols, [{c: r.get(c) for c in cols} | r for r in rows], args.out,
+        report(os.environ.get("FORK_PROBE_NAME", "wo_a_fp8_rows_probe"), cols, [{c: r.get(c) for c in cols} | r for r in rows], args.out,
                {"layers": LAYERS, "budget_s": budget})
 
 
