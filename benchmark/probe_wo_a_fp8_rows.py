@@ -1,6 +1,6 @@
 """Candidates for the wo_a twin's small kernel, in one run against what serves (43 layers, CUDA
-graph, G = 2 / 4 / 8): the block waits in pairs, other ring depths, 64 weight rows per CTA at
-G = 8, against the wgmma ``mid`` kernel and einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
+graph, G = 2 / 4 / 8): other ring depths and the block waits in pairs, against the wgmma ``mid``
+kernel and einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
 (``bitwise`` column). A variant that does not fit the SM is listed with the error.
 FORK_PROBE_BUDGET_S (default 480) stops early and still writes what it has.
 Earlier runs (their JSON kept under benchmark/results/): wo_a_fp8_rows_probe-NVIDIA_H200.json
@@ -12,6 +12,10 @@ issued before block i's conversion and MMAs, within 1% of the same kernel withou
 wo_a_fp8_rows_probe_rb8-NVIDIA_H200.json (FORK_PROBE_G=2,4,8 FORK_PROBE_M=2,8,16) has 8 weight
 rows per CTA staged (8-byte copies; twice the CTAs, two or more per SM to hide each other's block
 barriers): 5.0-5.9 us at G = 2 against 4.50-4.52 served, slower at every shape, so removed.
+wo_a_fp8_wait_probe-NVIDIA_H200.json (FORK_PROBE_NAME=wo_a_fp8_wait_probe, build 7e7051b) has
+the block waits in pairs at the served depth +- 2, and 64 weight rows per CTA at G = 8, whose
+``rb64`` rows are wrong bits (rows 32..63 took rows 0..31's exponents) and not faster (10.9-11.4
+us against 10.6-11.0 served), so removed.
 Run: TESTS=none BENCH=probe_wo_a_fp8_rows.py bash build/gpu-bundle/run.sh DIR
 """
 from __future__ import annotations
@@ -29,21 +33,14 @@ from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 
 def variants(g: int, m: int) -> list[tuple[str, dict]]:
-    """(name, small-kernel keyword arguments) measured at G = g and m rows of x: what serves, the
-    same with its block waits in pairs (``blocks_per_wait=2``: half the CTA barriers, each block
-    pair waited for at once), other depths, and at G = 8 64 weight rows per CTA (128 CTAs, four A
-    operands per fragment of x: a quarter of x's traffic per weight byte)."""
+    """(name, small-kernel keyword arguments) measured at G = g and m rows of x: what serves, and
+    around it other ring depths and the block waits in pairs (``blocks_per_wait=2``: half the CTA
+    barriers, each pair of blocks waited for at once)."""
     rb, stage, _ = sm90.small_config(m, g, 1024, 132)
     out = [("served", {})]
-    if m > 32:
-        return [(f"rb{rb}_s{stage}_xr", {"rows_per_cta": rb, "stage": stage, "x_ring": True})]
-    for st in sorted({stage, stage - 2, stage + 2} - {0}):
-        if st <= 10 and (rb, st) != (32, 10):
-            out.append((f"rb{rb}_s{st}_xr_w2", {"rows_per_cta": rb, "stage": st, "x_ring": True, "blocks_per_wait": 2}))
-    if g == 8 and m <= 16:
-        for st, wb in ((8, 1), (6, 1), (8, 2)):
-            out.append((f"rb64_s{st}_xr{'_w2' if wb == 2 else ''}",
-                        {"rows_per_cta": 64, "stage": st, "x_ring": True, "blocks_per_wait": wb}))
+    for st, wb in ((stage - 2, 1), (stage - 1, 1), (stage + 2, 1), (stage - 2, 2), (stage, 2)):
+        out.append((f"rb{rb}_s{st}_xr{'_w2' if wb == 2 else ''}",
+                    {"rows_per_cta": rb, "stage": st, "x_ring": True, "blocks_per_wait": wb}))
     return out
 
 

@@ -448,7 +448,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
         rows_per_cta, stage, x_ring = small_config(m, g, r, _sm_count(x.device), rows_per_cta)
     rows_per_cta = rows_per_cta or 16
     assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS), (m, x_ring)
-    assert rows_per_cta in (8, 16, 32, 64) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
+    assert rows_per_cta in (8, 16, 32) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
     xn = max(8, 1 << (m - 1).bit_length())
     assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta >= 16), ("staging takes 16 or 32 weight rows per CTA", stage)
     assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
