@@ -437,11 +437,11 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **kw).shape == (4, 2, 1024) and calls == [False]
     out = twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "fuse_mxfp8_quant": True})
     assert isinstance(out, Mxfp8SwizzledInput) and calls == [False, True]
-    # mid: the small kernel up to 16 rows at G = 2, the wgmma one where it was measured faster
-    # (G = 2: 17..32), stock above and for one row
+    # mid: the small kernel up to 32 rows at G = 2 (where it was measured faster than the wgmma
+    # one), stock above and for one row
     assert twin_mod.apply_wo_a_fp8_twin(x(16), w, **kw).shape == (16, 2, 1024) and calls[-1] is False
-    assert twin_mod.apply_wo_a_fp8_twin(x(17), w, **kw).shape == (17, 2, 1024) and calls[-1] == "mid"
-    assert twin_mod.apply_wo_a_fp8_twin(x(32), w, **kw).shape == (32, 2, 1024) and calls[-1] == "mid"
+    assert twin_mod.apply_wo_a_fp8_twin(x(17), w, **kw).shape == (17, 2, 1024) and calls[-1] is False
+    assert twin_mod.apply_wo_a_fp8_twin(x(32), w, **kw).shape == (32, 2, 1024) and calls[-1] is False
     assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **{**kw, "fuse_mxfp8_quant": True}) is None
     assert twin_mod.apply_wo_a_fp8_twin(x(33), w, **kw) is None
     assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **kw) is None
