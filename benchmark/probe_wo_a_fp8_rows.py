@@ -1,5 +1,5 @@
 """Candidates for the wo_a twin's small kernel, in one run against what serves (43 layers, CUDA
-graph, G = 2 / 4 / 8): other ring depths and the block waits in pairs, against the wgmma ``mid``
+graph, G = 2 / 4 / 8): the ring 2 and 4 blocks shallower and deeper, against the wgmma ``mid``
 kernel and einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
 (``bitwise`` column). A variant that does not fit the SM is listed with the error.
 FORK_PROBE_BUDGET_S (default 480) stops early and still writes what it has.
@@ -15,7 +15,9 @@ barriers): 5.0-5.9 us at G = 2 against 4.50-4.52 served, slower at every shape, 
 wo_a_fp8_wait_probe-NVIDIA_H200.json (FORK_PROBE_NAME=wo_a_fp8_wait_probe, build 7e7051b) has
 the block waits in pairs at the served depth +- 2, and 64 weight rows per CTA at G = 8, whose
 ``rb64`` rows are wrong bits (rows 32..63 took rows 0..31's exponents) and not faster (10.9-11.4
-us against 10.6-11.0 served), so removed.
+us against 10.6-11.0 served), so removed; the paired waits were not faster than the depth alone
+(wo_a_fp8_depth_probe-NVIDIA_H200.json, build bcb7ef0: depth +- 1 / 2 and paired waits at G = 2
+and 8), so removed too.
 Run: TESTS=none BENCH=probe_wo_a_fp8_rows.py bash build/gpu-bundle/run.sh DIR
 """
 from __future__ import annotations
@@ -34,13 +36,14 @@ from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 def variants(g: int, m: int) -> list[tuple[str, dict]]:
     """(name, small-kernel keyword arguments) measured at G = g and m rows of x: what serves, and
-    around it other ring depths and the block waits in pairs (``blocks_per_wait=2``: half the CTA
-    barriers, each pair of blocks waited for at once)."""
+    the ring 2 and 4 blocks shallower and deeper (as shared memory allows)."""
     rb, stage, _ = sm90.small_config(m, g, 1024, 132)
+    xn = max(8, 1 << (m - 1).bit_length())
+    fit = (227 * 1024 - 1024) // (rb * 256 + xn * 512) - 1
     out = [("served", {})]
-    for st, wb in ((stage - 2, 1), (stage - 1, 1), (stage + 2, 1), (stage - 2, 2), (stage, 2)):
-        out.append((f"rb{rb}_s{st}_xr{'_w2' if wb == 2 else ''}",
-                    {"rows_per_cta": rb, "stage": st, "x_ring": True, "blocks_per_wait": wb}))
+    for st in (stage - 4, stage - 2, stage + 2, stage + 4):
+        if 2 <= st <= min(fit, 15):
+            out.append((f"rb{rb}_s{st}_xr", {"rows_per_cta": rb, "stage": st, "x_ring": True}))
     return out
 
 

@@ -300,13 +300,12 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
 rb, cvt, xn, stage, xring = map(int, sys.argv[1:6])
-wb = int(sys.argv[6]) if len(sys.argv) > 6 else 1
 sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
 consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUTS[xn],
               MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
               XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn,
               STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM, XRING=bool(xring),
-              XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM, WB=wb)
+              XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM)
 # pointers and x's row stride SX specialised as multiples of 16, as the JIT does for real launches
 attrs = {(i,): [["tt.divisibility", 16]] for i, (k, v) in enumerate(sig.items()) if v[0] == "*" or k == "SX"}
 kernel = triton.compile(GluonASTSource(sm90._wo_a_fp8_small_kernel, sig, constexprs=consts, attrs=attrs),
@@ -775,18 +774,17 @@ def _all_codes_twin(g: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring,blocks_per_wait", [
-    (8, 0, 0, False, 1), (16, 0, 0, False, 1), (8, 1, 0, False, 1), (16, 1, 0, False, 1), (16, 1, 16, False, 1),
-    (16, 1, 8, False, 1), (16, 1, 4, True, 1), (16, 1, 8, True, 1), (32, 1, 8, False, 1), (32, 1, 8, True, 1),
-    (32, 1, 6, True, 1), (16, 1, 8, True, 2), (32, 1, 6, True, 2), (16, 1, 16, False, 2)])
-def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring, blocks_per_wait):
+@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring", [
+    (8, 0, 0, False), (16, 0, 0, False), (8, 1, 0, False), (16, 1, 0, False), (16, 1, 16, False), (16, 1, 8, False),
+    (16, 1, 4, True), (16, 1, 8, True), (16, 1, 12, True), (32, 1, 8, False), (32, 1, 4, True), (32, 1, 6, True)])
+def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring):
     """The small kernel's configurations (8 rows per CTA, the F16 conversion: served before; the
-    weights in registers, staged all at once or 6..8 blocks in flight in a ring, x up front or in
-    the ring; 32 weight rows per CTA; block waits in pairs) give the served kernel's bits
-    at every M, output and partials (rows 9..16: those of two calls of <= 8 rows); and every e4m3
-    code (subnormals, zeros, both signs) comes back exactly through one-hot rows of x."""
+    weights in registers, staged all at once or 4..12 blocks in flight in a ring, x up front or in
+    the ring; 32 weight rows per CTA) give the served kernel's bits at every M, output and
+    partials (rows 9..16: those of two calls of <= 8 rows); and every e4m3 code (subnormals,
+    zeros, both signs) comes back exactly through one-hot rows of x."""
     sm90 = _hopper()
-    kw = dict(rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring, blocks_per_wait=blocks_per_wait)
+    kw = dict(rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring)
     for g in (2, 8):
         w8, e, w = _all_codes_twin(g, 40 + g)
         packed = sm90.pack_twin(w8)

@@ -265,7 +265,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                            XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
                            BIAS: gl.constexpr, XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
                            WS_L: gl.constexpr, W_SMEM: gl.constexpr, XRING: gl.constexpr, XB_L: gl.constexpr,
-                           XB_SMEM: gl.constexpr, WB: gl.constexpr):
+                           XB_SMEM: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
@@ -285,7 +285,7 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
     ws = ()
     wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
-    NBUF: gl.constexpr = STAGE + WB if STAGE < NB else NB  # ring buffers (STAGE <= 16: the wrapper)
+    NBUF: gl.constexpr = STAGE + 1 if STAGE < NB else NB  # ring buffers (STAGE <= 16: the wrapper)
     if STAGE > 0:
         # the exponents first: issued behind the CTA's 64 KB of weights they would arrive last
         for i in gl.static_range(NB):
@@ -339,17 +339,16 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         accs = accs + (gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA),)
     for i in gl.static_range(NB):
         if STAGE > 0:
-            if i % WB == 0:
-                # x and blocks 0..i + WB - 1 landed (Gluon adds the CTA barrier: every thread is past
-                # block i - 1)
-                async_copy.wait_group(NB - WB - i if STAGE == NB else STAGE - WB)
-                if STAGE < NB:
-                    for j in gl.static_range(i + STAGE, i + STAGE + WB):
-                        if j < NB:  # into block j - STAGE - WB's buffer
-                            if XRING:
-                                async_copy.async_copy_global_to_shared(x_s[j % NBUF], X + b_off + 32 * j, b_mask)
-                            async_copy.async_copy_global_to_shared(w_s[j % NBUF], W + (pid * NPC * NB + j) * 512 + cp_off)
-                        async_copy.commit_group()  # possibly empty: keeps the wait count uniform
+            # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
+            async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
+            if STAGE < NB:
+                if i + STAGE < NB:  # into block i - 1's buffer
+                    if XRING:
+                        async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE),
+                                                               b_mask)
+                    async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
+                                                           W + (pid * NPC * NB + i + STAGE) * 512 + cp_off)
+                async_copy.commit_group()  # possibly empty: keeps the wait count uniform
             wb = w_s[i % NBUF]
             wp = ()
             for q in gl.static_range(NPC):
@@ -430,7 +429,7 @@ def small_config(m: int, g: int, r: int, sms: int, rows_per_cta: int | None = No
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
                         partials: bool = False, *, rows_per_cta: int | None = None,
                         cvt: int = CVT_PRMT, stage: int | None = None,
-                        x_ring: bool | None = None, blocks_per_wait: int = 1) -> torch.Tensor:
+                        x_ring: bool | None = None) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..64 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
     (rows past 8: each row's bits those of a call of <= 8 rows). ``rows_per_cta``: 8, 16 or 32
@@ -454,14 +453,13 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
     x_ring = bool(x_ring)
     assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
-    assert blocks_per_wait in (1, 2) and (blocks_per_wait == 1 or (stage > 0 and stage % 2 == 0)), (blocks_per_wait, stage)
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUTS[xn],
         _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
         cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
-        blocks_per_wait, num_warps=N_SPLITS,
+        num_warps=N_SPLITS,
     )
     return p if partials else y
 
