@@ -388,19 +388,21 @@ def test_hopper_small_kernel_sm90_structure_staged(stage, xring):
 
 
 def test_hopper_small_config_follows_the_probe():
-    """The small kernel's configuration by shape, as measured (rows probe on the H200, 132 SMs):
-    G = 2 (128 CTAs of 16 weight rows, one wave) 8 blocks in flight; G = 4 / 8 32 weight rows per
-    CTA, 8 in flight at one CTA per SM (G = 4), 6 at two (G = 8); more rows of x: 6, or what shared
-    memory holds (64 rows: 5 / 4); x always in the ring; 8 rows per CTA: the weights in registers."""
+    """The small kernel's configuration by shape, as measured (rows and depth probes on the H200,
+    132 SMs): G = 2 (128 CTAs of 16 weight rows, one wave) 10 blocks in flight; G = 4 32 weight
+    rows per CTA, 8 in flight (one CTA per SM); G = 8 32 rows, 4 (two CTAs per SM); more rows of
+    x: 6 (two CTAs per SM: 4), or what shared memory holds (64 rows: 5 / 4); x always in the
+    ring; 8 rows per CTA: the weights in registers."""
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-    assert sm90.small_config(2, 2, 1024, 132) == (16, 8, True)
-    assert sm90.small_config(8, 2, 1024, 132) == (16, 8, True)
+    assert sm90.small_config(2, 2, 1024, 132) == (16, 10, True)
+    assert sm90.small_config(8, 2, 1024, 132) == (16, 10, True)
     assert sm90.small_config(4, 4, 1024, 132) == (32, 8, True)
-    assert sm90.small_config(8, 8, 1024, 132) == (32, 6, True)
+    assert sm90.small_config(8, 8, 1024, 132) == (32, 4, True)
     assert sm90.small_config(9, 2, 1024, 132) == (16, 6, True)
     assert sm90.small_config(32, 2, 1024, 132) == (16, 6, True)
-    assert sm90.small_config(16, 8, 1024, 132) == (32, 6, True)
+    assert sm90.small_config(32, 4, 1024, 132) == (32, 6, True)
+    assert sm90.small_config(16, 8, 1024, 132) == (32, 4, True)
     assert sm90.small_config(64, 2, 1024, 132) == (16, 5, True)
     assert sm90.small_config(64, 8, 1024, 132) == (32, 4, True)
     assert sm90.small_config(4, 2, 1024, 132, rows_per_cta=8) == (8, 0, False)

@@ -411,17 +411,22 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
 
 def small_config(m: int, g: int, r: int, sms: int, rows_per_cta: int | None = None) -> tuple[int, int, bool]:
     """(weight rows per CTA, stage, x_ring) the small kernel serves for ``m`` rows of x, the fastest
-    of benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json (132 SMs): 16 weight rows per CTA
-    where that grid is one CTA per SM at most (G = 2: 128 CTAs), else 32 (G = 4 / 8: half the CTAs,
-    and half of x's L2 and shared-memory traffic per weight byte); x in the weights' ring; 8
-    blocks in flight at <= 8 rows of x with one CTA per SM, else 6 (two CTAs per SM, or more rows
-    of x), fewer where shared memory holds fewer. 8 rows per CTA (served before): the weights in
-    registers."""
+    of benchmark/results/wo_a_fp8_rows_probe-, wo_a_fp8_depth_probe- and
+    wo_a_fp8_depth2_probe-NVIDIA_H200.json (132 SMs): 16 weight rows per CTA where that grid is
+    one CTA per SM at most (G = 2: 128 CTAs), else 32 (G = 4 / 8: half the CTAs, and half of x's
+    L2 and shared-memory traffic per weight byte); x in the weights' ring; blocks in flight, about
+    80..96 KB per SM at <= 8 rows of x: one CTA per SM 10 (16 rows per CTA, 8 KB a block) or 8
+    (32 rows, 12 KB), two CTAs per SM 4; more rows of x 6 (two CTAs per SM: 4); fewer where shared
+    memory holds fewer. 8 rows per CTA (served before): the weights in registers."""
     rows = rows_per_cta or (16 if g * r // 16 <= sms else 32)
     if rows == 8:
         return 8, 0, False
     xn = max(8, 1 << (m - 1).bit_length())
-    stage = 8 if m <= 8 and g * r // rows <= sms else 6
+    one_per_sm = g * r // rows <= sms
+    if m <= 8:
+        stage = (10 if rows == 16 else 8) if one_per_sm else 4
+    else:
+        stage = 6 if one_per_sm else 4
     fit = (_SM_SMEM - 1024) // (rows * 256 + xn * 512) - 1  # ring buffers: weights + x of one block
     return rows, min(stage, fit), True
 
