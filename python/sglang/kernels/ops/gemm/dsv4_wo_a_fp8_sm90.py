@@ -20,8 +20,9 @@ wo_a_fp8_small16_probe-, wo_a_fp8_arrival_probe- and wo_a_fp8_rows_probe-NVIDIA_
   issue first (issued after the weights they would arrive last), then one group of 16-byte
   copies (L1 bypass) per 32-K block, x's block in the same group (``x_ring``). Block i is waited
   for by cp.async.wait_group, a counter (DEPBAR.LE SB0, in order), so its conversion and MMAs run
-  while the later blocks are in flight: 8 blocks in a ring of 9 buffers at one CTA per SM and
-  <= 8 rows of x (72 KB of shared memory at G = 2), else 6 (``small_config``).
+  while the later blocks are in flight, about 80..96 KB per SM at <= 8 rows of x
+  (``small_config``): G = 2 10 blocks of 8 KB in a ring of 11 buffers, G = 4 8 of 12 KB, G = 8
+  4 of 12 KB in each of two CTAs per SM; more rows of x 6 (G = 8: 4).
   Before, the weights came by LDG.64 into registers, all issued at entry: those 32 loads per
   thread share ptxas's 6 scoreboards (decoded from the sm_90 SASS) and the first scale waited on
   the one that held 28 of them, so the arithmetic ran after the bytes arrived: 5.19-5.27 us at
@@ -35,33 +36,39 @@ wo_a_fp8_small16_probe-, wo_a_fp8_arrival_probe- and wo_a_fp8_rows_probe-NVIDIA_
 - The e4m3 -> bf16 conversion (``CVT_PRMT``: byte permutes, shift, mask, and the power-of-two
   scale in one HMUL2, exact) runs right before each MMA; swap-AB mma.sync m16n8k16 with the
   weight rows as M and 8 rows of x per n8 tile as N.
-- 48-76 registers (RB 32 at 32 rows of x: 128), 18 CTA barriers (one per block wait, added by Gluon).
+- 48-76 registers (RB 32 at 32 rows of x: 128), 18 CTA barriers (one per block wait, added by
+  Gluon).
 What made it faster, each measured in one run: 16 rows per CTA instead of 8 (the A operand full,
 half the MMAs and ldmatrix per weight byte) and the PRMT conversion instead of cvt.e4m3x2 -> f16x2
 (4 instructions per pair of weights instead of 5): 5.83 -> 5.31 us at G = 2; staging (arrival
 probe): at G = 2 4.82-4.87 us with all 16 blocks and x up front, 4.50-4.73 with 8 and x in the
-ring, against 5.19-5.27 in registers; 32 rows per CTA at G = 4 / 8 (rows probe). Not faster: 4
-blocks in flight (5.4 us at G = 2), 16 at G = 4 / 8 (one CTA per SM: 8.4 / 14.0 us); the weights
-by TMA (5.1 us at G = 2: Gluon puts a CTA barrier before each of the 32 copies), by LDG.128
-(5.3), 8-byte cp.async copies (5.6); the exponents first alone (5.3); block i + 1's shared-memory
-loads issued before block i's conversion (within 1%); 8 rows per CTA staged, two or more CTAs
-per SM (5.0-5.9 us at G = 2).
-Measured against upstream in one run (build 351fe12; 43 layers, CUDA graph): G = 2, 2..8 rows
-4.49-4.72 us against 7.92-8.10 us for ``wo_a_bf16_small_batch`` (1.72-1.77x; two probe runs of
-the same build: 4.50-4.52 at 2 rows, 4.52-4.64 at 8) and 8.84-8.90 us for einsum (what Hopper
-runs for 2..8 rows in 0.5.23, 1.87-1.98x); a pure read of the twin's bytes takes 3.82 us, so the
-kernel is at 1.18-1.24x of it (goals: 1.15x, and 1.8x stock). 9..16 rows 4.99-5.15 us against
-einsum's 8.95-9.00 (1.75-1.80x), 17..32 rows 6.61-6.87 us (1.30-1.60x). G = 4: 6.38-6.47 us
-against einsum's 11.52-11.63 (1.79-1.82x, 1.12-1.13x a read), 9..16 rows 1.66-1.69x, 17..32
-1.34-1.38x; G = 8: 10.60-10.90 against 18.69-19.05 (1.75-1.80x, 1.14-1.17x a read), 9..16 rows
-1.60-1.64x. The MXFP8 epilogue (upstream's ``_quantize_partial`` on these partials) 6.28-6.67 us
-against 8.11-8.29 us.
-What is left over a read (Nsight Compute, ncu-wo_a-small-stalls-NVIDIA_H200.txt, G = 2 / 8 at 8
-rows): 7.0 / 10.9 warp cycles per issued instruction, of them 1.8 / 2.3 at the block barrier and
-1.3 / 3.6 on the long scoreboard; the busiest SM is active 1.13 / 1.09x the average (of the SMs
-with a CTA), and the slowest CTA ends the kernel. Each split's MMAs run in K order (upstream's chain, for the bits),
-and a CTA's blocks arrive spread over the whole read, so part of the chain runs after the last
-byte.
+ring, against 5.19-5.27 in registers; 32 rows per CTA at G = 4 / 8 (rows probe: 10.4-10.9 us at
+G = 8 against 11.3-11.6); the depth (depth probes, two runs each): 10 at G = 2 (4.38-4.43 us at
+2 rows against 4.50-4.54 with 8), 4 at G = 8 (10.34-10.35 against 10.60-10.64 with 6). Not
+faster: 4 blocks in flight at G = 2 (5.2-5.4 us), 16 at G = 4 / 8 (one CTA per SM: 8.4 / 14.0
+us); the weights by TMA (5.1 us at G = 2: Gluon puts a CTA barrier before each of the 32
+copies), by LDG.128 (5.3), 8-byte cp.async copies (5.6); the exponents first alone (5.3); block
+i + 1's shared-memory loads issued before block i's conversion (within 1%); the blocks waited for
+in pairs (half the barriers: within 1% of the depth alone); 8 rows per CTA staged, two or more
+CTAs per SM (5.0-5.9 us at G = 2); 64 rows per CTA at G = 8 (10.9-11.4 us).
+Measured against upstream in one run (build bffc136; 43 layers, CUDA graph): G = 2, 2..8 rows
+4.41-4.71 us against 7.96-8.12 us for ``wo_a_bf16_small_batch`` (1.72-1.81x) and 8.94-9.04 us for
+einsum (what Hopper runs for 2..8 rows in 0.5.23, 1.91-2.04x); a pure read of the twin's bytes
+took 3.93 us in that run (3.82 in others), so the kernel is at 1.12-1.20x of it (goals: 1.15x,
+and 1.8x stock: both met at 2, 3, 5 and 6 rows, not at 4, 7 and 8). 9..16 rows 5.01-5.19 us
+against einsum's 8.92-8.98 (1.73-1.79x), 17..32 rows 6.64-6.89 us (1.31-1.61x). G = 4:
+6.44-6.55 us against einsum's 11.54-11.75 (1.78-1.80x, 1.13-1.15x a read), 9..16 rows
+1.67-1.70x, 17..32 1.33-1.36x; G = 8: 10.36-10.79 against 18.84-19.06 (1.77-1.83x: 1.8x at 2..6
+rows; 1.10-1.14x a read), 9..16 rows 1.60-1.70x. The MXFP8 epilogue (upstream's
+``_quantize_partial`` on these partials) 6.27-6.55 us against 8.20-8.30 us (1.25-1.32x). Runs
+of the same kernel differ by 2-6 % (G = 2, 10 blocks in flight, 8 rows: 4.42-4.71 us over three
+runs).
+What is left over a read (Nsight Compute, ncu-wo_a-small-stalls-NVIDIA_H200.txt, build 351fe12, G =
+2 / 8 at 8 rows, depth 8 / 6): 7.0 / 10.9 warp cycles per issued instruction, of them 1.8 / 2.3 at
+the block barrier and 1.3 / 3.6 on the long scoreboard; the busiest SM is active 1.13 / 1.09x the
+average (of the SMs with a CTA), and the slowest CTA ends the kernel. Each split's MMAs run in K
+order (upstream's chain, for the bits), and a CTA's blocks arrive spread over the whole read, so
+part of the chain runs after the last byte.
 
 SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
 operand values (the twin is exact), k_width 2 operands so every product sits in the same slot of
@@ -85,11 +92,11 @@ Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S),
 block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too) at most one
 tile per launch is partly resident while its CTAs wait, even with the target's and the draft's
 launches side by side; the grid is sized for one wave on an otherwise idle GPU.
-Measured (bench and rows probe): G = 2 1.31x einsum at 24 rows, 1.11x at 32, 0.93-0.97x at 48..64, slower
-from 96 (the small kernel serves 9..32 rows: 1.30-1.80x); G = 4 0.95-1.07x at 24..64 (the small
-kernel serves 9..32: 1.34-1.69x); G = 8 1.30-1.31x at 9..16 (the small kernel: 1.60-1.64x),
-1.24-1.26x at 24..32, 1.01-1.06x at 48..64, slower from 96. The dispatch serves ``mid`` only
-where the twin was measured about >= 1.1x; ``drop`` serves every row count.
+Measured (bench and rows probe): G = 2 1.31x einsum at 24 rows, 1.11x at 32, 0.93-0.97x at 48..64,
+slower from 96 (the small kernel serves 9..32 rows: 1.31-1.79x); G = 4 0.95-1.07x at 24..64 (the
+small kernel serves 9..32: 1.33-1.70x); G = 8 1.30-1.31x at 9..16 (the small kernel serves them:
+1.60-1.70x), 1.25x at 24..32, 1.01-1.05x at 48..64, slower from 96. The dispatch serves ``mid``
+only where the twin was measured about >= 1.1x; ``drop`` serves every row count.
 What the mid goals (2x at 9..64, 1.5x at 65..192) still miss: about 2 us per call of split-K
 wait (partials out, arrival, partials in), and x's L2 traffic, which grows with the rows.
 """
