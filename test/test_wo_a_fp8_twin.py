@@ -352,9 +352,10 @@ def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
     assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
 
 
-@pytest.mark.parametrize("rb,xn,stage", [(16, 32, 6), (32, 8, 8), (32, 8, 6), (32, 16, 6), (32, 32, 6)])
+@pytest.mark.parametrize("rb,xn,stage", [(16, 16, 6), (16, 32, 6), (32, 8, 8), (32, 8, 4), (32, 16, 6), (32, 16, 4),
+                                          (32, 32, 6)])
 def test_hopper_small_kernel_sm90_structure_ring(rb, xn, stage):
-    """The served configurations past 16 rows of x or with 32 weight rows per CTA (x in the ring):
+    """The served configurations past 8 rows of x or with 32 weight rows per CTA (x in the ring):
     per block one 16-byte copy of x per 8 rows of x and one of weights per 16 weight rows, 16
     in-order waits, 2 MMAs per 16 weight rows and n8 tile of x, nothing spills, and the registers
     allow 2 CTAs per SM (G = 8 runs 2)."""
@@ -366,13 +367,13 @@ def test_hopper_small_kernel_sm90_structure_ring(rb, xn, stage):
     assert local == 0 and regs <= 128, usage
 
 
-@pytest.mark.parametrize("stage,xring", [(16, 0), (8, 0), (8, 1)])
+@pytest.mark.parametrize("stage,xring", [(16, 0), (8, 0), (8, 1), (10, 1)])
 def test_hopper_small_kernel_sm90_structure_staged(stage, xring):
-    """The staged small kernel (served: 8 blocks in flight in a ring of 9 buffers, x in the ring at
-    G = 2, up front else): the 16 exponent loads issue first, then 16 cp.async copies of x (2 per
-    64-K chunk up front, or 1 per block in the ring) and the weights' 16 of 16 B, all with the L1
-    bypass, one commit group per weight block; block i is waited for by DEPBAR.LE SB0 (15 - i, or
-    7 in the ring), in order; no weight reaches a register by LDG."""
+    """The staged small kernel at 16 weight rows per CTA (served at G = 2: 10 blocks in flight in a
+    ring of 11 buffers, x in the ring): the 16 exponent loads issue first, then 16 cp.async copies
+    of x (2 per 64-K chunk up front, or 1 per block in the ring) and the weights' 16 of 16 B, all
+    with the L1 bypass, one commit group per weight block; block i is waited for by DEPBAR.LE SB0
+    (15 - i, or stage - 1 in the ring), in order; no weight reaches a register by LDG."""
     ops, usage = _sm90_small_sass(16, 1, 8, stage, xring)
     copies = [i for i, op in enumerate(ops) if op.startswith("LDGSTS")]
     assert len(copies) == 16 + 16 and all(ops[i] == "LDGSTS.E.BYPASS.128" for i in copies)
