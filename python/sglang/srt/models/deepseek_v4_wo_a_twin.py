@@ -9,9 +9,9 @@ bf16 weight back bit for bit. ``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_
 Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
 - ``small``: decode / target-verify / draft calls with 2..8 rows on the small kernel, also those
   that want upstream's fused MXFP8 epilogue;
-- ``mid``: also 9..32 rows (G = 2 / 8; 9..16 at G = 4), the row counts where the H200 measured
-  the twin >= 1.1x stock: on the small kernel up to 16 rows at G = 2 (two n8 tiles of x), on the
-  wgmma kernel above and at other G; more rows stay stock;
+- ``mid``: also 9..32 rows, the row counts where the H200 measured the twin >= 1.1x stock: on the
+  small kernel up to 32 rows (16 at G = 8; up to four n8 tiles of x), on the wgmma kernel above;
+  more rows stay stock;
 - ``drop``: every decode / verify call of 1..192 rows reads the twin, and the bf16 weight is
   released once the twin's dequantisation is checked bit-identical to it. The parameter then
   holds a stand-in (one NaN seen through zero strides); every call the twin does not serve
@@ -30,12 +30,13 @@ variant (H200, M = 2..8). wgmma and Triton kernels: within the fp32 accumulation
 exact result (G = 2/4/8, 9..192 rows), deterministic. drop: every route gives the bits it gave
 before the release (tests, CPU and H200).
 MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): G = 2,
-2..8 rows 1.77-1.78x ``wo_a_bf16_small_batch`` (1.95-1.97x the einsum 0.5.23 runs on Hopper
-there), 9..16 rows 1.76-1.79x einsum, 24..32 rows 1.11-1.31x; G = 4 1.75-1.76x at 2..8 /
-1.36-1.51x at 9..16; G = 8 1.65-1.69x / 1.24-1.31x at 9..32. drop releases 7.99 MiB per layer
-net of the twin at G = 2 (15.98 at G = 4, 31.97 at G = 8; 344 / 687 / 1375 MiB for 43 layers);
-its prefill dequantisation costs 12.5 us per layer and call at G = 2, and the row counts mid
-leaves stock run at 0.45-1.07x einsum (still faster than rebuilding the weight).
+2..8 rows 1.72-1.81x ``wo_a_bf16_small_batch`` (1.91-2.04x the einsum 0.5.23 runs on Hopper
+there), 9..16 rows 1.73-1.79x einsum, 17..32 rows 1.31-1.61x; G = 4 1.78-1.80x at 2..8 /
+1.67-1.70x at 9..16 / 1.33-1.36x at 17..32; G = 8 1.77-1.83x / 1.60-1.70x / 1.25x (wgmma). drop
+releases 7.99 MiB per layer net of the twin at G = 2 (15.98 at G = 4, 31.97 at G = 8; 344 / 687
+/ 1375 MiB for 43 layers); its prefill dequantisation costs 12.4 us per layer and call at G = 2,
+and the row counts mid leaves stock run at 0.44-1.05x einsum (still faster than rebuilding the
+weight).
 """
 
 from __future__ import annotations
