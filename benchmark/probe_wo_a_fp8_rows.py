@@ -38,11 +38,9 @@ def variants(g: int, m: int) -> list[tuple[str, dict]]:
     """(name, small-kernel keyword arguments) measured at G = g and m rows of x: what serves, and
     the ring 2 and 4 blocks shallower and deeper (as shared memory allows)."""
     rb, stage, _ = sm90.small_config(m, g, 1024, 132)
-    xn = max(8, 1 << (m - 1).bit_length())
-    fit = (227 * 1024 - 1024) // (rb * 256 + xn * 512) - 1
     out = [("served", {})]
     for st in (stage - 4, stage - 2, stage + 2, stage + 4):
-        if 2 <= st <= min(fit, 15):
+        if 2 <= st <= min(sm90.ring_fit(rb, m), 15):
             out.append((f"rb{rb}_s{st}_xr", {"rows_per_cta": rb, "stage": st, "x_ring": True}))
     return out
 
@@ -111,8 +109,8 @@ def main() -> None:
             print(f"G={g} M={m} done at {time.time() - t0:.0f} s", flush=True)
         del weights, twins, packed, counters, xs
         torch.cuda.empty_cache()
-        report(os.environ.get("FORK_PROBE_NAME", "wo_a_fp8_rows_probe"), cols, [{c: r.get(c) for c in cols} | r for r in rows], args.out,
-               {"layers": LAYERS, "budget_s": budget})
+        report(os.environ.get("FORK_PROBE_NAME", "wo_a_fp8_rows_probe"), cols,
+               [{c: r.get(c) for c in cols} | r for r in rows], args.out, {"layers": LAYERS, "budget_s": budget})
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ def max_biased_exp(cvt: int) -> int:
 
 MAX_BIASED_EXP = max_biased_exp(CVT_PRMT)  # 134: the served conversion's
 
-__all__ = ["available", "pack_twin", "small_config", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
+__all__ = ["available", "pack_twin", "small_config", "ring_fit", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
 
 
 def available(device: torch.device) -> bool:
@@ -428,14 +428,23 @@ def small_config(m: int, g: int, r: int, sms: int, rows_per_cta: int | None = No
     rows = rows_per_cta or (16 if g * r // 16 <= sms else 32)
     if rows == 8:
         return 8, 0, False
-    xn = max(8, 1 << (m - 1).bit_length())
     one_per_sm = g * r // rows <= sms
     if m <= 8:
         stage = (10 if rows == 16 else 8) if one_per_sm else 4
     else:
         stage = 6 if one_per_sm else 4
-    fit = (_SM_SMEM - 1024) // (rows * 256 + xn * 512) - 1  # ring buffers: weights + x of one block
-    return rows, min(stage, fit), True
+    return rows, min(stage, ring_fit(rows, m)), True
+
+
+def _x_rows(m: int) -> int:
+    """Rows of x the small kernel's tiles hold for ``m`` rows: 8 per n8 tile, a power of two."""
+    return max(8, 1 << (m - 1).bit_length())
+
+
+def ring_fit(rows_per_cta: int, m: int) -> int:
+    """Most 32-K blocks in flight that shared memory holds with x in the ring: its buffers (one
+    more than in flight) carry a block of the weights and of x each."""
+    return (_SM_SMEM - 1024) // (rows_per_cta * 256 + _x_rows(m) * 512) - 1
 
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
@@ -460,7 +469,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     rows_per_cta = rows_per_cta or 16
     assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS), (m, x_ring)
     assert rows_per_cta in (8, 16, 32) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
-    xn = max(8, 1 << (m - 1).bit_length())
+    xn = _x_rows(m)
     assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta >= 16), ("staging takes 16 or 32 weight rows per CTA", stage)
     assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
     x_ring = bool(x_ring)
