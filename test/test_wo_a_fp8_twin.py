@@ -409,6 +409,29 @@ def test_hopper_small_config_follows_the_probe():
     assert sm90.small_config(4, 2, 1024, 132, rows_per_cta=8) == (8, 0, False)
 
 
+def test_hopper_mid_config_follows_the_probe():
+    """The wgmma kernel's configuration by shape, as measured (mid sweep and tiles probe on the H200,
+    132 SMs): one tile of x's rows up to 64 rows, past that tiles of 64 rows of x (G = 2, 4) or 128
+    (G = 8, and G = 4 past 128 rows), each its own CTAs; and for any shape a launch the kernel
+    takes: K splits a power of two up to 16, at most MAX_X_TILES tiles of x, a pipeline >= 2 deep."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
+
+    assert sm90.mid_config(16, 2, 1024, 132) == (64, 4, 16, 16, 2)
+    assert sm90.mid_config(64, 2, 1024, 132) == (64, 4, 8, 64, 4)
+    assert sm90.mid_config(96, 2, 1024, 132) == (64, 4, 4, 64, 4)
+    assert sm90.mid_config(192, 2, 1024, 132) == (64, 4, 4, 64, 3)
+    assert sm90.mid_config(128, 4, 1024, 132) == (64, 4, 4, 64, 2)
+    assert sm90.mid_config(192, 4, 1024, 132) == (64, 4, 1, 128, 5)
+    assert sm90.mid_config(192, 8, 1024, 132) == (64, 4, 1, 128, 2)
+    for g in (1, 2, 3, 4, 8, 16):
+        for r in (512, 1024):
+            for m in range(1, 257):
+                bv, nw, split, np_, st = sm90.mid_config(m, g, r, 132)
+                assert split in (1, 2, 4, 8, 16) and bv % split == 0 and st >= 2, (g, r, m)
+                assert np_ in (16, 32, 64, 128, 256) and -(-m // np_) <= sm90.MAX_X_TILES, (g, r, m)
+                assert g * r // 64 * sm90.MAX_X_TILES >= g * r // bv * -(-m // np_)  # mid_counters' size
+
+
 def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     """A twin with Hopper words: 2..8 rows go to the Gluon kernel, MXFP8 calls through its
     partials and upstream's own epilogue (G = 2 only); 9..192 rows without a row-major copy stay stock."""
@@ -677,24 +700,31 @@ def test_gpu_mxfp8_path_bitwise_and_partials_bitwise():
 
 @pytest.mark.gpu
 def test_gpu_bf16_path_ulp_bound_and_deterministic():
-    """Bound: at most 1 bf16 ulp from stock, on at most 1 % of outputs (fp32 order of 8 adds)."""
+    """Bound: at most 1 % of outputs differ from stock, by 1 bf16 ulp; more than 1 ulp only where
+    the sum cancels (an output small against sum |x w|: a 2-ulp output seen once in 7 x 4096 on
+    the H200), at most 0.05 % of outputs, and every output within the fp32 accumulation bound of
+    the exact result (fp32 order of the 8 split adds and of the MMAs differs from stock's)."""
     from sglang.kernels.ops.gemm import dsv4_wo_a as up
 
     w = twin_weight(2, 1024, 4096, 8)
     w8, e = twin_mod.make_twin(w)
     cnt = k.counters_for(w8)
-    diff = total = 0
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    diff = over = total = 0
     for m in range(2, 9):
-        x = torch.randn(m, 2, 4096, device="cuda").to(torch.bfloat16)
-        stock = up.wo_a_bf16_small_batch(x, w)
-        ours = k.wo_a_fp8_matmul(x, w8, e, cnt)
-        assert torch.equal(ours.view(torch.int16), k.wo_a_fp8_matmul(x, w8, e, cnt).view(torch.int16))
-        u = ulps(ours, stock)
-        assert u.max() <= 1, m
-        diff += int((u > 0).sum())
-        total += u.numel()
-    assert diff <= 0.01 * total, f"{diff} of {total} outputs differ by 1 ulp"
-    print(f"bf16 path: {diff} of {total} outputs ({100 * diff / total:.3f} %) differ from stock by 1 ulp")
+        for trial in range(4):
+            x = torch.randn(m, 2, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+            stock = up.wo_a_bf16_small_batch(x, w)
+            ours = k.wo_a_fp8_matmul(x, w8, e, cnt)
+            assert torch.equal(ours.view(torch.int16), k.wo_a_fp8_matmul(x, w8, e, cnt).view(torch.int16))
+            assert_near_exact(ours, x, w, (m, trial))
+            u = ulps(ours, stock)
+            diff += int((u > 0).sum())
+            over += int((u > 1).sum())
+            total += u.numel()
+    assert diff <= 0.01 * total, f"{diff} of {total} outputs differ from stock"
+    assert over <= 0.0005 * total, f"{over} of {total} outputs differ from stock by more than 1 ulp"
+    print(f"bf16 path: {diff} of {total} outputs ({100 * diff / total:.3f} %) differ from stock, {over} by > 1 ulp")
     assert int(cnt.abs().sum()) == 0
 
 
@@ -871,14 +901,15 @@ def test_gpu_hopper_served_path_equals_stock(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("g", [2, 4, 8])
 def test_gpu_hopper_mid_kernel_exact_bound_deterministic(g):
-    """The wgmma kernel (9..192 rows) with each K split: within the fp32 bound of the exact result,
-    the same bits twice (each CTA adds its rows of the split partials in split order), every
-    tile's arrivals counted; also for a strided x."""
+    """The wgmma kernel (9..192 rows) as served (past 64 rows: x's rows in tiles, the last one
+    partly past M): within the fp32 bound of the exact result, the same bits twice (each CTA adds
+    its rows of the split partials in split order), every tile's arrivals counted; also for a
+    strided x."""
     sm90 = _hopper()
     w = twin_weight(g, 1024, 4096, 40 + g)
     w8, e = twin_mod.make_twin(w)
     packed, cnt = sm90.pack_twin(w8), sm90.mid_counters(g, 1024, "cuda")
-    for m in (9, 12, 16, 17, 33, 64, 100, 128, 192):
+    for m in (9, 12, 16, 17, 33, 64, 100, 128, 150, 192):
         base = torch.randn(m, g + 1, 4096, device="cuda").to(torch.bfloat16)
         for x in (base[:, :g].contiguous(), base[:, 1:]):
             y = sm90.wo_a_fp8_mid_sm90(x, packed, e, cnt)

@@ -51,18 +51,20 @@ copies), by LDG.128 (5.3), 8-byte cp.async copies (5.6); the exponents first alo
 i + 1's shared-memory loads issued before block i's conversion (within 1%); the blocks waited for
 in pairs (half the barriers: within 1% of the depth alone); 8 rows per CTA staged, two or more
 CTAs per SM (5.0-5.9 us at G = 2); 64 rows per CTA at G = 8 (10.9-11.4 us).
-Measured against upstream in one run (build bffc136; 43 layers, CUDA graph): G = 2, 2..8 rows
-4.41-4.71 us against 7.96-8.12 us for ``wo_a_bf16_small_batch`` (1.72-1.81x) and 8.94-9.04 us for
-einsum (what Hopper runs for 2..8 rows in 0.5.23, 1.91-2.04x); a pure read of the twin's bytes
-took 3.93 us in that run (3.82 in others), so the kernel is at 1.12-1.20x of it (goals: 1.15x,
-and 1.8x stock: both met at 2, 3, 5 and 6 rows, not at 4, 7 and 8). 9..16 rows 5.01-5.19 us
-against einsum's 8.92-8.98 (1.73-1.79x), 17..32 rows 6.64-6.89 us (1.31-1.61x). G = 4:
-6.44-6.55 us against einsum's 11.54-11.75 (1.78-1.80x, 1.13-1.15x a read), 9..16 rows
-1.67-1.70x, 17..32 1.33-1.36x; G = 8: 10.36-10.79 against 18.84-19.06 (1.77-1.83x: 1.8x at 2..6
-rows; 1.10-1.14x a read), 9..16 rows 1.60-1.70x. The MXFP8 epilogue (upstream's
-``_quantize_partial`` on these partials) 6.27-6.55 us against 8.20-8.30 us (1.25-1.32x). Runs
-of the same kernel differ by 2-6 % (G = 2, 10 blocks in flight, 8 rows: 4.42-4.71 us over three
-runs).
+Measured against upstream in one run (build e1f555d, this small kernel unchanged since bffc136;
+43 layers, CUDA graph): G = 2, 2..8 rows 4.36-4.40 us against 7.97-8.06 us for
+``wo_a_bf16_small_batch`` (1.82-1.84x) and 8.84-8.87 us for einsum (what Hopper runs for 2..8
+rows in 0.5.23, 2.01-2.03x); a pure read of the twin's bytes took 3.84 us in that run, so the
+kernel is at 1.14-1.15x of it (goals: 1.15x and 1.8x stock, met at every row count in this run;
+the run at bffc136 measured 4.41-4.71 us, 1.72-1.81x, 1.12-1.20x a read of 3.93 us). 9..16 rows
+4.94-5.03 us against einsum's 8.87-8.88 (1.76-1.80x), 17..32 rows 6.66-6.91 us (1.30-1.59x).
+G = 4: 6.35-6.47 us against einsum's 11.40-11.49 (1.76-1.80x, 1.11-1.14x a read), 9..16 rows
+1.66-1.68x, 17..32 1.32-1.36x; G = 8: 10.20-10.80 against 18.47-18.99 (1.73-1.83x: 1.8x at 2..4
+and 6 rows, 1.73-1.77x at 7..8; 1.11-1.17x a read), 9..16 rows 1.57-1.66x. The MXFP8 epilogue
+(upstream's ``_quantize_partial`` on these partials) 6.16-6.29 us against 8.12-8.20 us
+(1.30-1.32x). Runs of the same kernel differ by 2-6 % (G = 2, 8 rows: 4.39-4.71 us over four
+runs). At G = 8 and 7..8 rows x is a third of what the CTAs read from L2 (256 CTAs x 64 KB of x
+beside 33.6 MB of twin), which is where 7..8 rows lose the 4 % to 2..3.
 What is left over a read (Nsight Compute, ncu-wo_a-small-stalls-NVIDIA_H200.txt, build 351fe12, G =
 2 / 8 at 8 rows, depth 8 / 6): 7.0 / 10.9 warp cycles per issued instruction, of them 1.8 / 2.3 at
 the block barrier and 1.3 / 3.6 on the long scoreboard; the busiest SM is active 1.13 / 1.09x the
@@ -78,27 +80,38 @@ keeps splits (0, 2, 4, 6) in one thread and (1, 3, 5, 7) in another, summed in o
 two sums. Measured on the H200: 0 of 4096..16384 outputs differ from upstream at M = 2, 4, 8, the
 partials are bit-identical, and so are the MXFP8 bytes and scales.
 
-MID: HOW. The weight rows are the wgmma's M (64 per CTA, one warpgroup), the rows of x its N
-(padded to NP = 16..256), and K is split S ways across CTAs (``_MID_SPLITS``, the best of the
-sweep in benchmark/results/wo_a_fp8_mid_sweep-NVIDIA_H200.json: S = 16 / 8 / 4 / 1..8 so that the
-grid holds 128..1024 CTAs). Each 128-K step reaches shared memory in a ring as deep as one wave
-allows (2..8 steps): the weights by cp.async from the packed words (8 KB), x by TMA (rows past M
-zero-filled). The dequantisation (the same exact asm) turns each 32-K block into the A operand
-in registers right before its wgmma. The split partials go to an fp32 scratch; every CTA of a
-tile then waits for its tile's S arrivals and adds its 64 / S rows of the S partials in split
-order (deterministic, no float atomics). That wait, not the last CTA adding the whole tile,
-is what made split-K pay: the last-CTA form cost 2.0 us at S = 8 and 3.8 us at S = 16 (M = 16).
-Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S), so with the
-block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too) at most one
-tile per launch is partly resident while its CTAs wait, even with the target's and the draft's
-launches side by side; the grid is sized for one wave on an otherwise idle GPU.
-Measured (bench and rows probe): G = 2 1.31x einsum at 24 rows, 1.11x at 32, 0.93-0.97x at 48..64,
-slower from 96 (the small kernel serves 9..32 rows: 1.31-1.79x); G = 4 0.95-1.07x at 24..64 (the
-small kernel serves 9..32: 1.33-1.70x); G = 8 1.30-1.31x at 9..16 (the small kernel serves them:
-1.60-1.70x), 1.25x at 24..32, 1.01-1.05x at 48..64, slower from 96. The dispatch serves ``mid``
-only where the twin was measured about >= 1.1x; ``drop`` serves every row count.
-What the mid goals (2x at 9..64, 1.5x at 65..192) still miss: about 2 us per call of split-K
-wait (partials out, arrival, partials in), and x's L2 traffic, which grows with the rows.
+MID: HOW. The weight rows are the wgmma's M (64 per CTA, one warpgroup), the rows of x its N:
+up to 64 rows one tile of NP = 16..64 (padded), past that tiles of 64 rows of x (128 at G = 8,
+and at G = 4 past 128 rows), each tile of x its own CTAs beside the weight tile's (``_MID_TILES``,
+the best of the sweeps in benchmark/results/wo_a_fp8_mid_sweep- and
+wo_a_fp8_mid_tiles_probe-NVIDIA_H200.json); K is split S ways across CTAs (S = 16 / 8 / 4 / 1 so
+that the grid holds 128..1024 CTAs). Each 128-K step reaches shared memory in a ring as deep as
+one wave allows (2..8 steps): the weights by cp.async from the packed words (8 KB), x by TMA
+(rows past M zero-filled). The dequantisation (the same exact asm) turns each 32-K block into
+the A operand in registers right before its wgmma. The split partials go to an fp32 scratch;
+every CTA of a tile then waits for its tile's S arrivals and adds its 64 / S rows of the S
+partials in split order (deterministic, no float atomics). That wait, not the last CTA adding
+the whole tile, is what made split-K pay: the last-CTA form cost 2.0 us at S = 8 and 3.8 us at
+S = 16 (M = 16). Forward progress: a tile's S CTAs are consecutive in the grid (split = pid % S),
+so with the block scheduler's in-order dispatch (which CUB's decoupled look-back relies on too)
+at most one tile per launch is partly resident while its CTAs wait, even with the target's and
+the draft's launches side by side; the grid is sized for one wave on an otherwise idle GPU.
+Tiles of x (tiles probe, build f94cdf5): G = 2 at 96 / 192 rows 12.5 / 16.2 us against 13.9 /
+20.6 for one tile of NP = 128 / 256; G = 4 18.7 / 25.5 against 21.0 / 33.6; G = 8 unchanged
+(34.8 at 192). 128 weight rows per CTA (two warpgroups share each x tile, half of x's traffic
+per weight byte) was slower at every shape (G = 2, 192 rows: 17.6 us at best).
+Measured (bench, build e1f555d), against einsum: G = 8 at 24..32 rows 1.23-1.24x (at G = 2 / 4
+the small kernel serves 9..32 rows: 1.30-1.80x); 48..64 rows 0.92-0.97x (G = 2), 0.94-0.96x
+(G = 4), 1.00-1.05x (G = 8); 96..192 rows 0.61-0.78x, 0.54-0.69x, 0.65-0.84x. The dispatch
+serves ``mid`` only where the twin was measured about >= 1.1x; ``drop`` serves every row count.
+What the mid goals (2x at 9..64, 1.5x at 65..192) ask: at 192 rows the MMA work is stock's
+(bf16 operands, fp32 sums; x has no exact fp8 form) and einsum already runs it at 319 TFLOP/s
+(G = 2, 10.1 us) and 529 TFLOP/s (G = 8, 24.3 us); 1.5x would be 479 and 794 TFLOP/s, the latter
+80 % of the H200's dense bf16 peak with the dequantisation in the same loop. This kernel reaches
+196 (G = 2) and 363 (G = 8) at 192 rows: one warpgroup per CTA converts and multiplies in turn,
+and x's L2 traffic grows with the rows (G = 2, 192 rows: 74 MB from L2 per call, ~4.5 TB/s).
+At 9..64 rows 2x is <= 1.2x a pure read of the twin, with up to 8x the MMA work of 8 rows and x
+read by every CTA; the small kernel reaches 1.29-1.31x a read at 9..16 rows (G = 2).
 """
 
 from __future__ import annotations
@@ -495,56 +508,64 @@ def _sm_count(device: torch.device) -> int:
 MAX_SPLITS = gl.constexpr(16)  # K splits of the mid kernel: a power of two up to this
 
 
-def mid_stages(g: int, r: int, split: int, np_: int, sms: int) -> int:
+def mid_stages(g: int, r: int, split: int, np_: int, sms: int, bv: int = 64, ntiles: int = 1) -> int:
     """Pipeline depth for one wave: every CTA of the grid resident at once (the split-K wait needs
     a tile's CTAs together), as deep as shared memory then allows, 2..8 steps of 128 K."""
-    ctas_per_sm = -(-(g * r // 64 * split) // sms)
-    stage = 4 * 64 * 8 * 4 + np_ * 128 * 2
+    ctas_per_sm = -(-(g * r // bv * split * ntiles) // sms)
+    stage = 4 * bv * 8 * 4 + np_ * 128 * 2
     fit = (_SM_SMEM // ctas_per_sm - 1024) // stage
     return min(D // split // 128, 8, fit)
 
 
-# (G, NP) -> K splits: the best of the H200 sweep at 9..192 rows (1..16 splits, 64 rows per CTA,
-# as deep a pipeline as one wave allows); more CTAs win until x's share per split grows
-_MID_SPLITS = {
-    (2, 16): 16, (2, 32): 8, (2, 64): 8, (2, 128): 8, (2, 256): 4,
-    (4, 16): 16, (4, 32): 8, (4, 64): 8, (4, 128): 4, (4, 256): 2,
-    (8, 16): 8, (8, 32): 4, (8, 64): 4, (8, 128): 1, (8, 256): 1,
+# (G, x's rows rounded up to a power of two NP) -> (K splits, rows of x per CTA): the best of the
+# H200 sweeps (64 weight rows per CTA, as deep a pipeline as one wave allows;
+# wo_a_fp8_mid_sweep- and wo_a_fp8_mid_tiles_probe-NVIDIA_H200.json). More CTAs win until x's
+# share per split grows; past 64 rows, x's rows in tiles of 64 (128 at G = 8 and G = 4 past 128)
+# with a CTA each beat one tile of NP (G = 2 at 192 rows: 16.2 against 20.6 us).
+_MID_TILES = {
+    (2, 16): (16, 16), (2, 32): (8, 32), (2, 64): (8, 64), (2, 128): (4, 64), (2, 256): (4, 64),
+    (4, 16): (16, 16), (4, 32): (8, 32), (4, 64): (8, 64), (4, 128): (4, 64), (4, 256): (1, 128),
+    (8, 16): (8, 16), (8, 32): (4, 32), (8, 64): (4, 64), (8, 128): (1, 128), (8, 256): (1, 128),
 }
 
 
 def mid_config(m: int, g: int, r: int, sms: int = 132) -> tuple[int, int, int, int, int]:
-    """(weight rows per CTA, warps, K splits, padded x rows NP, pipeline stages) for ``m`` rows on
-    a device with ``sms`` SMs."""
-    np_ = max(16, 1 << (m - 1).bit_length())
-    split = _MID_SPLITS.get((g, np_))
-    if split is None or r != 1024:  # unmeasured shapes: ~512 CTAs up to 64 x rows, ~128 above
-        split = max(1, min(16, (512 if np_ <= 64 else 128) // (g * r // 64)))
-    while mid_stages(g, r, split, np_, sms) < 2:
+    """(weight rows per CTA, warps, K splits, rows of x per CTA NP, pipeline stages) for ``m`` rows
+    on a device with ``sms`` SMs; x's rows go to ceil(m / NP) CTAs per weight tile and split."""
+    full = max(16, 1 << (m - 1).bit_length())
+    split, np_ = _MID_TILES.get((g, full), (None, full)) if r == 1024 else (None, full)
+    if split is None:  # unmeasured shapes: ~512 CTAs up to 64 x rows, ~128 above (a power of two)
+        split = 1 << (max(1, min(16, (512 if full <= 64 else 128) // (g * r // 64))).bit_length() - 1)
+    nt = -(-m // np_)
+    while split > 1 and mid_stages(g, r, split, np_, sms, 64, nt) < 2:
         split //= 2
-    return 64, 4, split, np_, mid_stages(g, r, split, np_, sms)
+    # one split and still more than one wave (no shape measured): 2 steps deep, no split-K wait
+    return 64, 4, split, np_, max(2, mid_stages(g, r, split, np_, sms, 64, nt))
+
+
+MAX_X_TILES = 16  # tiles of x's rows one mid launch may split them into (NP >= 16: 256 rows)
 
 
 def mid_counters(g: int, r: int, device) -> torch.Tensor:
-    """Arrival counters of one twin's split-K tiles: each launch adds MAX_SPLITS per tile (MAX_SPLITS
-    / S per CTA, whatever S the row count picks) and waits for the next multiple of it, so they are
-    never reset (int64: no wrap)."""
-    return torch.zeros(g * r // 64, dtype=torch.int64, device=device)
+    """Arrival counters of one twin's split-K tiles (weight tile x tile of x's rows): each launch
+    adds MAX_SPLITS per tile (MAX_SPLITS / S per CTA, whatever S the row count picks) and waits for
+    the next multiple of it, so they are never reset (int64: no wrap)."""
+    return torch.zeros(g * r // 64 * MAX_X_TILES, dtype=torch.int64, device=device)
 
 
 @gluon.jit
-def _mid_refill(W, w_off, x_desc, bar, w_s, x_s, st, kg, xcol, XBYTES: gl.constexpr):
+def _mid_refill(W, w_off, x_desc, bar, w_s, x_s, st, kg, n0, xcol, XBYTES: gl.constexpr):
     """Stage st <- global 128-K step kg: the weights by cp.async (the fragment-major words of one
     step are 256-byte pieces, not a box TMA can read), x by TMA on the stage's mbarrier."""
     # packed [.., row group, chunk c, block b, split s, 64 words]: step kg = 4 s + c
     async_copy.async_copy_global_to_shared(w_s.index(st), W + w_off + (kg % 4) * 2048 + (kg // 4) * 64)
     mbarrier.expect(bar, XBYTES)
-    tma.async_copy_global_to_shared(x_desc, [0, xcol + kg * 128], bar, x_s.index(2 * st))
-    tma.async_copy_global_to_shared(x_desc, [0, xcol + kg * 128 + 64], bar, x_s.index(2 * st + 1))
+    tma.async_copy_global_to_shared(x_desc, [n0, xcol + kg * 128], bar, x_s.index(2 * st))
+    tma.async_copy_global_to_shared(x_desc, [n0, xcol + kg * 128 + 64], bar, x_s.index(2 * st + 1))
 
 
 @gluon.jit
-def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.constexpr, S: gl.constexpr,
+def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, NT, G: gl.constexpr, R: gl.constexpr, S: gl.constexpr,
                          BV: gl.constexpr, NP: gl.constexpr, ST: gl.constexpr, NW: gl.constexpr,
                          W_L: gl.constexpr, WC_L: gl.constexpr, W_SMEM: gl.constexpr, OUT_L: gl.constexpr,
                          RED_L: gl.constexpr):
@@ -555,7 +576,9 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
     XBYTES: gl.constexpr = NP * 128 * 2
     pid = gl.program_id(0)
     split = pid % S
-    tile = pid // S
+    xt = (pid // S) % NT  # the tile of x's rows, NP of them from n0
+    tile = pid // S // NT
+    n0 = xt * NP
     group = tile // (R // BV)
     r0 = (tile % (R // BV)) * BV
     kg0 = split * NSTEP
@@ -573,7 +596,7 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
     xcol = group * DK
     for j in gl.static_range(ST - 1):
         if j < NSTEP:
-            _mid_refill(W, w_off, x_desc, bars.index(j), w_s, x_s, j, kg0 + j, xcol, XBYTES)
+            _mid_refill(W, w_off, x_desc, bars.index(j), w_s, x_s, j, kg0 + j, n0, xcol, XBYTES)
         async_copy.commit_group()
     # biased exponents of this thread's rows: block (row // 32, k // 32)
     rows = r0 + gl.arange(0, BV, layout=gl.SliceLayout(1, W_L))
@@ -589,7 +612,7 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
         nxt = i + ST - 1
         if nxt < NSTEP:
             sn = nxt % ST
-            _mid_refill(W, w_off, x_desc, bars.index(sn), w_s, x_s, sn, kg0 + nxt, xcol, XBYTES)
+            _mid_refill(W, w_off, x_desc, bars.index(sn), w_s, x_s, sn, kg0 + nxt, n0, xcol, XBYTES)
         async_copy.commit_group()  # possibly empty: keeps the wait count above uniform
         for kb in gl.static_range(4):
             w32 = w_s.index(st).slice(kb * BV, BV, dim=0).load(W_L)
@@ -602,7 +625,7 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
     for s in gl.static_range(ST):
         mbarrier.invalidate(bars.index(s))
     orow = gl.arange(0, BV, layout=gl.SliceLayout(1, OUT_L))
-    otok = gl.arange(0, NP, layout=gl.SliceLayout(0, OUT_L))
+    otok = n0 + gl.arange(0, NP, layout=gl.SliceLayout(0, OUT_L))
     y_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + gl.expand_dims(orow, 1)
     y_mask = gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1)
     if S == 1:
@@ -614,24 +637,25 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, G: gl.constexpr, R: gl.conste
         prow = gl.arange(0, BV, layout=gl.SliceLayout(1, MMA))
         pcol = gl.arange(0, NP, layout=gl.SliceLayout(0, MMA))
         p_off = gl.expand_dims(prow * NP, 1) + gl.expand_dims(pcol, 0)
-        gl.store(P + (tile * S + split) * (BV * NP) + p_off, acc)
+        pt = tile * NT + xt  # the split-K tile: weight tile x tile of x's rows
+        gl.store(P + (pt * S + split) * (BV * NP) + p_off, acc)
         gl.thread_barrier()
         # each launch adds MAX_SPLITS per tile whatever its S, so a launch starts at a multiple of it
-        arrived = gl.atomic_add(C + tile, MAX_SPLITS // S, sem="acq_rel", scope="gpu")
+        arrived = gl.atomic_add(C + pt, MAX_SPLITS // S, sem="acq_rel", scope="gpu")
         target = (arrived // MAX_SPLITS + 1) * MAX_SPLITS
         seen = arrived + MAX_SPLITS // S
         while seen < target:
-            seen = gl.atomic_add(C + tile, 0, sem="acquire", scope="gpu")
+            seen = gl.atomic_add(C + pt, 0, sem="acquire", scope="gpu")
         gl.thread_barrier()
         RC: gl.constexpr = BV // S
         rr = gl.arange(0, RC, layout=gl.SliceLayout(1, RED_L))
         rc = gl.arange(0, NP, layout=gl.SliceLayout(0, RED_L))
         r_off = gl.expand_dims((split * RC + rr) * NP, 1) + gl.expand_dims(rc, 0)
-        total = gl.load(P + tile * S * (BV * NP) + r_off, cache_modifier=".cg")
+        total = gl.load(P + pt * S * (BV * NP) + r_off, cache_modifier=".cg")
         for s in gl.static_range(1, S):
-            total += gl.load(P + (tile * S + s) * (BV * NP) + r_off, cache_modifier=".cg")
-        y2 = (gl.expand_dims(rc, 0) * G + group) * R + r0 + split * RC + gl.expand_dims(rr, 1)
-        gl.store(Y + y2, total.to(gl.bfloat16), gl.expand_dims(rc < M, 0) & gl.expand_dims(rr >= 0, 1))
+            total += gl.load(P + (pt * S + s) * (BV * NP) + r_off, cache_modifier=".cg")
+        y2 = ((n0 + gl.expand_dims(rc, 0)) * G + group) * R + r0 + split * RC + gl.expand_dims(rr, 1)
+        gl.store(Y + y2, total.to(gl.bfloat16), gl.expand_dims(n0 + rc < M, 0) & gl.expand_dims(rr >= 0, 1))
 
 
 @functools.cache
@@ -654,16 +678,18 @@ def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, 
     assert 1 <= m <= 256 and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
     assert x.stride(2) == 1 and x.stride(1) == D
     bv, nw, split, np_, st = cfg or mid_config(m, g, r, _sm_count(x.device))
-    assert np_ >= m and r % bv == 0 and counters.numel() >= g * r // bv and counters.dtype == torch.int64
+    nt = -(-m // np_)  # tiles of x's rows
+    assert nt <= MAX_X_TILES and r % bv == 0 and counters.dtype == torch.int64
+    assert counters.numel() >= g * r // bv * nt, "counters: mid_counters of this twin"
     assert split in (1, 2, 4, 8, 16) and bv % split == 0 and st >= 2, (split, st)
     if x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.clone()  # TMA reads x: 16-byte aligned rows
     x2 = x.as_strided((m, g * D), (x.stride(0), 1))
     x_desc = TensorDescriptor.from_tensor(x2, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16))
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
-    p = torch.empty(g * r * split * np_ if split > 1 else 1, dtype=torch.float32, device=x.device)
-    _wo_a_fp8_mid_kernel[(g * r // bv * split,)](
-        packed, x_desc, exp, y, p, counters, m, g, r, split, bv, np_, st, nw, *_mid_layouts(bv, nw, np_),
+    p = torch.empty(g * r * split * np_ * nt if split > 1 else 1, dtype=torch.float32, device=x.device)
+    _wo_a_fp8_mid_kernel[(g * r // bv * nt * split,)](
+        packed, x_desc, exp, y, p, counters, m, nt, g, r, split, bv, np_, st, nw, *_mid_layouts(bv, nw, np_),
         num_warps=nw,
     )
     return y
