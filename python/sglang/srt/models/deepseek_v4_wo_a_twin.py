@@ -29,14 +29,14 @@ LOSSLESS. Hopper small kernel: bitwise identical to ``wo_a_bf16_small_batch`` an
 variant (H200, M = 2..8). wgmma and Triton kernels: within the fp32 accumulation bound of the
 exact result (G = 2/4/8, 9..192 rows), deterministic. drop: every route gives the bits it gave
 before the release (tests, CPU and H200).
-MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json): G = 2,
-2..8 rows 1.72-1.81x ``wo_a_bf16_small_batch`` (1.91-2.04x the einsum 0.5.23 runs on Hopper
-there), 9..16 rows 1.73-1.79x einsum, 17..32 rows 1.31-1.61x; G = 4 1.78-1.80x at 2..8 /
-1.67-1.70x at 9..16 / 1.33-1.36x at 17..32; G = 8 1.77-1.83x / 1.60-1.70x / 1.25x (wgmma). drop
-releases 7.99 MiB per layer net of the twin at G = 2 (15.98 at G = 4, 31.97 at G = 8; 344 / 687
-/ 1375 MiB for 43 layers); its prefill dequantisation costs 12.4 us per layer and call at G = 2,
-and the row counts mid leaves stock run at 0.44-1.05x einsum (still faster than rebuilding the
-weight).
+MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json, build
+e1f555d): G = 2, 2..8 rows 1.82-1.84x ``wo_a_bf16_small_batch`` (1.72-1.81x in the run at
+bffc136; 2.01-2.03x the einsum 0.5.23 runs on Hopper there), 9..16 rows 1.76-1.80x einsum,
+17..32 rows 1.30-1.59x; G = 4 1.76-1.80x at 2..8 / 1.66-1.68x at 9..16 / 1.32-1.36x at 17..32;
+G = 8 1.73-1.83x / 1.57-1.66x / 1.23-1.24x (wgmma). drop releases 7.99 MiB per layer net of the
+twin at G = 2 (15.98 at G = 4, 31.95 at G = 8; 343 / 687 / 1374 MiB for 43 layers); its prefill
+dequantisation costs 12.4 us per layer and call at G = 2, and the row counts mid leaves stock
+run at 0.54-1.05x einsum (still faster than rebuilding the weight).
 """
 
 from __future__ import annotations
