@@ -64,6 +64,15 @@ def twin_exact_weight(g: int, seed: int) -> torch.Tensor:
     return (q.float() * scale).to(torch.bfloat16)
 
 
+def outside_fp32_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> int:
+    """Outputs of ``einsum('tgd,grd->tgr', x, w)`` farther from the exact result than one bf16 ulp
+    plus the fp32 accumulation bound (K * 2**-24 * sum |x w|): the twin kernels' error budget."""
+    ref = torch.einsum("tgd,grd->tgr", x.double(), w.double())
+    mag = torch.einsum("tgd,grd->tgr", x.double().abs(), w.double().abs())
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
+    return int(((y.double() - ref).abs() > ulp + x.shape[-1] * 2.0**-24 * mag).sum())
+
+
 class _Attn(torch.nn.Module):
     def __init__(self, w: torch.Tensor):
         super().__init__()
