@@ -64,6 +64,14 @@ def twin_exact_weight(g: int, seed: int) -> torch.Tensor:
     return (q.float() * scale).to(torch.bfloat16)
 
 
+def hopper_layers(g: int) -> tuple[list, list, list, list]:
+    """What the wo_a probes time on Hopper, one per layer: LAYERS twin-exact weights of G groups,
+    their twins (e4m3, exponents), the Hopper kernels' packed words and the mid kernel's counters."""
+    weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
+    twins = [make_twin(w) for w in weights]
+    return weights, twins, [sm90.pack_twin(t[0]) for t in twins], [sm90.mid_counters(g, R, "cuda") for _ in twins]
+
+
 def outside_fp32_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> int:
     """Outputs of ``einsum('tgd,grd->tgr', x, w)`` farther from the exact result than one bf16 ulp
     plus the fp32 accumulation bound (K * 2**-24 * sum |x w|): the twin kernels' error budget."""

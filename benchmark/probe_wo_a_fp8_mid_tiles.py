@@ -15,10 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench_wo_a_fp8 import outside_fp32_bound, pure_read_us, twin_exact_weight
+from bench_wo_a_fp8 import hopper_layers, outside_fp32_bound, pure_read_us
 from harness import LAYERS, graph_us_per_call, parse_args, report
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
-from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 R, D = 1024, 4096
 
@@ -49,10 +48,7 @@ def main() -> None:
     for g in tuple(int(v) for v in os.environ.get("FORK_PROBE_G", "2,8,4").split(",")):
         if time.time() - t0 > budget:
             break
-        weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
-        twins = [make_twin(w) for w in weights]
-        packed = [sm90.pack_twin(t[0]) for t in twins]
-        counters = [sm90.mid_counters(g, R, "cuda") for _ in twins]
+        weights, twins, packed, counters = hopper_layers(g)
         read_us = pure_read_us(twins, args.replays)
         ms = tuple(int(v) for v in os.environ.get("FORK_PROBE_M", "48,64,96,128,192").split(","))
         xs = {m: torch.randn(m, g, D, device="cuda").to(torch.bfloat16) for m in ms}

@@ -28,10 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from bench_wo_a_fp8 import pure_read_us, twin_exact_weight
+from bench_wo_a_fp8 import hopper_layers, pure_read_us
 from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
-from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 
 def variants(g: int, m: int) -> list[tuple[str, dict]]:
@@ -52,10 +51,7 @@ def main() -> None:
     rows = []
     cols = ["G", "M", "kernel", "us", "x_einsum", "x_served", "x_pure_read", "TB/s", "bitwise"]
     for g in tuple(int(v) for v in os.environ.get("FORK_PROBE_G", "2,8,4").split(",")):
-        weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
-        twins = [make_twin(w) for w in weights]
-        packed = [sm90.pack_twin(t[0]) for t in twins]
-        counters = [sm90.mid_counters(g, 1024, "cuda") for _ in twins]
+        weights, twins, packed, counters = hopper_layers(g)
         nbytes = twins[0][0].numel() + twins[0][1].numel()
         read_us = pure_read_us(twins, args.replays)
         ms = tuple(int(v) for v in os.environ.get("FORK_PROBE_M", "2,8,16,32").split(","))

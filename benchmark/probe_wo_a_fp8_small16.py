@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from bench_wo_a_fp8 import pure_read_us, twin_exact_weight
+from bench_wo_a_fp8 import hopper_layers, pure_read_us
 from harness import LAYERS, graph_us_per_call, parse_args, report, tbps
 from sglang.kernels.ops.gemm import dsv4_wo_a as up
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 from sglang.srt.models.deepseek_v4_wo_a_twin import mid_rows_faster
-from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 CONFIGS = {  # name: (rows_per_cta, cvt); "small" served up to 0.5.23+fork.7.71e3af7, "small_rows16_prmt" since
     "small": (8, sm90.CVT_F16),
@@ -39,13 +38,10 @@ def main() -> None:
     args = parse_args(__doc__)
     rows = []
     for g in (2, 4, 8):
-        weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
-        twins = [make_twin(w) for w in weights]
+        weights, twins, packed, counters = hopper_layers(g)
         assert all(t is not None and int(t[1].max()) <= sm90.max_biased_exp(sm90.CVT_PRMT) for t in twins)
-        packed = [sm90.pack_twin(t[0]) for t in twins]
         nbytes = twins[0][0].numel() + twins[0][1].numel()
         read_us = pure_read_us(twins, args.replays)
-        counters = [sm90.mid_counters(g, 1024, "cuda") for _ in twins]
         for m in (1, 2, 4, 8, 12, 16):
             x = torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16)
             if g == 2 and 2 <= m <= 8:  # upstream's small-batch kernel takes 2..8 rows; else einsum
