@@ -1,10 +1,10 @@
-"""One launch of each served small-kernel shape for Nsight Compute (not a benchmark: no JSON), to
-see where the kernel waits: G = 2 / 4 / 8 at 2 and 8 rows of x, and G = 2 at 32 rows
-(FORK_PROFILE_SHAPES="2:8,8:8" picks G:M pairs; FORK_PROFILE_KERNEL=mid launches the wgmma mid
-kernel in its served configuration instead). Run on the GPU machine (see
+"""One launch of each served wo_a twin kernel shape for Nsight Compute (not a benchmark: no JSON),
+to see where the kernel waits: the small kernel at G = 2 / 4 / 8 with 2 and 8 rows of x and G = 2
+with 32 rows; FORK_PROFILE_SHAPES="2:8,8:8" picks G:M pairs, FORK_PROFILE_KERNEL=mid launches the
+wgmma mid kernel in its served configuration instead. Run on the GPU machine (see
 tools/gpu_bundle_run.sh for the environment), e.g.
   ncu --kernel-name _wo_a_fp8_small_kernel --section WarpStateStats --section SchedulerStats \
-      --section SpeedOfLight python3 benchmark/profile_wo_a_fp8_small.py
+      --section SpeedOfLight python3 benchmark/profile_wo_a_fp8.py
 """
 from __future__ import annotations
 
