@@ -107,6 +107,23 @@ def test_row_gate_and_refusals():
     assert Spec.__struct_defaults__[i] is False
 
 
+def test_flag_refused_where_no_draft_builds_the_copy(monkeypatch):
+    """Only DSPARK with a DeepSeek-V4 target builds the fp8 head (in DeepseekV4ForCausalLMDSpark);
+    elsewhere the flag is refused at startup instead of being ignored."""
+    import sglang.srt.arg_groups.model_override_base as mob
+
+    arch = {"a": "DeepseekV4ForCausalLM"}
+    monkeypatch.setattr(mob, "model_config_of", lambda sa: types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(architectures=[arch["a"]])))
+    mod.validate_draft_head_fp8(None, False, "EAGLE")
+    mod.validate_draft_head_fp8(None, True, "DSPARK")
+    with pytest.raises(ValueError, match="DSPARK only .got 'EAGLE'."):
+        mod.validate_draft_head_fp8(None, True, "EAGLE")
+    arch["a"] = "Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match="target is Qwen3MoeForCausalLM; only the DSpark draft"):
+        mod.validate_draft_head_fp8(None, True, "DSPARK")
+
+
 def test_refuses_deterministic_inference(monkeypatch):
     """Above MAX_ROWS the bf16 head serves, so a row's draft logits would follow its batch's row
     count: with --enable-deterministic-inference the fp8 head refuses to build, naming both."""

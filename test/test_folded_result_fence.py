@@ -211,6 +211,44 @@ def test_consuming_without_a_copy_fails_loud():
         _folded(epi, 4)
 
 
+def test_capture_mid_serving_counts_its_warm_ups_from_the_device(monkeypatch, caplog):
+    """A CUDA-graph capture mid-serving (update_weights_from_disk(recapture_cuda_graph=True),
+    elastic EP scale-up) runs the epilogue eagerly twice per shape first, under the gate the
+    last folded step left armed: ring copies no host takes. The first consumption after the
+    capture counts from the device (before: "ring out of step" and the scheduler died), returns
+    that step's own results, and a later drift still fails loud."""
+    from sglang.srt.speculative.dspark_components import dspark_result_fence as fence_mod
+
+    stock, epi = _epilogue(fence=False), _epilogue(fence=True)
+    ring = epi.result_fence
+    stock_io, io = _Io(stock, 4), _Io(epi, 4)
+    for step in range(2):
+        epi.begin_static_step(4, True)
+        io.stage(step)
+        _run_static(epi, io)
+        _folded(epi, 4)
+    for _ in range(2):  # the capture's warm-ups: the gate still armed
+        _run_static(epi, io)
+    with monkeypatch.context() as m:  # the capture: the copy is recorded, not run
+        m.setattr(fence_mod, "_capturing", lambda: True)
+        m.setattr(fence_mod, "_ring_copy_kernel", {(1,): lambda *a, **k: None})
+        _run_static(epi, io)
+    assert (int(ring.counter[0]), ring.count) == (4, 2)
+    for e, x in ((stock, stock_io), (epi, io)):
+        e.begin_static_step(4, True)
+        x.stage(2)
+        _run_static(e, x)
+    with caplog.at_level("INFO", logger=fence_mod.__name__):
+        acc = _folded(epi, 4)
+    assert "2 ring copies ran in the warm-ups" in caplog.text
+    assert int(ring.counter[0]) == ring.count == 5
+    for got, want in zip(_fields(acc), _fields(stock.read_accept(4))):
+        assert torch.equal(got, want)
+    _write_step(epi, 4, 3, gate=torch.zeros(1, dtype=torch.int32))  # a copy that never ran
+    with pytest.raises(RuntimeError, match="ring out of step"):
+        _folded(epi, 4)
+
+
 def test_sampling_accept_region_returns_the_ring_slot():
     from sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph import (
         DsparkSamplingAcceptGraph,
@@ -334,3 +372,36 @@ def test_gpu_drift_check_fails_loud_without_a_sync():
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="ring out of step"):
         epi.result_fence.snapshot(4)
+
+
+@pytest.mark.gpu
+def test_gpu_recapture_mid_serving_keeps_the_ring_in_step():
+    """The real epilogue captured in a CUDA graph as at startup (gate disarmed), served folded,
+    then captured again mid-serving with the gate armed (two eager warm-ups first, as upstream's
+    capture runs them): every step reads its own tokens, the asynchronous check agrees."""
+    dev = torch.device("cuda")
+    epi = _epilogue(True, device=dev)
+    io = _Io(epi, 4, device=dev)
+
+    def capture() -> torch.cuda.CUDAGraph:
+        for _ in range(2):
+            _run_static(epi, io)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            _run_static(epi, io)
+        return graph
+
+    epi.begin_static_step(4, False)
+    graph = capture()
+    epi.begin_static_step(4, True)
+    for step in range(200):
+        if step == 70:
+            graph = capture()
+        io.stage(step)
+        graph.replay()
+        acc = _folded(epi, 4)
+        want = (step + torch.arange(4, device=dev)) % io.vocab
+        assert torch.equal(acc.out_tokens.reshape(4, -1)[:, 0], want), step
+    torch.cuda.synchronize()
+    # 200 steps taken, and the 2 warm-up copies of the capture at step 70, counted from the device
+    assert int(epi.result_fence.counter[0]) == epi.result_fence.count == 202

@@ -67,9 +67,21 @@ def test_validate_cross_flag_rules():
         ("3", {"attn_dp_size": 2}, "dp attention"),
         ("3", {"max_running_requests": vc.MAX_REQUESTS + 1}, "at most 1024 requests"),
         (None, {"cap_min": 2}, "need --speculative-dspark-verify-cap"),
+        ("3", {"cap_min": 2}, "with the fixed cap 3 every request verifies 3"),
+        ("conf:0.1", {"log_path": "/nonexistent-dir/cap.bin"}, "/nonexistent-dir is not a writable"),
+        ("3", {"target_arch": "Qwen3MoeForCausalLM"}, "target is Qwen3MoeForCausalLM; only"),
+        ("3", {"moe_a2a_backend": "deepep", "tp_size": 4}, "--moe-a2a-backend deepep at tp 4"),
+        ("3", {"device": "npu:0"}, "NPU top-k route"),
     ]:
         with pytest.raises(ValueError, match=msg):
             _validate(cap, **kw)
+
+
+def test_validate_accepts_what_the_cap_serves(tmp_path):
+    """A DeepSeek-V4 target, an a2a backend on one rank (no scatter before the router), a log
+    in a writable directory."""
+    assert _validate("3", target_arch="DeepseekV4ForCausalLM", moe_a2a_backend="deepep", tp_size=1).fixed == 3
+    assert _validate("conf:0.1", moe_a2a_backend="none", tp_size=8, log_path=str(tmp_path / "cap.bin"))
 
 
 def test_bad_flag_value_is_an_argparse_error():

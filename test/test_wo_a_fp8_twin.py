@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -159,6 +160,24 @@ def test_twins_refuse_online_weight_updates_and_survive_post_load_again(monkeypa
         assert [model[n]._wo_a_fp8_twin for n in ("l0", "l1")] == twins and twin_mod._TWINS == keys
 
 
+def test_no_twin_after_the_first_load(monkeypatch, caplog):
+    """A layer without a twin at the first build (here a weight with no exact twin, as dummy
+    weights have) stays stock when a later load (an online update the missing twin allowed) gives
+    it exact weights: graphs captured at startup read its bf16 weight, which a new twin would
+    bypass (drop: free), and no later bucket of the update may be refused halfway."""
+    monkeypatch.setattr(twin_mod, "_TWINS", {})
+    model = _two_layer_model(72)
+    exact = model["l1"].wo_a.weight.data.clone()
+    model["l1"].wo_a.weight.data[3, 3] = 1.0 + 2**-7
+    assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (1, 1)
+    model["l1"].wo_a.weight.data.copy_(exact)
+    with caplog.at_level("INFO"):
+        assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (0, 0)
+    assert "1 kept from before, 1 without one since the first load stay stock" in caplog.text
+    assert model["l1"].wo_a.weight.stride() == (1024, 1) and not hasattr(model["l1"], "_wo_a_fp8_twin")
+    assert getattr(model["l1"], "_derived_weight_cache_error", None) is None
+
+
 def test_build_refuses_gpus_without_e4m3(monkeypatch):
     """Before SM89 Triton has no e4m3: the twin's kernels would fail to compile at serving time."""
     from types import SimpleNamespace
@@ -195,6 +214,13 @@ def test_validate_refuses_what_the_twin_cannot_serve_under():
             twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}))
     with pytest.raises(ValueError, match="accepted"):
         twin_mod.validate_wo_a_fp8_twin(cfg("yes"))
+    with pytest.raises(ValueError, match="mid cannot be used with --enable-torch-compile: a traced"):
+        twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_torch_compile=1))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.version, "hip", "6.3")
+        with pytest.raises(ValueError, match="small: this torch is a ROCm build .6.3.; the twin's kernels"):
+            twin_mod.validate_wo_a_fp8_twin(cfg("small"))
+        assert twin_mod.validate_wo_a_fp8_twin(cfg("off")) == "off"
 
 
 def test_bad_layout_raises_naming_the_layer(monkeypatch):
@@ -472,8 +498,11 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **kw) is None
     monkeypatch.setitem(twin_mod._MODE, "mode", "small")
     assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw) is None
-    # drop: every decode/verify row count from the twin (one row on the small kernel, bf16)
+    # drop: a layer that kept its weight (its release refused) is served as under mid ...
     monkeypatch.setitem(twin_mod._MODE, "mode", "drop")
+    assert twin_mod.apply_wo_a_fp8_twin(x(16), w, **kw).shape == (16, 2, 1024) and calls[-1] is False
+    assert twin_mod.apply_wo_a_fp8_twin(x(33), w, **kw) is None
+    # ... a released one: every decode/verify row count from the twin (one row on the small kernel, bf16)
     twin.dropped = True
     n = len(calls)
     assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **{**kw, "fuse_mxfp8_quant": True}).shape == (1, 2, 1024)
@@ -565,6 +594,11 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
         sw = model[name].wo_a.weight
         assert sw.shape == (128, 1024) and sw.stride() == (0, 0) and torch.isnan(sw[0, 0])
         assert twin_mod._TWINS[sw.data_ptr()].dropped
+    # upstream's weight export (remote instance send, save_sharded_model) refuses, naming the layer
+    from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
+
+    reason = WeightExporter._weight_export_unsupported_reason(SimpleNamespace(get_model=lambda: model))
+    assert reason and "l0.wo_a was released by --dsv4-wo-a-fp8-twin=drop" in reason
     after = _all_routes(model)
     for i, (a, b, s) in enumerate(zip(after, before, stock)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i

@@ -20,9 +20,14 @@ Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one pa
   streams). Layers whose wo_a another reader takes (the fused rope + wo_a kernel, mega attention,
   the NPU MXFP8 and bf16 paths, the DSpark draft's einsum) refuse to boot under drop, naming it;
   so do in-place weight updates after it (writing into the stand-in raises).
-Every level refuses --enable-deterministic-inference at startup (the kernel follows the row count),
-and every layer with a twin refuses online weight updates through upstream's
-``_derived_weight_cache_error`` (captured CUDA graphs read the twin's buffers).
+Every level refuses at startup --enable-deterministic-inference (the kernel follows the row count),
+--enable-torch-compile (a traced ``data_ptr()`` misses the twin table: under drop the stand-in
+would be multiplied) and ROCm builds of torch (the kernels are NVIDIA's, measured on the H200).
+Every layer with a twin refuses online weight updates through upstream's
+``_derived_weight_cache_error`` (captured CUDA graphs read the twin's buffers); twins are built at
+the first load only, so a layer that had none then (e.g. ``--load-format dummy``) stays stock
+through later updates, whose graphs read its bf16 weight. Under drop a released layer refuses
+weight export (upstream's ``_weight_export_error``).
 Elsewhere the portable Triton kernel ``dsv4_wo_a_fp8`` serves 2..8 rows (and 9..192 under mid).
 Prefill, one row (but under drop), other shapes or layouts and layers without a twin stay stock.
 LOSSLESS. Hopper small kernel: bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
@@ -92,6 +97,9 @@ def parse_wo_a_fp8_twin(value) -> str:
 _REFUSED_WITH = (
     ("enable_deterministic_inference", "--enable-deterministic-inference",
      "the twin picks its kernel (and split) by row count, so a request's bits would depend on its batch"),
+    ("enable_torch_compile", "--enable-torch-compile",
+     "a traced wo_a.data_ptr() does not find the twin, so compiled decode would skip it (under drop: "
+     "multiply the released weight's stand-in)"),
 )
 _DROP_REFUSED_WITH = (
     ("enable_cp_decode_attn_tp", "--enable-cp-decode-attn-tp",
@@ -108,6 +116,11 @@ def validate_wo_a_fp8_twin(cfg) -> str:
     mode = parse_wo_a_fp8_twin(cfg.dsv4_wo_a_fp8_twin)
     if mode == "off":
         return mode
+    if torch.version.hip is not None:
+        raise ValueError(
+            f"--dsv4-wo-a-fp8-twin={mode}: this torch is a ROCm build ({torch.version.hip}); the "
+            "twin's kernels are built and measured for NVIDIA GPUs only; use --dsv4-wo-a-fp8-twin off"
+        )
     for attr, flag, why in _REFUSED_WITH + (_DROP_REFUSED_WITH if mode == "drop" else ()):
         if getattr(cfg, attr):
             raise ValueError(f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}")
@@ -215,6 +228,10 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
         mod.wo_a.weight.data = _stand_in(old)
         storage.resize_(0)
         twin.dropped = True
+        mod._weight_export_error = (
+            f"{name}.wo_a was released by --dsv4-wo-a-fp8-twin=drop (it lives as its fp8 twin only); "
+            "restart with --dsv4-wo-a-fp8-twin=mid to export or save weights"
+        )
         _TWINS.pop(key, None)
         _TWINS[mod.wo_a.weight.data_ptr()] = twin
         released += view.numel() * view.element_size()
@@ -228,7 +245,8 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     A layer that has its twin already (``post_load_weights`` again, e.g. at the end of a weight-
     update session) keeps it: CUDA graphs captured since hold its buffers, and its weight cannot
     have changed, since every layer with a twin refuses online weight updates (upstream's
-    ``_derived_weight_cache_error``)."""
+    ``_derived_weight_cache_error``). A layer that got none at the first build stays stock: graphs
+    captured since read its bf16 weight, which a twin built now would bypass (drop: free)."""
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
         _TWINS.clear()  # twins of a model this process loaded earlier must not serve this one
@@ -244,7 +262,8 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
                 "F.linear on the weight, which drop releases; use --dsv4-wo-a-fp8-twin=mid"
             )
     _MODE["mode"] = mode
-    made = kept = had = 0
+    first = not getattr(model, "_wo_a_fp8_twins_built", False)
+    made = kept = had = late = 0
     entries, layers = [], []
     for name, mod in model.named_modules():
         if getattr(mod, "wo_a", None) is None or not hasattr(mod, "n_local_groups"):
@@ -254,6 +273,9 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             continue
         view = _wo_a_view(mod, name, mod.n_local_groups, mod.o_lora_rank)
         if view is None:
+            continue
+        if not first:
+            late += 1
             continue
         cap = torch.cuda.get_device_capability(view.device) if view.is_cuda else None
         if cap is not None and cap < (8, 9):
@@ -306,12 +328,14 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
         entries.append((name, mod, view, t))
         made += 1
     released, failed = _drop(entries, label) if mode == "drop" else (0, 0)
+    model._wo_a_fp8_twins_built = True
     twin_mb = sum(t.nbytes() for *_, t in entries) / 2**20
     hopper = sum(t.packed is not None for *_, t in entries)
     logger.info(
         "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights (%d on the Hopper kernels), "
-        "%d left on bf16%s; twins hold %.1f MiB%s",
-        mode, label, made, hopper, kept, f", {had} kept from before" if had else "", twin_mb,
+        "%d left on bf16%s%s; twins hold %.1f MiB%s",
+        mode, label, made, hopper, kept, f", {had} kept from before" if had else "",
+        f", {late} without one since the first load stay stock" if late else "", twin_mb,
         f"; released {released / 2**20:.1f} MiB of bf16 weights ({made - failed} layers, "
         f"{failed} kept theirs)" if mode == "drop" else "",
     )
@@ -367,7 +391,7 @@ def apply_wo_a_fp8_twin(
 
             partials = sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp, partials=True)
             return Mxfp8SwizzledInput(*_quantize_partial(partials))
-        top = MID_MAX_ROWS if twin.dropped else mid_rows_faster(g) if mode == "mid" else 0
+        top = MID_MAX_ROWS if twin.dropped else mid_rows_faster(g) if mode in ("mid", "drop") else 0
         if 9 <= m <= top and not fuse_mxfp8_quant:
             if m <= small_kernel_rows(g):
                 return sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp)

@@ -144,6 +144,28 @@ def check_draft_head_fp8_applies(model, lm_head) -> None:
         )
 
 
+# targets whose DSpark draft (DeepseekV4ForCausalLMDSpark) builds the fp8 copy of the head
+FP8_HEAD_TARGETS = ("DeepseekV4ForCausalLM",)
+
+
+def validate_draft_head_fp8(server_args, enabled: bool, algorithm) -> None:
+    """Resolution-hook check: where no draft would build the copy, the flag is refused, not
+    ignored (the dense DSpark draft and the other algorithms keep the bf16 head)."""
+    if not enabled:
+        return
+    what = "--speculative-dspark-draft-head-fp8"
+    if (algorithm or "").upper() != "DSPARK":
+        raise ValueError(f"{what} applies to --speculative-algorithm DSPARK only (got {algorithm!r})")
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+
+    arch = model_config_of(server_args).hf_config.architectures[0]
+    if arch not in FP8_HEAD_TARGETS:
+        raise ValueError(
+            f"{what}: the target is {arch}; only the DSpark draft of {', '.join(FP8_HEAD_TARGETS)} "
+            "builds the fp8 head (the dense DSpark draft keeps bf16)"
+        )
+
+
 def maybe_build_draft_head_fp8(model, lm_head, enabled: bool):
     """At attach_shared_modules (before capture): the fp8 head, or None when off."""
     if not enabled:

@@ -50,10 +50,15 @@ ONE COPY PER CONSUMED STEP. The host's count and the device counter stay equal b
 copy is gated exactly like the fold: the verify graph copies under the epilogue's
 ``inject_gate_buf`` (armed iff the host takes the folded accept of that replay;
 ``run_idle_participation`` disarms it), the sampling-accept region (taken only when the
-verify graph did not fold) under its all-ones gate. A drift (e.g. a graph re-captured
-with a stale armed gate) would hand the host the other slot, so the device counter is
-read back without a sync at the first consumption and every ``CHECK_EVERY`` after, and a
-mismatch raises.
+verify graph did not fold) under its all-ones gate. One legitimate exception: a CUDA-graph
+capture first runs the code it captures eagerly (upstream's warm-ups, two per shape), under
+whatever the gate holds, and no host takes those copies. At startup the gate is disarmed,
+but a capture mid-serving (``update_weights_from_disk(recapture_cuda_graph=True)``, elastic
+EP scale-up) finds it armed by the last served step. So ``copy_in`` notes a capture, and the
+next consumption counts from the device counter (one sync per capture; logged when the
+warm-ups had copied). Any other drift would hand the host the other slot, so the device
+counter is read back without a sync at the first consumption and every ``CHECK_EVERY``
+after, and a mismatch raises.
 
 COST (H200, benchmark/results/folded_result_fence-NVIDIA_H200.json, 5,120-byte arena at
 max_bs 64, gamma 5). Host per step: 5.2-7.6 us for the ring's cached views (drift check
@@ -134,6 +139,7 @@ class AcceptResultFence:
         self.ring = torch.zeros((2, nbytes), dtype=torch.uint8, device=device)
         self.counter = torch.zeros((1,), dtype=torch.int64, device=device)
         self.count = 0  # folded steps the host consumed == ring copies the device ran
+        self._captured = False  # a capture since the last consumption: count from the device
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.last_block_accept_lens: Optional[torch.Tensor] = None
         self._check: Optional[tuple] = None
@@ -145,6 +151,8 @@ class AcceptResultFence:
 
     def copy_in(self, gate: torch.Tensor) -> None:
         """In the graph (or eagerly), right after the accept: arena -> ring slot, if gate."""
+        if _capturing():  # its eager warm-ups ran before, uncounted
+            self._captured = True
         _ring_copy_kernel[(1,)](
             self.arena.view(torch.int64), self.ring.view(torch.int64), self.counter,
             gate, N_WORDS=self.nbytes // 8, BLOCK=_BLOCK,
@@ -152,8 +160,10 @@ class AcceptResultFence:
 
     def snapshot(self, bs: int):
         """This step's accept outputs (rows ``[:bs]``) in the ring slot the graph wrote."""
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if _capturing():
             raise RuntimeError("the accept-result ring is read after replay, not in capture")
+        if self._captured:
+            self._count_from_device()
         slot = self.count % 2
         self.count += 1
         views = self._views.get((slot, bs))
@@ -187,6 +197,22 @@ class AcceptResultFence:
             views[name] = full[:bs]
         return views
 
+    def _count_from_device(self) -> None:
+        """First consumption after a capture: this step's copy is the device counter's last
+        (a sync, once per capture); copies before it that no host took were warm-ups."""
+        self._captured = False
+        self._check = None  # its expectation predates the warm-ups
+        before = int(self.counter[0]) - 1
+        if before < self.count:  # fewer copies than consumptions: not warm-ups
+            self._verify(before + 1, self.count + 1)
+        if before > self.count:
+            logger.info(
+                "DSpark accept-result ring: %d ring copies ran in the warm-ups of a CUDA-graph "
+                "capture (its gate armed by the last served step); counting from the device.",
+                before - self.count,
+            )
+        self.count = before
+
     def _check_counter(self) -> None:
         """Device ring copies == host consumptions, read back without a host sync."""
         if self._check_host is None:  # CPU tensors: the read is free
@@ -213,6 +239,10 @@ class AcceptResultFence:
                 "folded steps (a replay folded without the host taking its accept, or "
                 "the reverse); the returned slots would hold another step's tokens"
             )
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _accept_outs_cls():

@@ -29,6 +29,12 @@ k is fixed (``K``) or a stopping rule on the draft confidence head (``conf:T`` o
 survival stays >= the threshold, at least ``--speculative-dspark-verify-cap-min``. The head's
 value for draft i is computed from drafts before i only, so the cut never looks at the token
 it drops. The live length is decided on TP rank 0 and broadcast (rank-invariant).
+
+Refused at startup (``validate_verify_cap``), where a router would not see request-major rows
+or would not take the live length: other algorithms, targets other than DeepSeek-V4 (only its
+forward enters the router scope: elsewhere the cap would only shorten acceptance), a ragged
+verify mode other than static, dp attention, an a2a MoE backend at tp > 1 (it scatters the
+verify rows over the attention-TP ranks before the router), NPU, more than MAX_REQUESTS requests.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 from typing import Optional
 
 import msgspec
@@ -50,6 +57,8 @@ ACCEPTED_FORMS = (
 )
 # Requests the live buffer covers: the verify graphs' largest batch is far below.
 MAX_REQUESTS = 1024
+# targets whose forward enters the cap's router scope (the live lengths reach every router)
+CAP_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
 class VerifyCapSpec(msgspec.Struct, frozen=True):
@@ -96,6 +105,10 @@ def validate_verify_cap(
     ragged_mode: Optional[str] = None,
     attn_dp_size: int = 1,
     max_running_requests: Optional[int] = None,
+    target_arch: Optional[str] = None,
+    moe_a2a_backend: Optional[str] = "none",
+    tp_size: int = 1,
+    device: str = "cuda",
 ) -> Optional[VerifyCapSpec]:
     """Cross-flag checks (speculative_hook); raises ValueError with the reason."""
     if cap is None:
@@ -122,6 +135,11 @@ def validate_verify_cap(
             f"--speculative-dspark-verify-cap {cap}: give one threshold or gamma - 1 = "
             f"{gamma - 1} (drafts 2..{gamma}), got {len(spec.thresholds)}."
         )
+    if cap_min is not None and spec.thresholds is None:
+        raise ValueError(
+            "--speculative-dspark-verify-cap-min is the fewest drafts a conf: cap verifies; "
+            f"with the fixed cap {cap} every request verifies {spec.fixed}."
+        )
     cap_min = 1 if cap_min is None else int(cap_min)
     if not (1 <= cap_min <= gamma):
         raise ValueError(
@@ -133,6 +151,11 @@ def validate_verify_cap(
             "--speculative-dspark-verify-cap-log records the confidence stopping rule; "
             "it needs a conf: cap."
         )
+    log_dir = os.path.dirname(os.path.abspath(log_path)) if log_path else None
+    if log_dir is not None and not (os.path.isdir(log_dir) and os.access(log_dir, os.W_OK)):
+        raise ValueError(
+            f"--speculative-dspark-verify-cap-log {log_path}: {log_dir} is not a writable directory."
+        )
     if ragged_mode is not None and ragged_mode != "static":
         raise ValueError(
             "--speculative-dspark-verify-cap runs inside the static verify layout; it "
@@ -142,6 +165,22 @@ def validate_verify_cap(
         raise ValueError(
             "--speculative-dspark-verify-cap needs the verify rows of one rank in the "
             "MoE (request-major); dp attention (attn_dp_size > 1) is not supported."
+        )
+    if target_arch is not None and target_arch not in CAP_TARGETS:
+        raise ValueError(
+            f"--speculative-dspark-verify-cap: the target is {target_arch}; only "
+            f"{', '.join(CAP_TARGETS)} routes its verify rows by live length (elsewhere the cap "
+            "would only shorten acceptance)."
+        )
+    if moe_a2a_backend not in (None, "none") and tp_size > 1:
+        raise ValueError(
+            f"--speculative-dspark-verify-cap cannot be used with --moe-a2a-backend "
+            f"{moe_a2a_backend} at tp {tp_size}: the backend scatters the verify rows over the "
+            "attention-TP ranks before the router, so a rank's rows are not request-major."
+        )
+    if device.startswith("npu"):
+        raise ValueError(
+            "--speculative-dspark-verify-cap: the NPU top-k route does not take the live length."
         )
     if max_running_requests is not None and max_running_requests > MAX_REQUESTS:
         raise ValueError(
