@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -69,7 +70,6 @@ def test_validate_cross_flag_rules():
         (None, {"cap_min": 2}, "need --speculative-dspark-verify-cap"),
         ("3", {"cap_min": 2}, "with the fixed cap 3 every request verifies 3"),
         ("conf:0.1", {"log_path": "/nonexistent-dir/cap.bin"}, "/nonexistent-dir is not a writable"),
-        ("3", {"target_arch": "Qwen3MoeForCausalLM"}, "target is Qwen3MoeForCausalLM; only"),
         ("3", {"moe_a2a_backend": "deepep", "tp_size": 4}, "--moe-a2a-backend deepep at tp 4"),
         ("3", {"device": "npu:0"}, "NPU top-k route"),
     ]:
@@ -77,10 +77,19 @@ def test_validate_cross_flag_rules():
             _validate(cap, **kw)
 
 
-def test_validate_accepts_what_the_cap_serves(tmp_path):
-    """A DeepSeek-V4 target, an a2a backend on one rank (no scatter before the router), a log
-    in a writable directory."""
-    assert _validate("3", target_arch="DeepseekV4ForCausalLM", moe_a2a_backend="deepep", tp_size=1).fixed == 3
+def test_validate_accepts_what_the_cap_serves(tmp_path, monkeypatch):
+    """A DeepSeek-V4 target (its architecture read from the model config only with the cap on),
+    an a2a backend on one rank (no scatter before the router), a log in a writable directory."""
+    import sglang.srt.arg_groups.model_override_base as mob
+
+    arch, reads = {"a": "DeepseekV4ForCausalLM"}, []
+    monkeypatch.setattr(mob, "model_config_of", lambda sa: reads.append(sa) or types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(architectures=[arch["a"]])))
+    assert _validate("3", server_args=object(), moe_a2a_backend="deepep", tp_size=1).fixed == 3
+    arch["a"] = "Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match="target is Qwen3MoeForCausalLM; only DeepseekV4ForCausalLM"):
+        _validate("3", server_args=object())
+    assert len(reads) == 2 and _validate(None, server_args=object()) is None and len(reads) == 2
     assert _validate("conf:0.1", moe_a2a_backend="none", tp_size=8, log_path=str(tmp_path / "cap.bin"))
 
 

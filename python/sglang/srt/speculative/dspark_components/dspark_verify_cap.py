@@ -105,7 +105,7 @@ def validate_verify_cap(
     ragged_mode: Optional[str] = None,
     attn_dp_size: int = 1,
     max_running_requests: Optional[int] = None,
-    target_arch: Optional[str] = None,
+    server_args=None,
     moe_a2a_backend: Optional[str] = "none",
     tp_size: int = 1,
     device: str = "cuda",
@@ -166,6 +166,11 @@ def validate_verify_cap(
             "--speculative-dspark-verify-cap needs the verify rows of one rank in the "
             "MoE (request-major); dp attention (attn_dp_size > 1) is not supported."
         )
+    target_arch = None
+    if server_args is not None:  # the target's architecture, read only when the cap is on
+        from sglang.srt.arg_groups.model_override_base import model_config_of
+
+        target_arch = model_config_of(server_args).hf_config.architectures[0]
     if target_arch is not None and target_arch not in CAP_TARGETS:
         raise ValueError(
             f"--speculative-dspark-verify-cap: the target is {target_arch}; only "
