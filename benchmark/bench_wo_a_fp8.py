@@ -64,11 +64,16 @@ def twin_exact_weight(g: int, seed: int) -> torch.Tensor:
     return (q.float() * scale).to(torch.bfloat16)
 
 
-def hopper_layers(g: int) -> tuple[list, list, list, list]:
-    """What the wo_a probes time on Hopper, one per layer: LAYERS twin-exact weights of G groups,
-    their twins (e4m3, exponents), the Hopper kernels' packed words and the mid kernel's counters."""
+def twin_layers(g: int) -> tuple[list, list]:
+    """LAYERS twin-exact weights of G groups and their twins (e4m3, exponents), one per layer."""
     weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
-    twins = [make_twin(w) for w in weights]
+    return weights, [make_twin(w) for w in weights]
+
+
+def hopper_layers(g: int) -> tuple[list, list, list, list]:
+    """What the wo_a probes time on Hopper, one per layer: ``twin_layers``, the Hopper kernels'
+    packed words and the mid kernel's counters."""
+    weights, twins = twin_layers(g)
     return weights, twins, [sm90.pack_twin(t[0]) for t in twins], [sm90.mid_counters(g, R, "cuda") for _ in twins]
 
 

@@ -23,10 +23,8 @@ import math
 
 import torch
 
-from bench_wo_a_fp8 import MID_M, pure_read, pure_read_us, twin_exact_weight
+from bench_wo_a_fp8 import MID_M, pure_read, pure_read_us, twin_layers
 from harness import LAYERS, graph_us_per_call, parse_args, report
-
-from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin
 
 R, D = 1024, 4096
 
@@ -63,8 +61,7 @@ def main() -> None:
     print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s, L2 read {l2:.2f} TB/s, {sms} SMs", flush=True)
     rows = []
     for g in (2, 4, 8):
-        weights = [twin_exact_weight(g, i) for i in range(LAYERS)]
-        twins = [make_twin(w) for w in weights]
+        weights, twins = twin_layers(g)
         read_us = pure_read_us(twins, args.replays)
         twin_bytes = g * R * D + g * (R // 32) * (D // 32)
         for m in MID_M:
