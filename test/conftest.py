@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "tools" / "standins"))
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the H200 through the GPU bundle)")
     config.addinivalue_line("markers", "slow: builds or installs something (a few seconds to a minute)")
+    config.addinivalue_line("markers", "e2e: starts real launch_server processes (tools/e2e)")
 
 
 def pytest_collection_modifyitems(config, items):

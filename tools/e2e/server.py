@@ -1,0 +1,177 @@
+"""One ``python -m sglang.launch_server`` process on 127.0.0.1, as a user starts it.
+
+``Server`` starts the real HTTP server in its own process group, waits until
+``/health_generate`` answers (or the process dies, raising with the tail of its log),
+and on exit stops the whole group (SIGTERM, then SIGKILL after a grace period). The log
+is kept in a file so a failed row can be read afterwards; ``log_errors`` lists the lines
+that mean the server did not run cleanly.
+
+``refusal`` runs a start that must fail at argument resolution and returns its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+HOST = "127.0.0.1"
+# Lines that mean a server did not run cleanly. sglang's log lines carry no level, and some
+# benign ones contain the word "error" (e.g. "max_error"), so match markers, not the word.
+ERROR_MARKERS = re.compile(r"Traceback \(most recent call last\)|hit an exception|CUDA error|core dumped|"
+                           r"Segmentation fault|out of memory|^\w*Error: ")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def server_command(model: str | Path, args: Sequence[str], port: int,
+                   python: str = sys.executable) -> list[str]:
+    return [python, "-m", "sglang.launch_server", "--model-path", str(model),
+            "--host", HOST, "--port", str(port), *args]
+
+
+def log_errors(text: str) -> list[str]:
+    """The lines of a server log that show an error (tracebacks, ERROR records, CUDA errors)."""
+    return [line for line in text.splitlines() if ERROR_MARKERS.search(line)]
+
+
+class ServerDied(RuntimeError):
+    pass
+
+
+class Server:
+    """A running ``launch_server``; use as a context manager."""
+
+    def __init__(self, model: str | Path, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
+                 log_path: str | Path, python: str = sys.executable, start_timeout: float = 600.0,
+                 request_timeout: float = 300.0):
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.command = server_command(model, args, self.port, python)
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(log_path)
+        self.start_timeout = start_timeout
+        self.request_timeout = request_timeout
+        self.proc: subprocess.Popen | None = None
+        self.startup_seconds: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "Server":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self._log.write("$ " + " ".join(self.command) + "\n")
+        self._log.flush()
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerDied(f"server exited with {self.proc.returncode} before it was healthy; "
+                                 f"log {self.log_path}:\n{self.tail()}")
+            if time.monotonic() - t0 > self.start_timeout:
+                self.stop()
+                raise ServerDied(f"server not healthy after {self.start_timeout:.0f} s; log {self.log_path}:\n"
+                                 f"{self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        self.startup_seconds = time.monotonic() - t0
+        return self
+
+    def stop(self, grace: float = 30.0) -> int | None:
+        """Stop the server's process group; returns the server's exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        try:  # children (scheduler, detokenizer) that outlive the launcher
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> "Server":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ log
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def errors(self) -> list[str]:
+        return log_errors(self.log())
+
+    # ------------------------------------------------------------------ HTTP
+    def post(self, path: str, body: Any, timeout: float | None = None) -> Any:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
+
+    def get(self, path: str, timeout: float | None = None) -> Any:
+        with urllib.request.urlopen(self.url + path, timeout=timeout or self.request_timeout) as r:
+            body = r.read()
+        try:
+            return json.loads(body)
+        except ValueError:
+            return body.decode()
+
+    def stream(self, path: str, body: Any, timeout: float | None = None) -> Iterator[Any]:
+        """POST with ``stream: true``; yields each server-sent event's JSON until ``[DONE]``."""
+        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
+
+
+def refusal(model: str | Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
+            python: str = sys.executable, timeout: float = 300.0) -> subprocess.CompletedProcess:
+    """Run a server start that must be refused; returns the finished process (output in ``.stdout``)."""
+    return subprocess.run(server_command(model, args, free_port(), python), env={**os.environ, **(env or {})},
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout, start_new_session=True)
