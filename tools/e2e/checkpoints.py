@@ -74,17 +74,20 @@ def write_tiny_llama(path: Path) -> Path:
 # ``wo_a``, stored as e4m3 with one power-of-two scale per 32 x 32 block (as DeepSeek-V4.1 ships
 # it): the loader dequantizes it to bf16, so the wo_a fp8 twin finds an exact twin in every layer.
 
-TINY_DSV4 = dict(  # target and draft; per-rank shapes of DeepSeek-V4.1-Flash at TP4 where kernels care
-    hidden_size=1024, num_hidden_layers=4, num_attention_heads=16, head_dim=512, qk_rope_head_dim=64,
-    q_lora_rank=1024, o_lora_rank=1024, o_groups=2, moe_intermediate_size=256, n_routed_experts=8,
+# FlashMLA's sparse decode takes 64 or 128 query heads and sglang pads only at attention-TP > 1,
+# so both checkpoints keep DeepSeek-V4.1-Flash's attention at TP1: 64 heads in 8 output groups
+# (wo_a at G = 8, 4096 wide). The tiny one shrinks everything else.
+TINY_DSV4 = dict(
+    hidden_size=1024, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+    q_lora_rank=1024, o_lora_rank=1024, o_groups=8, moe_intermediate_size=256, n_routed_experts=8,
     num_experts_per_tok=2, vocab_size=128, markov_rank=64, gamma=5, draft_stages=1,
 )
-# DeepSeek-V4.1-Flash's per-rank dimensions at TP4 (hidden, heads, lora ranks, o_groups so wo_a has
-# G = 2, the 576-wide expert shard, the vocab shard), few layers and experts, random weights.
+# DeepSeek-V4.1-Flash's shapes at TP1 (hidden, heads, lora ranks, o_groups, expert width, vocab)
+# with few layers and experts and three draft stages, random weights: for timing.
 REAL_SHAPE_DSV4 = dict(
-    hidden_size=5120, num_hidden_layers=4, num_attention_heads=16, head_dim=512, qk_rope_head_dim=64,
-    q_lora_rank=1280, o_lora_rank=1024, o_groups=2, moe_intermediate_size=576, n_routed_experts=16,
-    num_experts_per_tok=6, vocab_size=32320, markov_rank=256, gamma=5, draft_stages=3,
+    hidden_size=5120, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+    q_lora_rank=1280, o_lora_rank=1024, o_groups=8, moe_intermediate_size=2304, n_routed_experts=8,
+    num_experts_per_tok=6, vocab_size=129280, markov_rank=256, gamma=5, draft_stages=3,
 )
 MASK_TOKEN_ID = -1  # the draft's mask token: the last id of the vocabulary (an <extra_i> token)
 
@@ -198,9 +201,8 @@ class _Weights:
         if hash_vocab is None:  # score-routed: a correction bias; hash-routed: a token -> experts table
             self.tensors[f + "gate.bias"] = self.randn(experts, std=0.1, dtype=self.torch.float32)
         else:
-            self.tensors[f + "gate.tid2eid"] = self.torch.stack([
-                self.torch.randperm(experts, generator=self.gen, device=self.device)[: s["num_experts_per_tok"]]
-                for _ in range(hash_vocab)]).to(self.torch.int32)
+            pick = self.torch.rand(hash_vocab, experts, generator=self.gen, device=self.device).argsort(dim=1)
+            self.tensors[f + "gate.tid2eid"] = pick[:, : s["num_experts_per_tok"]].to(self.torch.int32)
         for e in range(experts):
             self.linear(f"{f}experts.{e}.w1", inter, dim)
             self.linear(f"{f}experts.{e}.w3", inter, dim)

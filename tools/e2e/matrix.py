@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, write_dsv4
@@ -49,11 +50,12 @@ HARNESS_ENV = {
     "SGLANG_OPT_FUSE_MHC_POST_PRE": "0",
     "SGLANG_OPT_FLASHMLA_SPARSE_PREFILL": "0",
     "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
+    "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",  # the sgl_kernel stand-in has no package metadata
 }
 SERVE_ARGS = [
     "--moe-runner-backend", "triton", "--speculative-moe-runner-backend", "triton",
     "--sampling-backend", "pytorch", "--dsa-topk-backend", "torch",
-    "--mem-fraction-static", "0.35", "--max-running-requests", "32",
+    "--max-running-requests", "32",
     "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
 ]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
@@ -221,15 +223,17 @@ def fork_flags_line(log: str) -> str | None:
     return next((line for line in log.splitlines() if "fork flags:" in line), None)
 
 
-def run_row(row: Row, model: Path, env: dict, logs: Path, ref: dict) -> dict:
+def serve_row(row: Row, model: Path, env: dict, logs: Path, mem_fraction: float) -> dict:
+    """Start the row's server, send its requests, stop it: the raw record (tokens included)."""
     rec: dict = {"args": row.args, "model": row.model}
     if row.refused_with:
         r = refusal(model, SERVE_ARGS + row.args, env=env)
         (logs / f"{row.name}.log").write_text(r.stdout)
-        rec["ok"] = r.returncode != 0 and row.refused_with in r.stdout
+        rec["refused"] = r.returncode != 0 and row.refused_with in r.stdout
         rec["exit_code"] = r.returncode
         return rec
-    with Server(model, SERVE_ARGS + row.args, env=env, log_path=logs / f"{row.name}.log") as server:
+    args = SERVE_ARGS + ["--mem-fraction-static", str(mem_fraction)] + row.args
+    with Server(model, args, env=env, log_path=logs / f"{row.name}.log") as server:
         rec["startup_s"] = round(server.startup_seconds, 1)
         line = fork_flags_line(server.log()) or ""
         rec["fork_flags_line_ok"] = all(f"{flag}={value}" in line for flag, value in row.flags.items())
@@ -237,34 +241,45 @@ def run_row(row: Row, model: Path, env: dict, logs: Path, ref: dict) -> dict:
         if row.timing:
             rec["timing"] = timing(server)
         else:
-            g = greedy(server)
-            rec["greedy"] = {k: v for k, v in g.items() if k != "tokens"}
-            if row.name.removeprefix("random_") in ("off", "nospec"):  # the rows others compare with
-                ref[("greedy", row.model, row.name.removeprefix("random_"))] = g["tokens"]
-            rec["greedy_identical_to_off"] = g["tokens"] == ref.get(("greedy", row.model, "off"))
-            rec["greedy_identical_to_nospec"] = g["tokens"] == ref.get(("greedy", row.model, "nospec"))
+            rec["greedy"] = greedy(server)
         if row.sampled:
-            s = sampled(server)
-            rec["sampled_spec"] = s["spec"]
-            if row.name == "off":
-                ref[("sampled", row.model)] = s["tokens"]
-            off = ref[("sampled", row.model)]
-            rec["sampled_vs_off"] = chi2_same(s["tokens"], off)
+            rec["sampled"] = sampled(server)
             if row.name == "off":  # the negative control: the target sampled at 0.7 T must be refused
-                broken = sampled(server, temperature=0.7)
-                rec["negative_control_target_at_0.7T"] = chi2_same(broken["tokens"], off)
+                rec["sampled_target_at_0.7T"] = sampled(server, temperature=0.7)
     rec["log_errors"] = server.errors()[:20]
     rec["exit_code"] = server.proc.returncode
-    checks = [rec.get("fork_flags_line_ok", True), not rec["log_errors"]]
+    return rec
+
+
+def evaluate(name: str, rec: dict, recs: dict) -> None:
+    """Compare a served row with its references (``off`` / ``nospec`` on the same checkpoint); sets ``ok``."""
+    if "error" in rec:
+        rec["ok"] = False
+        return
+    if "refused" in rec:
+        rec["ok"] = rec["refused"]
+        return
+    prefix = "random_" if rec["model"] == "random" else ""
+    checks = [rec["fork_flags_line_ok"], not rec["log_errors"]]
     if "greedy" in rec:
-        checks += [rec["greedy_identical_to_off"] is not False, rec["greedy_identical_to_nospec"],
-                   rec["greedy"]["completion_matches_generate"]]
-    if "sampled_vs_off" in rec:
-        checks.append(rec["sampled_vs_off"]["min_p"] >= P_MIN)
-    if "negative_control_target_at_0.7T" in rec:
+        tokens = rec["greedy"].pop("tokens")
+        rec.setdefault("_tokens", tokens)
+        for ref in ("off", "nospec"):
+            other = recs.get(prefix + ref, {})
+            other_tokens = other.get("_tokens") or other.get("greedy", {}).get("tokens")
+            rec[f"greedy_identical_to_{ref}"] = None if other_tokens is None else tokens == other_tokens
+            checks.append(rec[f"greedy_identical_to_{ref}"] is not False)
+        checks.append(rec["greedy"]["completion_matches_generate"])
+    off_sampled = recs.get("off", {}).get("sampled", {}).get("tokens")
+    if "sampled" in rec:
+        rec["sampled_spec"] = rec["sampled"]["spec"]
+        if off_sampled is not None and name != "off":
+            rec["sampled_vs_off"] = chi2_same(rec["sampled"]["tokens"], off_sampled)
+            checks.append(rec["sampled_vs_off"]["min_p"] >= P_MIN)
+    if "sampled_target_at_0.7T" in rec and off_sampled is not None:
+        rec["negative_control_target_at_0.7T"] = chi2_same(rec.pop("sampled_target_at_0.7T")["tokens"], off_sampled)
         checks.append(rec["negative_control_target_at_0.7T"]["min_p"] < P_MIN)
     rec["ok"] = all(checks)
-    return rec
 
 
 def device_name() -> str:
@@ -283,7 +298,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", type=Path, default=Path("/tmp/e2e-models"), help="checkpoint cache")
     p.add_argument("--standins", action="store_true", help="the H200 harness: functional stand-ins + switches")
     p.add_argument("--budget", type=float, default=1e9, help="start no row after this many seconds")
-    p.add_argument("--python", default=sys.executable, help="the interpreter that has the fork installed")
+    p.add_argument("--parallel", type=int, default=4, help="servers at a time for the correctness rows")
     args = p.parse_args(argv)
 
     t_start = time.monotonic()
@@ -309,28 +324,58 @@ def main(argv=None) -> int:
 
     report = {"fork_version": fork_version(), "device": device_name(), "standins": args.standins, "rows": {}}
     out_json = args.out / f"e2e-{report['device']}.json"
-    ref: dict = {}
-    for row in selected:
+    recs: dict = {}
+
+    def one(row: Row, mem_fraction: float) -> None:
         if time.monotonic() - t_start > args.budget:
-            report["rows"][row.name] = {"ok": None, "skipped": "over the time budget"}
-            continue
+            recs[row.name] = {"skipped": "over the time budget"}
+            return
         print(f"==> {row.name}: {' '.join(row.args)}", flush=True)
         t0 = time.monotonic()
         try:
-            rec = run_row(row, models[row.model], env, logs, ref)
+            rec = serve_row(row, models[row.model], env, logs, mem_fraction)
         except (ServerDied, RuntimeError, OSError, KeyError, ValueError) as e:
-            rec = {"ok": False, "error": f"{type(e).__name__}: {e}"[-4000:]}
+            rec = {"model": row.model, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
         rec["seconds"] = round(time.monotonic() - t0, 1)
+        recs[row.name] = rec
+        print(f"<== {row.name} served in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else ""),
+              flush=True)
+
+    # Correctness rows share the GPU a few servers at a time; timing rows run alone.
+    shared = [r for r in selected if not r.timing]
+    with ThreadPoolExecutor(max(1, args.parallel)) as pool:
+        list(pool.map(lambda r: one(r, 0.6 / max(1, args.parallel)), shared))
+    for row in selected:
+        if row.timing:
+            one(row, 0.6)
+
+    for row in selected:  # references first, so every row compares against them
+        rec = recs[row.name]
+        if "skipped" in rec:
+            report["rows"][row.name] = {"ok": None, **rec}
+            continue
+        evaluate(row.name, rec, recs)
+    for row in selected:
+        rec = recs[row.name]
+        rec.pop("_tokens", None)
+        rec.get("sampled", {}).pop("tokens", None)
         report["rows"][row.name] = rec
-        print(f"    {'ok' if rec['ok'] else 'FAILED'} in {rec['seconds']} s"
-              + ("" if rec["ok"] else f": {json.dumps(rec)[:1500]}"), flush=True)
-        out_json.write_text(json.dumps(report, indent=1) + "\n")
+        if rec.get("ok") is False:
+            print(f"FAILED {row.name}: " + _failure_excerpt(rec, logs / f"{row.name}.log"), flush=True)
     done = [r for r in report["rows"].values() if r.get("ok") is not None]
     report["passed"] = sum(bool(r["ok"]) for r in done)
     report["failed"] = len(done) - report["passed"]
     out_json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{report['passed']} passed, {report['failed']} failed")
     return 0 if report["failed"] == 0 else 1
+
+
+def _failure_excerpt(rec: dict, log: Path, lines: int = 45) -> str:
+    """What a failed row shows on the console: its checks and the end of its log, warnings left out."""
+    summary = {k: v for k, v in rec.items() if k not in ("args", "fork_flags_line")}
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    text = [t for t in text if "warn" not in t.lower() and not t.lstrip().startswith("^")]
+    return json.dumps(summary)[:2000] + "\n" + "\n".join(t[:300] for t in text[-lines:])
 
 
 def _gen_device() -> str:
