@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,6 +60,9 @@ SERVE_ARGS = [
     "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
 ]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
+TIMING_LOCK = threading.Lock()
+# Fraction of the GPU's memory each server takes for weights and KV (several share the GPU).
+MEM_FRACTION = {"agree": 0.035, "random": 0.035, "real": 0.085}
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
 
 GREEDY_PROMPTS = [
@@ -239,7 +243,8 @@ def serve_row(row: Row, model: Path, env: dict, logs: Path, mem_fraction: float)
         rec["fork_flags_line_ok"] = all(f"{flag}={value}" in line for flag, value in row.flags.items())
         rec["fork_flags_line"] = line.split("fork flags: ", 1)[-1]
         if row.timing:
-            rec["timing"] = timing(server)
+            with TIMING_LOCK:  # timing rows start together and measure one at a time
+                rec["timing"] = timing(server)
         else:
             rec["greedy"] = greedy(server)
         if row.sampled:
@@ -298,7 +303,7 @@ def main(argv=None) -> int:
     p.add_argument("--models", type=Path, default=Path("/tmp/e2e-models"), help="checkpoint cache")
     p.add_argument("--standins", action="store_true", help="the H200 harness: functional stand-ins + switches")
     p.add_argument("--budget", type=float, default=1e9, help="start no row after this many seconds")
-    p.add_argument("--parallel", type=int, default=4, help="servers at a time for the correctness rows")
+    p.add_argument("--parallel", type=int, default=4, help="servers at a time")
     args = p.parse_args(argv)
 
     t_start = time.monotonic()
@@ -341,17 +346,12 @@ def main(argv=None) -> int:
         print(f"<== {row.name} served in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else ""),
               flush=True)
 
-    # Correctness rows share the GPU a few servers at a time, after the first row has run alone
-    # (it fills the JIT and Triton caches the others then read); timing rows run alone.
-    shared = [r for r in selected if not r.timing]
-    fraction = 0.6 / max(1, args.parallel)
-    if shared:
-        one(shared[0], fraction)
+    # Rows share the GPU a few servers at a time, after the first row has run alone (it fills the
+    # JIT and Triton caches the others then read); timing rows measure one at a time.
+    if selected:
+        one(selected[0], MEM_FRACTION[selected[0].model])
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        list(pool.map(lambda r: one(r, fraction), shared[1:]))
-    for row in selected:
-        if row.timing:
-            one(row, 0.6)
+        list(pool.map(lambda r: one(r, MEM_FRACTION[r.model]), selected[1:]))
 
     for row in selected:  # references first, so every row compares against them
         rec = recs[row.name]
