@@ -26,28 +26,43 @@ def char_vocab() -> dict[str, int]:
     return vocab
 
 
+# DeepSeek-V4's chat encoder (deepseek-recipe, which the HTTP server loads for the model) requires
+# these special tokens in the tokenizer; BOS and EOS take ids 1 and 2.
+DSV4_SPECIAL_TOKENS = (
+    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<think>", "</think>", "<｜System｜>", "<｜User｜>",
+    "<｜Assistant｜>", "<｜latest_reminder｜>", "<｜image｜>", "<｜ref｜>", "<｜/ref｜>", "<｜box｜>",
+    "<｜/box｜>", "<｜point｜>", "<｜/point｜>", "<｜polygon｜>", "<｜/polygon｜>",
+)
+
+
 def write_tokenizer(path: Path, chat_template: str = SIMPLE_CHAT_TEMPLATE, model_max_length: int = 8192,
-                    vocab_size: int | None = None) -> int:
+                    vocab_size: int | None = None, deepseek_specials: bool = False) -> int:
     """A character-level fast tokenizer in ``path``; returns its vocabulary size.
 
-    ``vocab_size`` pads the vocabulary with ``<extra_i>`` tokens so that every id a model of
-    that vocabulary can emit decodes.
+    ``deepseek_specials`` names BOS / EOS as DeepSeek does and adds DeepSeek-V4's other special
+    tokens after the printable characters; ``vocab_size`` pads the vocabulary with ``<extra_i>``
+    tokens so that every id a model of that vocabulary can emit decodes.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = char_vocab()
+    specials = list(SPECIAL_TOKENS)
+    if deepseek_specials:
+        vocab = {k if v not in (BOS_ID, EOS_ID) else DSV4_SPECIAL_TOKENS[v - 1]: v for k, v in vocab.items()}
+        specials = [SPECIAL_TOKENS[UNK_ID], *DSV4_SPECIAL_TOKENS]
+        for tok in DSV4_SPECIAL_TOKENS[2:]:
+            vocab[tok] = len(vocab)
     for i in range(len(vocab), vocab_size or 0):
         vocab[f"<extra_{i}>"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[UNK_ID]))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
-    for special in SPECIAL_TOKENS:
-        tok.add_special_tokens([special])
+    tok.add_special_tokens(specials)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": SPECIAL_TOKENS[UNK_ID], "bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "unk_token": specials[UNK_ID], "bos_token": specials[BOS_ID], "eos_token": specials[EOS_ID],
         "model_max_length": model_max_length, "add_bos_token": False, "chat_template": chat_template,
     }, indent=1))
     return len(vocab)
@@ -228,7 +243,7 @@ def write_dsv4(path: Path, *, agree: bool, shape: dict = TINY_DSV4, seed: int = 
     import torch
     from safetensors.torch import save_file
 
-    vocab = write_tokenizer(path, vocab_size=shape["vocab_size"])
+    vocab = write_tokenizer(path, vocab_size=shape["vocab_size"], deepseek_specials=True)
     assert vocab == shape["vocab_size"], (vocab, shape["vocab_size"])
     config = dsv4_config(shape)
     (path / "config.json").write_text(json.dumps(config, indent=1))

@@ -62,7 +62,7 @@ SERVE_ARGS = [
 DSPARK = ["--speculative-algorithm", "DSPARK"]
 TIMING_LOCK = threading.Lock()
 # Fraction of the GPU's memory each server takes for weights and KV (several share the GPU).
-MEM_FRACTION = {"agree": 0.035, "random": 0.035, "real": 0.085}
+MEM_FRACTION = {"agree": 0.035, "random": 0.035, "real": 0.3}
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
 
 GREEDY_PROMPTS = [
@@ -343,6 +343,12 @@ def main(argv=None) -> int:
             rec = {"model": row.model, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
         rec["seconds"] = round(time.monotonic() - t0, 1)
         recs[row.name] = rec
+        with TIMING_LOCK.__class__():  # a progress file, so a run cut short still says what served
+            (args.out / "e2e-progress.json").write_text(json.dumps(
+                {k: {"seconds": v.get("seconds"), "error": v.get("error"), "startup_s": v.get("startup_s"),
+                     "log_errors": v.get("log_errors"), "spec": (v.get("greedy") or {}).get("spec"),
+                     "sampled_spec": (v.get("sampled") or {}).get("spec")} for k, v in list(recs.items())},
+                indent=1))
         print(f"<== {row.name} served in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else ""),
               flush=True)
 
