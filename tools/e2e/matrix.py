@@ -61,6 +61,7 @@ SERVE_ARGS = [
 ]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
 TIMING_LOCK = threading.Lock()
+PROGRESS_LOCK = threading.Lock()
 # Fraction of the GPU's memory each server takes for weights and KV (several share the GPU).
 MEM_FRACTION = {"agree": 0.035, "random": 0.035, "real": 0.3}
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
@@ -343,7 +344,7 @@ def main(argv=None) -> int:
             rec = {"model": row.model, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
         rec["seconds"] = round(time.monotonic() - t0, 1)
         recs[row.name] = rec
-        with TIMING_LOCK.__class__():  # a progress file, so a run cut short still says what served
+        with PROGRESS_LOCK:  # a progress file, so a run cut short still says what served
             (args.out / "e2e-progress.json").write_text(json.dumps(
                 {k: {"seconds": v.get("seconds"), "error": v.get("error"), "startup_s": v.get("startup_s"),
                      "log_errors": v.get("log_errors"), "spec": (v.get("greedy") or {}).get("spec"),
