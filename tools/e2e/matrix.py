@@ -60,7 +60,7 @@ SERVE_ARGS = [
     "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
 ]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
-TIMING_LOCK = threading.Lock()
+TIMING_ARGS = ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"]  # the batches timed
 PROGRESS_LOCK = threading.Lock()
 # Fraction of the GPU's memory each server takes for weights and KV (several share the GPU).
 MEM_FRACTION = {"agree": 0.035, "random": 0.035, "real": 0.3}
@@ -237,15 +237,14 @@ def serve_row(row: Row, model: Path, env: dict, logs: Path, mem_fraction: float)
         rec["refused"] = r.returncode != 0 and row.refused_with in r.stdout
         rec["exit_code"] = r.returncode
         return rec
-    args = SERVE_ARGS + ["--mem-fraction-static", str(mem_fraction)] + row.args
+    args = SERVE_ARGS + ["--mem-fraction-static", str(mem_fraction)] + (TIMING_ARGS if row.timing else []) + row.args
     with Server(model, args, env=env, log_path=logs / f"{row.name}.log") as server:
         rec["startup_s"] = round(server.startup_seconds, 1)
         line = fork_flags_line(server.log()) or ""
         rec["fork_flags_line_ok"] = all(f"{flag}={value}" in line for flag, value in row.flags.items())
         rec["fork_flags_line"] = line.split("fork flags: ", 1)[-1]
         if row.timing:
-            with TIMING_LOCK:  # timing rows start together and measure one at a time
-                rec["timing"] = timing(server)
+            rec["timing"] = timing(server)
         else:
             rec["greedy"] = greedy(server)
         if row.sampled:
@@ -253,6 +252,7 @@ def serve_row(row: Row, model: Path, env: dict, logs: Path, mem_fraction: float)
             if row.name == "off":  # the negative control: the target sampled at 0.7 T must be refused
                 rec["sampled_target_at_0.7T"] = sampled(server, temperature=0.7)
     rec["log_errors"] = server.errors()[:20]
+    rec["upstream_fallbacks"] = server.fallbacks()[:5]
     rec["exit_code"] = server.proc.returncode
     return rec
 
@@ -353,12 +353,17 @@ def main(argv=None) -> int:
         print(f"<== {row.name} served in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else ""),
               flush=True)
 
-    # Rows share the GPU a few servers at a time, after the first row has run alone (it fills the
-    # JIT and Triton caches the others then read); timing rows measure one at a time.
-    if selected:
-        one(selected[0], MEM_FRACTION[selected[0].model])
+    # Correctness rows share the GPU a few servers at a time, after the first one has run alone (it
+    # fills the JIT and Triton caches the others read). Timing rows run alone, one after another: a
+    # server sizes its KV pool from the memory it sees, which a neighbour's loading would skew.
+    shared = [r for r in selected if not r.timing]
+    if shared:
+        one(shared[0], MEM_FRACTION[shared[0].model])
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        list(pool.map(lambda r: one(r, MEM_FRACTION[r.model]), selected[1:]))
+        list(pool.map(lambda r: one(r, MEM_FRACTION[r.model]), shared[1:]))
+    for row in selected:
+        if row.timing:
+            one(row, MEM_FRACTION[row.model])
 
     for row in selected:  # references first, so every row compares against them
         rec = recs[row.name]
