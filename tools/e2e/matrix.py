@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -62,6 +63,9 @@ SERVE_ARGS = [
 DSPARK = ["--speculative-algorithm", "DSPARK"]
 TIMING_ARGS = ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"]  # the batches timed
 PROGRESS_LOCK = threading.Lock()
+# Startup lines in which a fork feature says what it built (kept in the report as evidence).
+FEATURE_LINE = re.compile(r"--dsv4-wo-a-fp8-twin=|DSpark draft LM head in fp8|DSpark verify cap on|fence|"
+                          r"draft temperature")
 # Fraction of the GPU's memory each server takes for weights and KV (several share the GPU).
 MEM_FRACTION = {"agree": 0.035, "random": 0.035, "real": 0.3}
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
@@ -77,7 +81,7 @@ SAMPLED_PROMPT = "The quick brown fo"
 SAMPLED_REQUESTS = 2000
 SAMPLED_TOKENS = 4
 SAMPLED_POSITIONS = (1, 2, 3)  # 0-based positions of emitted tokens compared; 0 comes from prefill
-P_MIN = 1e-3  # per-position chi-square p-value below which a row's distribution is refused
+P_MIN = 1e-4  # per-position chi-square p-value below which a row's distribution is refused
 
 
 @dataclasses.dataclass
@@ -253,6 +257,8 @@ def serve_row(row: Row, model: Path, env: dict, logs: Path, mem_fraction: float)
                 rec["sampled_target_at_0.7T"] = sampled(server, temperature=0.7)
     rec["log_errors"] = server.errors()[:20]
     rec["upstream_fallbacks"] = server.fallbacks()[:5]
+    rec["feature_lines"] = [line.split("] ", 1)[-1] for line in server.log().splitlines()
+                            if FEATURE_LINE.search(line)][:12]
     rec["exit_code"] = server.proc.returncode
     return rec
 
