@@ -177,6 +177,8 @@ def main() -> None:
     path.write_text(json.dumps({
         "benchmark": "serial_weight_load", "device": "cpu", "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "checkpoint_mib": round(ckpt_mib, 1), "tensors": runs[False][0]["params"],
+        "largest_shard_mib": round(max(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20, 1),
+        "largest_tensor_mib": args.mib_per_matrix,
         "weights_bitwise_identical": identical,
         "what": "DeepseekV4ForCausalLM.load_weights on a synthetic bf16 checkpoint (safetensors, mmap) into CPU "
                 "parameters; peak RSS above the pre-load baseline (VmHWM) and load time per fresh process",
