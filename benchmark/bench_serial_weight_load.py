@@ -4,12 +4,13 @@ A synthetic checkpoint in DeepSeek-V4's own tensor names (``layers.N.attn.wo_b.w
 ``layers.N.ffn.shared_experts.w2.weight``, ``embed.weight``, ...; safetensors shards) is loaded
 through the engine's real ``DeepseekV4ForCausalLM.load_weights`` (the stock thread pool,
 ``maybe_executor_submit``) and sglang's ``safetensors_weights_iterator``, into a stand-in
-module holding parameters of those names. Each load runs in a fresh process (peak RSS only
+module holding parameters of those names (on the GPU where there is one: the copies are then
+host-to-device, as in serving). Each load runs in a fresh process (peak RSS only
 grows within a process): the parent alternates stock and serial children, ``--rounds`` times,
 and reports each child's peak RSS above its pre-load baseline (VmHWM), its load time and the
-sha256 of every loaded parameter (serial must equal stock bit for bit). The JSON is
-``serial_weight_load-cpu.json`` on a CPU machine; test_serial_weight_load.py runs the same
-children on a smaller checkpoint.
+sha256 of every loaded parameter (serial must equal stock bit for bit). The JSON is named
+after the device holding the parameters (``serial_weight_load-cpu.json`` on a CPU machine);
+test_serial_weight_load.py runs the same children on a smaller checkpoint.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def child(ckpt: Path, serial: bool) -> dict:
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
-    publish(ServerArgs(model_path="dummy", device="cpu", weight_loader_disable_async_load=serial), role="test")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    publish(ServerArgs(model_path="dummy", device=device, weight_loader_disable_async_load=serial), role="test")
     layout = json.loads((ckpt / "layout.json").read_text())
     layers = layout["layers"]
 
@@ -111,7 +113,7 @@ def child(ckpt: Path, serial: bool) -> dict:
                     if not hasattr(owner, part):
                         owner.add_module(part, nn.Module())
                     owner = getattr(owner, part)
-                owner.register_parameter(leaf, nn.Parameter(torch.empty(shp, dtype=torch.bfloat16),
+                owner.register_parameter(leaf, nn.Parameter(torch.empty(shp, dtype=torch.bfloat16, device=device),
                                                             requires_grad=False))
 
         def post_load_weights(self, is_nextn=False, weight_names=None):
@@ -128,11 +130,13 @@ def child(ckpt: Path, serial: bool) -> dict:
     base = vm_hwm_kib()
     t0 = time.perf_counter()
     DeepseekV4ForCausalLM.load_weights(model, safetensors_weights_iterator(files))
+    if device == "cuda":
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     peak = vm_hwm_kib()
-    digests = {n: hashlib.sha256(p.detach().view(torch.int16).numpy().tobytes()).hexdigest()
+    digests = {n: hashlib.sha256(p.detach().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
                for n, p in model.named_parameters()}
-    return {"serial": serial, "peak_rss_above_baseline_mib": round((peak - base) / 1024, 1),
+    return {"serial": serial, "device": device, "peak_rss_above_baseline_mib": round((peak - base) / 1024, 1),
             "load_seconds": round(seconds, 3), "params": len(digests), "digests": digests,
             "param_mib": round(sum(p.numel() * 2 for p in model.parameters()) / 2**20, 1)}
 
@@ -173,15 +177,19 @@ def main() -> None:
     for row in rows:
         print(row)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "serial_weight_load-cpu.json"
+    import torch
+
+    device = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    path = args.out / f"serial_weight_load-{device}.json"
     path.write_text(json.dumps({
-        "benchmark": "serial_weight_load", "device": "cpu", "cpu": platform.processor() or platform.machine(),
+        "benchmark": "serial_weight_load", "device": device, "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "checkpoint_mib": round(ckpt_mib, 1), "tensors": runs[False][0]["params"],
         "largest_shard_mib": round(max(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20, 1),
         "largest_tensor_mib": args.mib_per_matrix,
         "weights_bitwise_identical": identical,
-        "what": "DeepseekV4ForCausalLM.load_weights on a synthetic bf16 checkpoint (safetensors, mmap) into CPU "
-                "parameters; peak RSS above the pre-load baseline (VmHWM) and load time per fresh process",
+        "what": "DeepseekV4ForCausalLM.load_weights on a synthetic bf16 checkpoint (safetensors, mmap) into "
+                "parameters on the device; host peak RSS above the pre-load baseline (VmHWM) and load time per "
+                "fresh process",
         "rows": rows}, indent=1) + "\n")
     print(f"wrote {path}")
     assert identical, "serial load changed the weights"

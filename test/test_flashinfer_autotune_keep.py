@@ -178,3 +178,23 @@ def test_flag_on_the_command_line():
     ServerArgs.add_cli_args(parser)
     assert parser.parse_args(["--model-path", "m"]).flashinfer_autotune_keep_cache is False
     assert parser.parse_args(["--model-path", "m", "--flashinfer-autotune-keep-cache"]).flashinfer_autotune_keep_cache
+
+
+@pytest.mark.gpu
+def test_loadable_agrees_with_flashinfer(tmp_path):
+    """On the GPU machine: a cache this gate keeps is one FlashInfer's own load_configs loads
+    in this environment (the gate may only be stricter: a missing stamp is dropped)."""
+    autotuner = pytest.importorskip("flashinfer.autotuner")
+    from sglang.srt.model_executor.runner.flashinfer_autotune_keep import cache_record
+
+    env = autotuner._collect_metadata()
+    first = next(iter(env))
+    stamps = {"same": env, "wildcard": {**env, first: "*"}, "stale": {**env, first: "other"}, "none": None}
+    for name, stamp in stamps.items():
+        path = tmp_path / f"{name}.json"
+        write_cache(path, shapes=[1, 2], stamp=stamp)
+        ours = cache_record(path, env, FP)["loadable"]
+        theirs = autotuner.AutoTuner.get().load_configs(str(path)) is not False
+        autotuner.AutoTuner.get().clear_cache()
+        assert not ours or theirs, (name, ours, theirs)
+        assert ours is (name in ("same", "wildcard")), name

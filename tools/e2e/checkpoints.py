@@ -97,8 +97,8 @@ def write_cycle_llama(path: Path, dsv41_tokens: bool = False) -> Path:
     Embeddings are one-hot (hidden size >= vocabulary), attention's and the MLP's output
     projections are zero, so the last hidden state is the current token's embedding;
     ``lm_head`` row ``b`` is the sum of the embeddings of ``b``'s predecessors. Every logit is
-    exactly 0 or sqrt(hidden): no rounding can change the greedy choice. Served without
-    ``--load-format dummy``.
+    exactly 0 but the successor's (about sqrt(hidden) after the final norm): no rounding can
+    change the greedy choice. Served without ``--load-format dummy``.
     """
     import torch
     from safetensors.torch import save_file
@@ -120,7 +120,10 @@ def write_cycle_llama(path: Path, dsv41_tokens: bool = False) -> Path:
     for a, b in cycle_successor(vocab).items():
         head[b, a] = 1
     gen = torch.Generator().manual_seed(0)
-    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 0.05).to(bf16)  # noqa: E731
+
+    def rand(*shape):  # q/k/v and the MLP's inputs: any values, their outputs are projected to zero
+        return (torch.randn(*shape, generator=gen) * 0.05).to(bf16)
+
     p = "model.layers.0."
     weights = {
         "model.embed_tokens.weight": embed, "lm_head.weight": head,
