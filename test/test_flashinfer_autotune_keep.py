@@ -26,14 +26,34 @@ ENV = {"flashinfer_version": "0.7.2", "cuda_version": "13.0", "cublas_version": 
 FP = "f" * 64
 
 
-def write_cache(path: Path, shapes, stamp=ENV, fingerprint=FP):
-    from sglang.srt.model_executor.runner.flashinfer_autotune_keep import write_launch_fingerprint
+def engine_file(rel: str) -> Path:
+    """A file of the installed engine, found without importing sglang (16 s on this machine)."""
+    import importlib.util
+
+    return Path(importlib.util.find_spec("sglang").origin).parent / rel
+
+
+def keep_module():
+    """The gate's module, loaded by path: it imports only the standard library (and
+    torch.distributed when gating), so a rank process need not import the engine."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "flashinfer_autotune_keep", engine_file("srt/model_executor/runner/flashinfer_autotune_keep.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_cache(path: Path, shapes, stamp=ENV, fingerprint=FP, writer=None):
+    if writer is None:
+        from sglang.srt.model_executor.runner.flashinfer_autotune_keep import write_launch_fingerprint as writer
 
     configs = {"_metadata": stamp} if stamp is not None else {}
     configs.update({str(("trtllm::fused_moe", "MoERunner", ((m, 7168),))): ["MoERunner", m % 5] for m in shapes})
     path.write_text(json.dumps(configs))
     if fingerprint is not None:
-        write_launch_fingerprint(path, fingerprint)
+        writer(path, fingerprint)
 
 
 # rank -> how its files look before the gate, per scenario
@@ -49,16 +69,32 @@ SCENARIOS = {
 KEPT = {"disjoint shapes, same stamp"}
 
 
+def upstream_gate():
+    """Upstream's digest gate, lifted out of the engine's source (importing its module would pull
+    the model runner into each rank process; the two functions need only these names)."""
+    import ast
+    import hashlib
+
+    import torch
+
+    source = engine_file("srt/model_executor/runner/flashinfer_autotune.py").read_text()
+    wanted = {"_autotune_cache_digest", "_drop_diverged_autotune_cache"}
+    module = ast.Module(body=[n for n in ast.parse(source).body
+                              if isinstance(n, ast.FunctionDef) and n.name in wanted], type_ignores=[])
+    assert {n.name for n in module.body} == wanted, "upstream's gate moved: update this test"
+    namespace = {"json": json, "hashlib": hashlib, "torch": torch, "Path": Path, "logger": None,
+                 "log_info_on_rank0": lambda logger, message: None}
+    exec(compile(module, "flashinfer_autotune.py", "exec"), namespace)
+    return namespace["_drop_diverged_autotune_cache"]
+
+
 def rank_main(rank: int, world: int, root: str, store: str, out: str) -> None:
     sys.path.insert(0, str(REPO / "tools" / "standins"))
     try:
         import torch.distributed as dist
 
-        from sglang.srt.model_executor.runner.flashinfer_autotune import _drop_diverged_autotune_cache
-        from sglang.srt.model_executor.runner.flashinfer_autotune_keep import (
-            fingerprint_path,
-            keep_or_drop_autotune_cache,
-        )
+        _drop_diverged_autotune_cache = upstream_gate()
+        keep = keep_module()
 
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         results = {}
@@ -70,15 +106,15 @@ def rank_main(rank: int, world: int, root: str, store: str, out: str) -> None:
                 if spec == "garbage":
                     path.write_text("{not json")
                 elif spec is not None:
-                    write_cache(path, **spec)
+                    write_cache(path, writer=keep.write_launch_fingerprint, **spec)
                 dist.barrier()
                 if gate == "keep":
-                    kept = keep_or_drop_autotune_cache(path, dist.group.WORLD, ENV, FP)
+                    kept = keep.keep_or_drop_autotune_cache(path, dist.group.WORLD, ENV, FP)
                 else:
                     _drop_diverged_autotune_cache(path, dist.group.WORLD, ENV)
                     kept = None
                 results[f"{gate}/{name}"] = {"returned": kept, "cache": path.exists(),
-                                             "fingerprint": fingerprint_path(path).exists()}
+                                             "fingerprint": keep.fingerprint_path(path).exists()}
                 dist.barrier()
         Path(out).write_text(json.dumps(results))
         dist.destroy_process_group()
@@ -141,12 +177,13 @@ def test_launch_fingerprint_is_stable_and_moves_with_the_configuration(monkeypat
     from sglang.srt.model_executor.runner.flashinfer_autotune_keep import launch_fingerprint
 
     env = {"SGLANG_RUN_ID": "a", "SGLANG_OPT_X": "1", "HOME": "/x"}
-    base = launch_fingerprint(resolved(), env)
+    first = resolved()
+    base = launch_fingerprint(first, env)
     assert launch_fingerprint(resolved(), {**env, "SGLANG_RUN_ID": "b", "HOME": "/y"}) == base  # seed, run id
     assert launch_fingerprint(resolved(("port", 31000)), env) == base  # HTTP serving does not reach kernels
     assert launch_fingerprint(resolved(("max_running_requests", 8)), env) != base
     assert launch_fingerprint(resolved(("chunked_prefill_size", 1024)), env) != base
-    assert launch_fingerprint(resolved(), {**env, "SGLANG_FLASHINFER_AUTOTUNE_EXTEND": "1"}) != base
+    assert launch_fingerprint(first, {**env, "SGLANG_FLASHINFER_AUTOTUNE_EXTEND": "1"}) != base
 
 
 def cfg(**kw):
