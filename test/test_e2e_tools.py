@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from e2e.checkpoints import DSV4_SPECIAL_TOKENS, write_tokenizer
+from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
 from e2e.matrix import P_MIN, chi2_same, rows
 from e2e.server import handled_fallbacks, log_errors
 
@@ -45,11 +45,11 @@ def test_matrix_rows_cover_every_fork_flag():
 def test_deepseek_tokenizer_carries_the_chat_encoders_special_tokens(tmp_path):
     from transformers import AutoTokenizer
 
-    assert write_tokenizer(tmp_path, vocab_size=128, deepseek_specials=True) == 128
+    assert write_tokenizer(tmp_path, vocab_size=128, extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS) == 128
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
-    assert tok.bos_token == DSV4_SPECIAL_TOKENS[0]
-    for special in DSV4_SPECIAL_TOKENS:
-        assert tok.convert_tokens_to_ids(special) != tok.unk_token_id
+    assert len(tok) == 128
+    ids = [tok.convert_tokens_to_ids(special) for special in DEEPSEEK_SPECIAL_TOKENS]
+    assert ids == list(range(128 - len(DEEPSEEK_SPECIAL_TOKENS), 128))  # the specials take the last ids
+    assert tok.convert_ids_to_tokens(MASK_TOKEN_ID).startswith("<extra_")  # the draft's mask is no special
     ids = tok("hi<｜User｜>!")["input_ids"]
     assert tok.decode(ids) == "hi<｜User｜>!"

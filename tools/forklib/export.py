@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out
+from .git import git, out, out_diff
 from .pin import fetch_pinned, load_pin
 from .series import Patch, check_series, load_series
 from .tree import assemble, owned_files
@@ -41,7 +41,7 @@ def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None) -> tup
     # Only the patches up to this one: later ones cannot matter to its commit.
     asm = assemble(tree, fetch_pinned(pin, PRIMARY_TAG), pin.version, patches[: i + 1], stamp=False, src=root)
     commit = asm.applied[i].commit
-    diff = out(tree, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n"
+    diff = out_diff(tree, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n"
     new_files = owned_files(tree, commit)
 
     files = set(out(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit).split())
@@ -56,7 +56,7 @@ def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None) -> tup
     replayed = _standalone(tree, asm.base, commit, tmp, patch, patches[:i], pin.version)
     if set(out(tree, "diff", "--name-only", "--no-renames", asm.base, replayed).split()) != expected:
         raise ForkError(f"{patch.name}: its replay onto upstream touches other files than its own")
-    tmp.write_text(out(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n")
+    tmp.write_text(out_diff(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n")
     tmp.replace(diff_file)
     md_file = out_dir / f"{patch.name}.md"
     md_file.write_text(describe(patch, new_files, pin.package, pin.version,

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out
+from .git import git, out, out_diff
 from .series import Patch
 
 PKG = "python/sglang"
@@ -274,7 +274,7 @@ def commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
     header cannot keep naming a file the commit no longer carries.
     """
     excludes = [f":(exclude){o}" for o in owns]
-    text = out(
+    text = out_diff(
         tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature",
         "--full-index", "--", ".", *excludes,
     ) + "\n"
