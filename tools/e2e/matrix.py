@@ -128,6 +128,11 @@ def rows() -> list[Row]:
         _row("head_fp8", "--speculative-dspark-draft-head-fp8"),
         _row("block_verify", "--speculative-use-block-verification"),
         _row("block_verify_cap", "--speculative-use-block-verification", "--speculative-dspark-verify-cap", "conf:0.1"),
+        # Serving control: the tiny model's greedy output cycles with a period far above 8, so
+        # loop abort at P <= 8 must not fire (the same tokens with the flag on, no false positive).
+        _row("loop_abort", "--enable-loop-abort", "--loop-abort-max-period", "8", "--loop-abort-min-tokens", "24"),
+        _row("thinking_aliases", "--enable-thinking-aliases", extra=["--reasoning-parser", "deepseek-v4"]),
+        _row("serial_load", "--weight-loader-disable-async-load"),
         _row("all_on", *ALL_ON),
         _row("off_eager", extra=EAGER),
         _row("all_on_eager", *ALL_ON, extra=EAGER),
@@ -137,6 +142,8 @@ def rows() -> list[Row]:
         _row("random_all_on", *ALL_ON, model="random", sampled=False),
         Row("refuse_wrong_build", DSPARK + ["--fork-expect-version", "0.5.23+fork.1.0000000"],
             refused_with="refusing to start another patch series"),
+        Row("refuse_autotune_keep_tp1", DSPARK + ["--flashinfer-autotune-keep-cache"],
+            refused_with="--tp-size 1 has no other rank to agree with"),
         # DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing with the kernels on.
         _row("real_off", model="real", sampled=False, timing=True),
         _row("real_wo_a_small", "--dsv4-wo-a-fp8-twin", "small", model="real", sampled=False, timing=True),
