@@ -29,6 +29,11 @@ sys.path.insert(0, str(REPO / "tools"))
 # Engine modules import sgl_kernel / deep_gemm users: the import-only stand-ins come first.
 sys.path.insert(0, str(REPO / "tools" / "standins"))
 
+from forklib.pin import load_pin  # noqa: E402
+
+# The pinned upstream release: tests read it here, so they pass unedited after a rebase.
+UPSTREAM = load_pin().version
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the H200 through the GPU bundle)")

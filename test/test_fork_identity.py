@@ -10,14 +10,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_engine
+from conftest import REPO, UPSTREAM, run_engine
 
 import sglang.fork as fork
 from sglang.version import __version__
 
 
 def test_version_is_the_fork_version(series):
-    assert re.fullmatch(r"0\.5\.23\+fork\.\d+\.[0-9a-f]{7}", __version__)
+    assert re.fullmatch(re.escape(UPSTREAM) + r"\+fork\.\d+\.[0-9a-f]{7}", __version__)
     assert fork.fork_version() == __version__
     assert [p["name"] for p in fork.manifest()["series"]] == [p.name for p in series]
 
@@ -25,7 +25,7 @@ def test_version_is_the_fork_version(series):
 def test_launch_server_version_lists_the_series(series):
     r = run_engine("-m", "sglang.launch_server", "--version", check=True)
     lines = r.stdout.splitlines()
-    assert lines[0].startswith(f"sglang {__version__} (fork of sglang 0.5.23; {len(series)} patch(es))")
+    assert lines[0].startswith(f"sglang {__version__} (fork of sglang {UPSTREAM}; {len(series)} patch(es))")
     for patch in series:
         assert f"  {patch.name}: {' '.join(patch.flags) or '(no flags)'}" in lines
 
@@ -69,7 +69,7 @@ def test_wrong_fork_build_refuses_to_start():
     from sglang.srt.arg_groups.fork_hook import handle_fork
 
     with pytest.raises(ValueError, match="refusing to start"):
-        handle_fork(_view(fork_expect_version="0.5.23+fork.1.0000000"))
+        handle_fork(_view(fork_expect_version=f"{UPSTREAM}+fork.1.0000000"))
     with pytest.raises(ValueError, match="accepted form"):  # Engine(...) skips argparse
         handle_fork(_view(fork_expect_version="latest"))
 
@@ -91,7 +91,7 @@ def test_launch_refuses_a_wrong_build_before_touching_the_model():
     env = {**os.environ, "PYTHONPATH": str(REPO / "tools" / "standins")}
     r = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "sglang.launch_server", "--model-path", "/nonexistent",
-         "--fork-expect-version", "0.5.23+fork.1.0000000"],
+         "--fork-expect-version", f"{UPSTREAM}+fork.1.0000000"],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert r.returncode != 0
