@@ -272,3 +272,11 @@ def test_fp8_copy_refuses_online_weight_updates(monkeypatch):
     assert _unsupported_derived_weight_cache_error(target) is None
     mod.maybe_build_draft_head_fp8(types.SimpleNamespace(), target["lm_head"], True)
     assert "--speculative-dspark-draft-head-fp8" in _unsupported_derived_weight_cache_error(target)
+
+
+def test_deterministic_inference_is_refused_at_resolution(llama_config):
+    """Refused when the server arguments resolve, not after the target has loaded."""
+    from conftest import resolve_server_args
+
+    with pytest.raises(ValueError, match=r"--speculative-dspark-draft-head-fp8 cannot be used with --enable-deterministic-inference"):
+        resolve_server_args(llama_config, speculative_dspark_draft_head_fp8=True, enable_deterministic_inference=True)

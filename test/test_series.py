@@ -391,3 +391,27 @@ def test_no_test_hard_codes_the_pinned_release():
     hits = [f"{f.name}:{n}" for f in sorted((REPO / "test").glob("*.py"))
             for n, line in enumerate(f.read_text().splitlines(), 1) if pinned in line]
     assert hits == []
+
+
+def test_no_module_of_ours_binds_a_top_level_name_twice(series):
+    """A second import or def of one name hides the first (fork.py once held two PrintVersion)."""
+    import ast
+
+    problems = []
+    for patch in series:
+        for own in (o for o in patch.owns if o.endswith(".py")):
+            seen: dict[str, int] = {}
+            for node in ast.parse((REPO / own).read_text()).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names = [node.name]
+                elif isinstance(node, ast.Import):
+                    names = [a.asname or a.name.split(".")[0] for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [a.asname or a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    if name in seen:
+                        problems.append(f"{own}:{node.lineno}: {name} bound again (first at line {seen[name]})")
+                    seen.setdefault(name, node.lineno)
+    assert problems == []

@@ -995,3 +995,13 @@ def test_gpu_hopper_drop_served_path_and_memory(monkeypatch):
         else:
             assert_near_exact(a, x, w, ("drop", x.shape[0]))
     assert torch.equal(dropped[8][1].view(torch.int16), torch.einsum("tgd,grd->tgr", dropped[8][0], w.cuda()).view(torch.int16))
+
+
+def test_twin_on_a_target_other_than_deepseek_v4_is_refused_at_resolution(llama_config):
+    """Real server-argument resolution with a config-only Llama: the twin would do nothing."""
+    from conftest import resolve_server_args
+
+    for mode in ("small", "mid", "drop"):
+        with pytest.raises(ValueError, match=rf"--dsv4-wo-a-fp8-twin={mode}.*LlamaForCausalLM.*DeepseekV4ForCausalLM"):
+            resolve_server_args(llama_config, dsv4_wo_a_fp8_twin=mode)
+    resolve_server_args(llama_config, dsv4_wo_a_fp8_twin="off")
