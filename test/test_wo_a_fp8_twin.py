@@ -64,16 +64,24 @@ def ulps(a, b):
 # ---------------------------------------------------------------- flag
 
 
+V4 = "DeepseekV4ForCausalLM"
+
+
 def test_flag_values_and_errors():
-    assert [twin_mod.parse_wo_a_fp8_twin(v) for v in ("off", "small", "MID ", "drop")] == [
+    assert [twin_mod.parse_wo_a_fp8_twin(v) for v in ("off", "small", "mid", "drop")] == [
         "off", "small", "mid", "drop"]
-    with pytest.raises(ValueError, match="accepted: off .* small .* mid .* drop"):
-        twin_mod.parse_wo_a_fp8_twin("on")
-    from sglang.srt.arg_groups.fields.exec_ import ExecKernel, _wo_a_fp8_twin_arg
+    for bad in ("on", "MID"):  # exact, as argparse's choices (Engine(...) bypasses argparse)
+        with pytest.raises(ValueError, match="accepted: off .* small .* mid .* drop"):
+            twin_mod.parse_wo_a_fp8_twin(bad)
+    from sglang.srt.arg_groups.fields.exec_ import ExecKernel
 
     assert ExecKernel().dsv4_wo_a_fp8_twin == "off"
-    with pytest.raises(argparse.ArgumentTypeError, match="accepted"):
-        _wo_a_fp8_twin_arg("drop2")
+    parser = argparse.ArgumentParser()
+    from sglang.srt.server_args import ServerArgs
+
+    ServerArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if a.dest == "dsv4_wo_a_fp8_twin"]
+    assert list(action.choices) == list(twin_mod.MODES)
 
 
 def test_flag_on_command_line():
@@ -205,22 +213,22 @@ def test_validate_refuses_what_the_twin_cannot_serve_under():
     def cfg(mode, **on):
         return SimpleNamespace(dsv4_wo_a_fp8_twin=mode, **{a: a in on for a in names})
 
-    assert twin_mod.validate_wo_a_fp8_twin(cfg("off", enable_deterministic_inference=1)) == "off"
-    assert twin_mod.validate_wo_a_fp8_twin(cfg("MID", enable_cp_decode_attn_tp=1)) == "mid"
+    assert twin_mod.validate_wo_a_fp8_twin(cfg("off", enable_deterministic_inference=1), V4) == "off"
+    assert twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_cp_decode_attn_tp=1), V4) == "mid"
     with pytest.raises(ValueError, match="small cannot be used with --enable-deterministic-inference"):
-        twin_mod.validate_wo_a_fp8_twin(cfg("small", enable_deterministic_inference=1))
+        twin_mod.validate_wo_a_fp8_twin(cfg("small", enable_deterministic_inference=1), V4)
     for a, flag, _ in twin_mod._DROP_REFUSED_WITH:
         with pytest.raises(ValueError, match=f"drop cannot be used with {flag}"):
-            twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}))
+            twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}), V4)
     with pytest.raises(ValueError, match="accepted"):
-        twin_mod.validate_wo_a_fp8_twin(cfg("yes"))
+        twin_mod.validate_wo_a_fp8_twin(cfg("yes"), V4)
     with pytest.raises(ValueError, match="mid cannot be used with --enable-torch-compile: a traced"):
-        twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_torch_compile=1))
+        twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_torch_compile=1), V4)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch.version, "hip", "6.3")
         with pytest.raises(ValueError, match="small: this torch is a ROCm build .6.3.; the twin's kernels"):
-            twin_mod.validate_wo_a_fp8_twin(cfg("small"))
-        assert twin_mod.validate_wo_a_fp8_twin(cfg("off")) == "off"
+            twin_mod.validate_wo_a_fp8_twin(cfg("small"), V4)
+        assert twin_mod.validate_wo_a_fp8_twin(cfg("off"), V4) == "off"
 
 
 def test_bad_layout_raises_naming_the_layer(monkeypatch):
