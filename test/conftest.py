@@ -43,12 +43,20 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    # A rebase that dropped a patch says so in patches/series; its tests no longer apply.
+    from forklib.series import dropped_tests, load_series
+
+    named = {t for p in load_series() for t in p.trailers.get("Tests", [])}
+    dropped = {t: names for t, names in dropped_tests().items() if t not in named}
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        path = Path(str(item.fspath)).resolve()
+        rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else None
+        if rel in dropped:
+            item.add_marker(pytest.mark.skip(
+                reason=f"{', '.join(dropped[rel])} dropped from patches/series by a rebase (see its comments)"))
+        elif "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from forklib import ForkError, REPO_ROOT
 from forklib import rebase
 from forklib.git import git
 from forklib.pin import load_pin
-from forklib.series import check_series, load_series
+from forklib.series import check_series, dropped_tests, load_series
 from forklib.tree import assemble
 
 # One patch per class, against the changes upstream 1.1.0 makes.
@@ -320,6 +320,9 @@ def test_drop_refuses_while_another_patch_depends_on_it(tmp_path, monkeypatch):
         rebase.resume(lay, drop=["1"])
     assert rebase.resume(lay, drop=["1", "2"]) == 0
     assert load_series(lay.series_file) == []
+    # The series says what was dropped and whose tests no longer run (conftest skips them).
+    assert dropped_tests(lay.series_file) == {"test/test_x.py": ["0001-helper", "0002-user"]}
+    assert "# dropped in the rebase from 1.0.0 to 1.1.0: 0001-helper (tests: test/test_x.py)" in lay.series_file.read_text()
 
 
 def depends_on(root, name, dep):

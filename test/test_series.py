@@ -415,3 +415,18 @@ def test_no_module_of_ours_binds_a_top_level_name_twice(series):
                         problems.append(f"{own}:{node.lineno}: {name} bound again (first at line {seen[name]})")
                     seen.setdefault(name, node.lineno)
     assert problems == []
+
+
+# Tests of the tools and of the series as a whole; every other test file belongs to a patch.
+TOOL_TESTS = {"test/test_series.py", "test/test_rebase.py", "test/test_export.py",
+              "test/test_e2e_cpu.py", "test/test_gpu_bundle_smoke.py"}
+
+
+def test_every_test_file_belongs_to_a_patch_or_the_tools(series):
+    """A feature's tests are named by its patch's Tests: trailer, so a rebase that drops the
+    patch can say which tests go with it (conftest skips them then)."""
+    from forklib.series import dropped_tests
+
+    named = {t for p in series for t in p.trailers.get("Tests", [])} | set(dropped_tests())
+    files = {f"test/{f.name}" for f in (REPO / "test").glob("test_*.py")}
+    assert sorted(files - named - TOOL_TESTS) == []

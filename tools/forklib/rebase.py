@@ -35,7 +35,7 @@ from pathlib import Path
 from . import REPO_ROOT, ForkError
 from .git import git, out
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
-from .series import Patch, check_series, load_series, parse_patch
+from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch
 from .tree import apply_problems, assemble, commit_patch, hunk_texts, import_release, owned_files, upstream_ref
 
 # The tag the replay runs on; the other pinned tags only get their hashes recorded.
@@ -532,7 +532,13 @@ def _finish(lay: Layout, state: dict) -> None:
             (staged / own).write_bytes(git_show(repo, p["new"], own))
         owned.update(owns)
         (staged / "patches" / f"{p['name']}.patch").write_text(commit_patch(repo, p["new"], owns))
-    (staged / "patches" / "series").write_text("".join(f"{p['name']}.patch\n" for p in kept))
+    dropped = [p for p in state["patches"] if p["status"] == "dropped"]
+    old_series = [line for line in lay.series_file.read_text().splitlines() if DROPPED_RE.match(line.strip())]
+    (staged / "patches" / "series").write_text("".join(f"{p['name']}.patch\n" for p in kept) + "".join(
+        line + "\n" for line in old_series + [
+            f"# dropped in the rebase from {state['from']} to {state['to']}: {p['name']} (tests: "
+            + ", ".join(parse_patch(root / "patches" / f"{p['name']}.patch").trailers.get("Tests", [])) + ")"
+            for p in dropped]))
     (staged / "upstream.toml").write_text(render_pin(pin))
 
     # 2. Proof: the written series applies exactly on the target (the same check as `make`).
@@ -575,10 +581,10 @@ def _finish(lay: Layout, state: dict) -> None:
     print(f"\ngit range-diff {state['from']}..old {state['to']}..new (kept in {lay.dir / 'range-diff.txt'}):\n{rd}\n")
     for w in warnings:
         print(f"warning: {w}")
-    dropped = [p["name"] for p in state["patches"] if p["status"] == "dropped"]
+    dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
     print(f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml"
-          + (f"; dropped: {', '.join(dropped)}" if dropped else "")
+          + (f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)" if dropped else "")
           + (f"; review: {', '.join(review)}" if review else "")
           + ". Check `git diff`, run `make test`, then commit.")
 
