@@ -7,9 +7,9 @@ https://github.com/sgl-project/sglang), ``test/registered/unit/server_args/``:
 through its ``get_<group>()`` accessor and read there, no accessor shadowed) and
 ``test_resolution_hook_registry.py`` (the overridable-hook whitelist and the ``run_hook`` call
 sites of ``pipeline.py`` are the same set, no whitelisted step called bare, registration),
-adapted to pytest (and to 0.5.23, whose ServerArgs is a msgspec record); the assertions are
+adapted to pytest (and to the pinned release, whose ServerArgs is a msgspec record); the assertions are
 upstream's. The namespace list is upstream's locked
-taxonomy, which 0.5.23's ``fields/*.py`` declare exactly.
+taxonomy, which the pinned release's ``fields/*.py`` declare exactly.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ SRT = Path(sglang.__file__).resolve().parent / "srt"
 
 
 def _field_names() -> set[str]:
-    return {f.name for f in record_fields(ServerArgs)}  # a msgspec record in 0.5.23
+    return {f.name for f in record_fields(ServerArgs)}  # a msgspec record, not a dataclass
 
 
 # ---------------------------------------------------------------------------- namespaces
