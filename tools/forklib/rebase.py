@@ -142,8 +142,6 @@ def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
     step(f"assembling the series on {pin.package} {pin.version} in {repo}")
     asm = assemble(repo, old_wheel, pin.version, patches, stamp=False, src=lay.root)
     git(repo, "branch", "-f", "old", asm.head)
-    # Conflicts show the base too, so our lines stand apart from upstream's newer code.
-    git(repo, "config", "merge.conflictStyle", "zdiff3")
     step(f"importing {pin.package} {target}")
     onto = import_release(repo, new_wheel, target)
     git(repo, "checkout", "-q", "-f", "-B", "rebased", onto)
@@ -191,7 +189,7 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
     elif i < len(state["patches"]) and state["stopped"]:
         state["patches"][i]["new"] = _take_resolution(repo, state, state["patches"][i])
         state["patches"][i]["status"] = "resolved"
-        state["patches"][i]["detail"].append("resolved by hand: review it")
+        state["patches"][i]["detail"].insert(0, "resolved by hand: review it")
         state["head"] = state["patches"][i]["new"]
         state["next"] = i + 1
     elif i < len(state["patches"]):

@@ -58,6 +58,9 @@ def import_release(tree: Path, wheel: Path, version: str) -> str:
     if not (tree / ".git").exists():
         tree.mkdir(parents=True, exist_ok=True)
         git(tree, "init", "-q")
+        # A conflict (git am -3 in an editing tree, a rebase's replay) shows the base too, so
+        # our lines stand apart from upstream's newer code.
+        git(tree, "config", "merge.conflictStyle", "zdiff3")
     have = git(tree, "log", "-1", "--format=%B", ref, check=False)
     if have.returncode == 0 and f"sha256: {sha}" in have.stdout:
         return out(tree, "rev-parse", ref)
