@@ -42,21 +42,34 @@ def pytest_configure(config):
     _error_on_our_deprecations(config)
 
 
-def pytest_collection_modifyitems(config, items):
-    # A rebase that dropped a patch says so in patches/series; its tests no longer apply.
+def _dropped() -> dict[str, list[str]]:
+    """Test files of patches a rebase dropped (patches/series says so) that no patch names now."""
     from forklib.series import dropped_tests, load_series
 
     named = {t for p in load_series() for t in p.trailers.get("Tests", [])}
-    dropped = {t: names for t, names in dropped_tests().items() if t not in named}
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    return {t: names for t, names in dropped_tests().items() if t not in named}
+
+
+def pytest_ignore_collect(collection_path, config):
+    # A dropped patch's tests import its modules, which are gone: not collected at all.
+    path = Path(collection_path).resolve()
+    return path.is_relative_to(REPO) and path.relative_to(REPO).as_posix() in _dropped() or None
+
+
+def pytest_report_header(config):
+    dropped = _dropped()
+    if dropped:
+        return [f"not collected: {t} (its patch {', '.join(n)} was dropped from patches/series by a rebase)"
+                for t, n in sorted(dropped.items())]
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        path = Path(str(item.fspath)).resolve()
-        rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else None
-        if rel in dropped:
-            item.add_marker(pytest.mark.skip(
-                reason=f"{', '.join(dropped[rel])} dropped from patches/series by a rebase (see its comments)"))
-        elif "gpu" in item.keywords and not HAS_CUDA:
-            item.add_marker(skip_gpu)
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
