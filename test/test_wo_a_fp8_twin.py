@@ -602,11 +602,13 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
         sw = model[name].wo_a.weight
         assert sw.shape == (128, 1024) and sw.stride() == (0, 0) and torch.isnan(sw[0, 0])
         assert twin_mod._TWINS[sw.data_ptr()].dropped
-    # upstream's weight export (remote instance send, save_sharded_model) refuses, naming the layer
+    # upstream's weight export (remote instance send, save_sharded_model) refuses, naming the
+    # layer (a release whose export has no such refusal refuses drop at startup: the next test)
     from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
 
-    reason = WeightExporter._weight_export_unsupported_reason(SimpleNamespace(get_model=lambda: model))
-    assert reason and "l0.wo_a was released by --dsv4-wo-a-fp8-twin=drop" in reason
+    if twin_mod._weight_export_honours_refusals():
+        reason = WeightExporter._weight_export_unsupported_reason(SimpleNamespace(get_model=lambda: model))
+        assert reason and "l0.wo_a was released by --dsv4-wo-a-fp8-twin=drop" in reason
     after = _all_routes(model)
     for i, (a, b, s) in enumerate(zip(after, before, stock)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
@@ -1013,3 +1015,17 @@ def test_twin_on_a_target_other_than_deepseek_v4_is_refused_at_resolution(llama_
         with pytest.raises(ValueError, match=rf"--dsv4-wo-a-fp8-twin={mode}.*LlamaForCausalLM.*DeepseekV4ForCausalLM"):
             resolve_server_args(llama_config, dsv4_wo_a_fp8_twin=mode)
     resolve_server_args(llama_config, dsv4_wo_a_fp8_twin="off")
+
+
+def test_drop_is_refused_where_weight_export_would_send_the_stand_in(monkeypatch):
+    """drop relies on upstream's weight export refusing a released layer; a release without
+    that refusal (0.5.22) refuses drop at startup instead of exporting NaN stand-ins."""
+    from sglang.srt.model_executor.model_runner_components import weight_exporter
+
+    cfg = SimpleNamespace(dsv4_wo_a_fp8_twin="drop", **{a: False for a, *_ in twin_mod._REFUSED_WITH
+                                                       + twin_mod._DROP_REFUSED_WITH})
+    monkeypatch.setattr(weight_exporter, "WeightExporter", type("WeightExporter", (), {}))
+    with pytest.raises(ValueError, match="drop: this sglang's weight export .* stand-in; use --dsv4-wo-a-fp8-twin mid"):
+        twin_mod.validate_wo_a_fp8_twin(cfg, V4)
+    cfg.dsv4_wo_a_fp8_twin = "mid"
+    assert twin_mod.validate_wo_a_fp8_twin(cfg, V4) == "mid"

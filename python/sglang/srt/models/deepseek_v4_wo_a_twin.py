@@ -133,7 +133,21 @@ def validate_wo_a_fp8_twin(cfg, model_arch: str) -> str:
     for attr, flag, why in _REFUSED_WITH + (_DROP_REFUSED_WITH if mode == "drop" else ()):
         if getattr(cfg, attr):
             raise ValueError(f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}")
+    if mode == "drop" and not _weight_export_honours_refusals():
+        raise ValueError(
+            "--dsv4-wo-a-fp8-twin=drop: this sglang's weight export (remote-instance send, "
+            "save_sharded_model) does not consult a layer's _weight_export_error, so it would "
+            "export the released weight's stand-in; use --dsv4-wo-a-fp8-twin mid"
+        )
     return mode
+
+
+def _weight_export_honours_refusals() -> bool:
+    """Whether upstream's weight export refuses a layer that sets ``_weight_export_error``
+    (drop relies on it: a released layer must not be exported; 0.5.23 has it, 0.5.22 not)."""
+    from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
+
+    return hasattr(WeightExporter, "_weight_export_unsupported_reason")
 
 
 class _Twin:
