@@ -1019,7 +1019,7 @@ def test_twin_on_a_target_other_than_deepseek_v4_is_refused_at_resolution(llama_
 
 def test_drop_is_refused_where_weight_export_would_send_the_stand_in(monkeypatch):
     """drop relies on upstream's weight export refusing a released layer; a release without
-    that refusal (0.5.22) refuses drop at startup instead of exporting NaN stand-ins."""
+    that refusal refuses drop at startup instead of exporting NaN stand-ins."""
     from sglang.srt.model_executor.model_runner_components import weight_exporter
 
     cfg = SimpleNamespace(dsv4_wo_a_fp8_twin="drop", **{a: False for a, *_ in twin_mod._REFUSED_WITH
