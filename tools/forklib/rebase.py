@@ -8,17 +8,23 @@ Each patch is classified:
 
   clean           the commit's diff applies exactly (no offset, no 3-way) on the target
   merged          git merged it, but only with moved or changed context: review it
-  conflict        the merge left conflicts in the scratch worktree (files and hunks named)
+  conflict        the merge left conflicts in the scratch worktree: every region named as
+                  file:line with the patch hunk it came from (zdiff3 markers show the base),
+                  a modify/delete named as such with what each way out means
   upstream        the change is in the target already (reverse-applies, or the replay is empty)
   new-file clash  the target ships a file at a path one of our owned files uses
 
 The last three stop the run (``--dry-run`` notes them and goes on). The person resolves in
-the scratch worktree and runs ``--continue``, or drops the patch with ``--drop``; nothing is
-dropped or rewritten silently. The repository (``patches/``, ``python/sglang/``,
+the scratch worktree and runs ``--continue`` (staged or committed: the patch keeps its header;
+a resolution that would make the patch own upstream's file, or more files of ours, is
+refused), or drops the patch with ``--drop`` (refused while a patch that stays depends on it);
+nothing is dropped or rewritten silently. The repository (``patches/``, ``python/sglang/``,
 ``upstream.toml``) is written only once every patch is clean, merged, resolved or dropped:
 the new files are staged in the scratch dir, the new series is assembled exactly on the
-target as a proof, and only then moved in. ``git range-diff`` of old against new is printed
-and kept in ``build/rebase/range-diff.txt``.
+target as a proof, and only then moved in; ``patches/series`` keeps a comment per dropped
+patch naming its tests. ``git range-diff`` of old against new is printed and kept in
+``build/rebase/range-diff.txt``; ``finished.json`` lets ``--abort`` say that a finished
+rebase wrote the repository. ``drift`` records dry runs as the tool prints them.
 """
 
 from __future__ import annotations

@@ -332,7 +332,7 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
     ``check``. Everything is staged first and checked there; then moved in.
     """
     from .pin import load_pin
-    from .series import check_series, load_series, read_series
+    from .series import check_series, load_series, parse_patch, read_series
 
     series_file = root / "patches" / "series"
     version = upstream_version or load_pin(root / "upstream.toml").version
@@ -352,13 +352,12 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
                         + "\n  ".join(dirty.splitlines()))
 
     # Each commit keeps its patch's name: matched by subject, else by position, else new.
+    old_paths = read_series(series_file) if series_file.exists() else []
     old = {}
-    for path in read_series(series_file) if series_file.exists() else []:
+    for path in old_paths:
         if path.exists():
-            from .series import parse_patch
-
             old.setdefault(parse_patch(path).subject, path.name)
-    old_names = [p.name for p in read_series(series_file)] if series_file.exists() else []
+    old_names = [p.name for p in old_paths]
     names: list[str] = []
     for i, (commit, subject) in enumerate(zip(commits, subjects)):
         name = old.get(subject)
