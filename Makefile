@@ -41,6 +41,7 @@ test: all
 clean:
 	rm -rf build $(VENV)
 
-# build/gpu-bundle: GPU tests + benchmarks for a machine with only torch and triton (bash build/gpu-bundle/run.sh).
+# build/gpu-bundle: GPU tests + benchmarks (bash build/gpu-bundle/run.sh) and the end-to-end matrix
+# (bash build/gpu-bundle/e2e.sh) for a machine with only torch, triton and nvcc. docs/gpu-testing.md.
 gpu-bundle:
 	$(FORK) gpu-bundle

@@ -3,6 +3,12 @@
 Every checkpoint directory holds ``config.json``, a character-level ``tokenizer.json`` built
 with ``tokenizers`` (one token per printable ASCII character, so any text round-trips and
 token counts are easy to reason about) and, where weights matter, ``model.safetensors``.
+
+``write_cycle_llama`` writes real weights whose greedy output follows a fixed successor map
+(``CYCLES``), so a test knows the output of any prompt before it runs: a digit prompt loops
+with period 3, a letter prompt walks the 26-letter cycle. With ``dsv41_tokens`` its tokenizer
+also carries DeepSeek-V4.1's special tokens, so the server can render prompts through
+upstream's real V4.1 encoder (``--tool-call-parser deepseekv41``: deepseek-recipe).
 """
 
 from __future__ import annotations
@@ -26,34 +32,334 @@ def char_vocab() -> dict[str, int]:
     return vocab
 
 
-def write_tokenizer(path: Path, chat_template: str = SIMPLE_CHAT_TEMPLATE, model_max_length: int = 8192) -> int:
-    """A character-level fast tokenizer in ``path``; returns its vocabulary size."""
+# DeepSeek-V4 / V4.1's special tokens as deepseek-recipe (upstream's chat encoder for the models,
+# loaded by the HTTP server) spells them; it refuses a tokenizer without them. The checkpoint spells
+# the image token <｜deepseek_image｜> (sglang's parser/deepseek_recipe_renderer.py IMAGE_TOKEN).
+DEEPSEEK_SPECIAL_TOKENS = (
+    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜System｜>", "<｜User｜>", "<｜Assistant｜>",
+    "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>", "<｜deepseek_image｜>", "<｜image｜>",
+    "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>", "<｜/point｜>", "<｜polygon｜>",
+    "<｜/polygon｜>",
+)
+
+
+def write_tokenizer(path: Path, chat_template: str | None = SIMPLE_CHAT_TEMPLATE, model_max_length: int = 8192,
+                    extra_special_tokens: tuple[str, ...] = (), vocab_size: int | None = None) -> int:
+    """A character-level fast tokenizer in ``path``; returns its vocabulary size.
+
+    ``vocab_size`` pads the vocabulary with ``<extra_i>`` tokens after the printable characters,
+    so that every id a model of that vocabulary can emit decodes; ``extra_special_tokens`` take
+    the last ids, in order. ``chat_template=None`` writes none (an encoder such as V4.1's
+    renders the prompt).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = char_vocab()
+    for i in range(len(vocab), (vocab_size or 0) - len(extra_special_tokens)):
+        vocab[f"<extra_{i}>"] = i
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS[UNK_ID]))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
-    for special in SPECIAL_TOKENS:
+    for special in SPECIAL_TOKENS + tuple(extra_special_tokens):
         tok.add_special_tokens([special])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
+    config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": SPECIAL_TOKENS[UNK_ID], "bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
-        "model_max_length": model_max_length, "add_bos_token": False, "chat_template": chat_template,
-    }, indent=1))
-    return len(vocab)
+        "model_max_length": model_max_length, "add_bos_token": False,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return tok.get_vocab_size()
+
+
+def _llama_config(vocab: int, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "num_hidden_layers": layers, "vocab_size": vocab,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+        "torch_dtype": "bfloat16", "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "tie_word_embeddings": False,
+    }
+
+
+# Greedy successor of each character under write_cycle_llama's weights; any other token -> "a".
+CYCLES = ("012", "abcdefghijklmnopqrstuvwxyz")
+
+
+def cycle_successor(vocab: dict[str, int]) -> dict[int, int]:
+    """token id -> the token id the cycle model emits next (greedy)."""
+    nxt = {}
+    for cycle in CYCLES:
+        for a, b in zip(cycle, cycle[1:] + cycle[0]):
+            nxt[vocab[a]] = vocab[b]
+    return {t: nxt.get(t, vocab["a"]) for t in vocab.values()}
+
+
+def write_cycle_llama(path: Path, dsv41_tokens: bool = False) -> Path:
+    """A one-layer Llama whose greedy next token depends only on the current one (``CYCLES``).
+
+    Embeddings are one-hot (hidden size >= vocabulary), attention's and the MLP's output
+    projections are zero, so the last hidden state is the current token's embedding;
+    ``lm_head`` row ``b`` is the sum of the embeddings of ``b``'s predecessors. Every logit is
+    exactly 0 but the successor's (about sqrt(hidden) after the final norm): no rounding can
+    change the greedy choice. Served without ``--load-format dummy``.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    vocab_size = write_tokenizer(path, chat_template=None if dsv41_tokens else SIMPLE_CHAT_TEMPLATE,
+                                 extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS if dsv41_tokens else ())
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab()
+    hidden, heads, kv_heads, inter = 128, 4, 2, 128
+    assert vocab_size <= hidden, (vocab_size, hidden)
+    head_dim = hidden // heads
+    config = _llama_config(vocab_size, hidden, inter, heads, kv_heads, 1)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    bf16 = torch.bfloat16
+    embed = torch.zeros(vocab_size, hidden, dtype=bf16)
+    embed[torch.arange(vocab_size), torch.arange(vocab_size)] = 1
+    head = torch.zeros(vocab_size, hidden, dtype=bf16)
+    for a, b in cycle_successor(vocab).items():
+        head[b, a] = 1
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):  # q/k/v and the MLP's inputs: any values, their outputs are projected to zero
+        return (torch.randn(*shape, generator=gen) * 0.05).to(bf16)
+
+    p = "model.layers.0."
+    weights = {
+        "model.embed_tokens.weight": embed, "lm_head.weight": head,
+        "model.norm.weight": torch.ones(hidden, dtype=bf16),
+        p + "input_layernorm.weight": torch.ones(hidden, dtype=bf16),
+        p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=bf16),
+        p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+        p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+        p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+        p + "self_attn.o_proj.weight": torch.zeros(hidden, heads * head_dim, dtype=bf16),
+        p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+        p + "mlp.down_proj.weight": torch.zeros(hidden, inter, dtype=bf16),
+    }
+    save_file(weights, str(path / "model.safetensors"))
+    return path
 
 
 def write_tiny_llama(path: Path) -> Path:
     """A two-layer Llama of hidden size 64, served with ``--load-format dummy`` (random weights)."""
     vocab = write_tokenizer(path)
-    (path / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": vocab, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "torch_dtype": "bfloat16",
-        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "tie_word_embeddings": False,
-    }, indent=1))
+    (path / "config.json").write_text(json.dumps(_llama_config(vocab, 64, 128, 4, 2, 2), indent=1))
+    return path
+
+
+# ---------------------------------------------------------------------------- DeepSeek-V4 + DSpark
+#
+# Written in the original DeepSeek-V4 checkpoint naming (``embed``, ``layers.N.attn.wq_a``,
+# ``mtp.0.markov_head.embed``, ...), which the engine's loaders remap, with the DSpark draft
+# bundled under ``mtp.*`` and announced by the ``dspark_*`` config keys. Weights are bf16 except
+# ``wo_a``, stored as e4m3 with one power-of-two scale per 32 x 32 block (as DeepSeek-V4.1 ships
+# it): the loader dequantizes it to bf16, so the wo_a fp8 twin finds an exact twin in every layer.
+
+# FlashMLA's sparse decode takes 64 or 128 query heads and sglang pads only at attention-TP > 1,
+# so both checkpoints keep DeepSeek-V4.1-Flash's attention at TP1: 64 heads in 8 output groups
+# (wo_a at G = 8, 4096 wide). The tiny one shrinks everything else.
+TINY_DSV4 = dict(
+    hidden_size=1024, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+    q_lora_rank=1024, o_lora_rank=1024, o_groups=8, moe_intermediate_size=256, n_routed_experts=8,
+    num_experts_per_tok=2, vocab_size=128, markov_rank=64, gamma=5, draft_stages=1,
+)
+# DeepSeek-V4.1-Flash's shapes at TP1 (hidden, heads, lora ranks, o_groups, expert width, vocab)
+# with few layers and experts and three draft stages, random weights: for timing.
+REAL_SHAPE_DSV4 = dict(
+    hidden_size=5120, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
+    q_lora_rank=1280, o_lora_rank=1024, o_groups=8, moe_intermediate_size=2304, n_routed_experts=8,
+    num_experts_per_tok=6, vocab_size=129280, markov_rank=256, gamma=5, draft_stages=3,
+)
+MASK_TOKEN_ID = len(char_vocab())  # the draft's mask token: the first <extra_i> token
+
+
+def dsv4_config(shape: dict) -> dict:
+    layers, stages = shape["num_hidden_layers"], shape["draft_stages"]
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "torch_dtype": "bfloat16",
+        "vocab_size": shape["vocab_size"], "hidden_size": shape["hidden_size"], "num_hidden_layers": layers,
+        "num_attention_heads": shape["num_attention_heads"], "num_key_value_heads": 1,
+        "head_dim": shape["head_dim"], "qk_rope_head_dim": shape["qk_rope_head_dim"],
+        "q_lora_rank": shape["q_lora_rank"], "o_lora_rank": shape["o_lora_rank"], "o_groups": shape["o_groups"],
+        "moe_intermediate_size": shape["moe_intermediate_size"], "n_routed_experts": shape["n_routed_experts"],
+        "n_shared_experts": 1, "num_experts_per_tok": shape["num_experts_per_tok"], "n_group": 1, "topk_group": 1,
+        "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        # Sliding-window attention only (no compressor / indexer layers): the flash_mla sparse
+        # decode path with window indices, no DeepGEMM indexer.
+        "compress_ratios": [0] * (layers + stages), "window_size": 128, "sliding_window": 128,
+        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096, "rope_theta": 10000, "compress_rope_theta": 40000,
+        "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
+                         "original_max_position_embeddings": 1024},
+        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        "num_nextn_predict_layers": stages,
+        "dspark_block_size": shape["gamma"], "dspark_noise_token_id": MASK_TOKEN_ID,
+        "dspark_target_layer_ids": list(range(layers - stages, layers)),
+        "dspark_markov_rank": shape["markov_rank"], "dspark_n_routed_experts": shape["n_routed_experts"],
+        "dspark_num_experts_per_tok": shape["num_experts_per_tok"],
+    }
+
+
+def _e4m3_blocks(w, block: int = 32):
+    """``w`` (bf16) as e4m3 + one power-of-two fp32 scale per ``block`` x ``block`` tile, exact in bf16."""
+    import torch
+
+    n, k = w.shape
+    tiles = w.float().view(n // block, block, k // block, block)
+    amax = tiles.abs().amax(dim=(1, 3)).clamp_min(2.0**-60)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    return q.view(n, k), scale
+
+
+class _Weights:
+    """Draws a checkpoint's tensors; ``agree`` builds the weights described in ``write_dsv4``."""
+
+    def __init__(self, shape: dict, agree: bool, seed: int, device: str):
+        import torch
+
+        self.torch, self.shape, self.agree, self.device = torch, shape, agree, device
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.tensors: dict = {}
+
+    def randn(self, *size, std: float = 1.0, dtype=None):
+        t = self.torch.randn(*size, generator=self.gen, device=self.device) * std
+        return t.to(dtype or self.torch.bfloat16)
+
+    def linear(self, name: str, out: int, inp: int, out_proj: bool = False):
+        # In the agreeing checkpoint the projections that write the residual stream are tiny, so the
+        # stream keeps carrying the token embedding while every kernel still runs on real numbers.
+        std = (1e-3 if (self.agree and out_proj) else 1.0) / inp**0.5
+        self.tensors[name + ".weight"] = self.randn(out, inp, std=std)
+
+    def fp8_linear(self, name: str, out: int, inp: int):
+        q, scale = _e4m3_blocks(self.randn(out, inp, std=1.0 / inp**0.5))
+        self.tensors[name + ".weight"], self.tensors[name + ".scale"] = q, scale
+
+    def norm(self, name: str, dim: int):
+        self.tensors[name + ".weight"] = self.torch.ones(dim, dtype=self.torch.bfloat16, device=self.device)
+
+    def hc(self, prefix: str, kinds=("attn", "ffn")):
+        hc, dim = 4, self.shape["hidden_size"]
+        mix = (2 + hc) * hc
+        f32 = self.torch.float32
+        for kind in kinds:
+            # Agreeing: mixing weights zero, so pre = post = sigmoid(0)-ish constants and comb is the
+            # uniform doubly-stochastic matrix: four equal streams stay equal.
+            self.tensors[f"{prefix}hc_{kind}_fn"] = (self.torch.zeros(mix, hc * dim, dtype=f32, device=self.device)
+                                                     if self.agree else self.randn(mix, hc * dim, std=0.02, dtype=f32))
+            self.tensors[f"{prefix}hc_{kind}_base"] = (self.torch.zeros(mix, dtype=f32, device=self.device)
+                                                       if self.agree else self.randn(mix, std=0.5, dtype=f32))
+            self.tensors[f"{prefix}hc_{kind}_scale"] = self.torch.ones(3, dtype=f32, device=self.device)
+
+    def hc_head(self, prefix: str):
+        hc, dim, f32 = 4, self.shape["hidden_size"], self.torch.float32
+        self.tensors[f"{prefix}hc_head_fn"] = (self.torch.zeros(hc, hc * dim, dtype=f32, device=self.device)
+                                               if self.agree else self.randn(hc, hc * dim, std=0.02, dtype=f32))
+        self.tensors[f"{prefix}hc_head_base"] = self.torch.zeros(hc, dtype=f32, device=self.device)
+        self.tensors[f"{prefix}hc_head_scale"] = self.torch.ones(1, dtype=f32, device=self.device)
+
+    def block(self, prefix: str, hash_vocab: int | None):
+        s, dim = self.shape, self.shape["hidden_size"]
+        heads, hd, groups = s["num_attention_heads"], s["head_dim"], s["o_groups"]
+        self.hc(prefix)
+        a = prefix + "attn."
+        self.tensors[a + "attn_sink"] = self.randn(heads, std=0.5, dtype=self.torch.float32)
+        self.linear(a + "wq_a", s["q_lora_rank"], dim)
+        self.linear(a + "wkv", hd, dim)
+        self.norm(a + "q_norm", s["q_lora_rank"])
+        self.norm(a + "kv_norm", hd)
+        self.linear(a + "wq_b", heads * hd, s["q_lora_rank"])
+        self.fp8_linear(a + "wo_a", groups * s["o_lora_rank"], heads // groups * hd)
+        self.linear(a + "wo_b", dim, groups * s["o_lora_rank"], out_proj=True)
+        self.norm(prefix + "attn_norm", dim)
+        self.norm(prefix + "ffn_norm", dim)
+        f = prefix + "ffn."
+        experts, inter = s["n_routed_experts"], s["moe_intermediate_size"]
+        self.linear(f + "gate", experts, dim)
+        if hash_vocab is None:  # score-routed: a correction bias; hash-routed: a token -> experts table
+            self.tensors[f + "gate.bias"] = self.randn(experts, std=0.1, dtype=self.torch.float32)
+        else:
+            pick = self.torch.rand(hash_vocab, experts, generator=self.gen, device=self.device).argsort(dim=1)
+            self.tensors[f + "gate.tid2eid"] = pick[:, : s["num_experts_per_tok"]].to(self.torch.int32)
+        for e in range(experts):
+            self.linear(f"{f}experts.{e}.w1", inter, dim)
+            self.linear(f"{f}experts.{e}.w3", inter, dim)
+            self.linear(f"{f}experts.{e}.w2", dim, inter, out_proj=True)
+        self.linear(f + "shared_experts.w1", inter, dim)
+        self.linear(f + "shared_experts.w3", inter, dim)
+        self.linear(f + "shared_experts.w2", dim, inter, out_proj=True)
+
+
+def write_dsv4(path: Path, *, agree: bool, shape: dict = TINY_DSV4, seed: int = 0, device: str = "cpu") -> Path:
+    """A DeepSeek-V4 target with a bundled DSpark draft, from ``seed``.
+
+    ``agree=False``: random weights (the draft rarely agrees with the target). ``agree=True``: a
+    checkpoint whose draft agrees with its target often, so the accept paths, caps and block
+    verification really run. Every token ``t`` has a fixed successor ``succ(t)`` (one random cycle
+    over the printable characters); the residual stream carries the token's embedding (mixing
+    weights zero, residual-writing projections tiny), and the shared LM head maps embedding ``t``
+    to ``succ(t)`` with a logit margin of about 6 (so temperature-1 sampling still spreads ~20 %
+    of the mass over other tokens). The draft's Markov head adds a bias of 40 to ``succ(prev)``,
+    so the draft proposes the successor chain of its anchor: greedy requests accept every draft,
+    sampled ones about 80 % of drafts each.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    vocab = write_tokenizer(path, vocab_size=shape["vocab_size"], extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS)
+    assert vocab == shape["vocab_size"], (vocab, shape["vocab_size"])
+    config = dsv4_config(shape)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    w = _Weights(shape, agree, seed, device)
+    dim, rank = shape["hidden_size"], shape["markov_rank"]
+
+    embed = w.randn(vocab, dim)
+    head = w.randn(vocab, dim, std=1.0 / dim**0.5)
+    markov_in = w.randn(vocab, rank, std=1.0 / rank**0.5)
+    markov_out = w.randn(vocab, rank, std=1.0, dtype=torch.float32)
+    if agree:
+        printable = torch.arange(len(SPECIAL_TOKENS), len(char_vocab()), device=device)
+        cycle = printable[torch.randperm(len(printable), generator=w.gen, device=device)]
+        succ = torch.arange(vocab, device=device)
+        succ[cycle] = torch.roll(cycle, -1)
+        unit = embed.float() / embed.float().norm(dim=1, keepdim=True)
+        head = torch.zeros(vocab, dim, device=device)
+        head[succ[cycle]] = 0.2 * unit[cycle]  # logit(succ(t) | t) = 0.2 * sqrt(dim) ~ 6.4
+        head = head.to(torch.bfloat16)
+        code = markov_in.float() / markov_in.float().norm(dim=1, keepdim=True)
+        markov_in = code.to(torch.bfloat16)
+        markov_out = torch.zeros(vocab, rank, device=device)
+        markov_out[succ[cycle]] = 40.0 * code[cycle]
+    w.tensors.update({"embed.weight": embed, "head.weight": head})
+    w.norm("norm", dim)
+    w.hc_head("")
+    for layer in range(shape["num_hidden_layers"]):
+        w.block(f"layers.{layer}.", hash_vocab=vocab if layer < config["num_hash_layers"] else None)
+    stages = shape["draft_stages"]
+    for stage in range(stages):
+        p = f"mtp.{stage}."
+        w.block(p, hash_vocab=None)
+        if stage == 0:
+            w.linear(p + "main_proj", dim, dim * stages)
+            w.norm(p + "main_norm", dim)
+        if stage == stages - 1:
+            w.norm(p + "norm", dim)
+            w.hc_head(p)
+    w.tensors["mtp.0.markov_head.embed.weight"] = markov_in
+    w.tensors["mtp.0.markov_head.head.weight"] = markov_out
+    w.tensors["mtp.0.confidence_head.proj.weight"] = w.randn(1, dim + rank, std=2.0 / (dim + rank)**0.5,
+                                                             dtype=torch.float32)
+    save_file({k: v.contiguous().cpu() for k, v in w.tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
     return path

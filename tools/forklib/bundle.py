@@ -7,7 +7,9 @@ files stay behind), the small cp312 wheels of ``tools/requirements-import.txt``,
 import-only stand-ins, this repository's ``test/``, ``benchmark/``, ``patches/`` and
 ``upstream.toml`` (the tests read the series and the pin), and ``run.sh``,
 which unpacks, runs ``pytest -m gpu`` and every ``benchmark/bench_*.py`` and writes the
-results to one folder.
+results to one folder; and for the end-to-end matrix, ``tools/e2e`` with the serving wheels
+of ``tools/requirements-serve-gpu.txt`` and ``e2e.sh``, which serves the tiny DeepSeek-V4
+through ``launch_server`` row by row (``python -m e2e.matrix``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from . import REPO_ROOT, ForkError
 from .tree import PKG
 
-LIMIT = 60 * 2**20
+LIMIT = 62 * 2**20
 GPU_WHEEL_TAG = "cp312-cp312-manylinux_2_34_x86_64"  # the pinned upstream wheel the bundle's tree comes from
 GPU_PYTHON = "3.12"
 # pip matches manylinux tags exactly: offer every one the import set's wheels use.
@@ -42,8 +44,7 @@ def _tree_tarball(tree: Path, dest: Path) -> None:
             out.addfile(member, src.extractfile(member) if member.isfile() else None)
 
 
-def _wheels(dest: Path) -> None:
-    requirements = REPO_ROOT / "tools" / "requirements-import.txt"
+def _wheels(dest: Path, requirements: Path) -> None:
     cache = Path.home() / ".cache" / "sglang-fork" / "gpu-wheels"
     cache.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
@@ -74,19 +75,21 @@ def make_bundle(tree: Path, version: str, dest: Path) -> int:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     _tree_tarball(tree, dest / "sglang-tree.tar.gz")
-    _wheels(dest / "wheels")
+    _wheels(dest / "wheels", REPO_ROOT / "tools" / "requirements-import.txt")
+    _wheels(dest / "serve-wheels", REPO_ROOT / "tools" / "requirements-serve-gpu.txt")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO_ROOT / "tools" / "standins", dest / "standins", ignore=ignore)
     shutil.copytree(REPO_ROOT / "test", dest / "test", ignore=ignore)
     # test/conftest.py puts tools/ on sys.path; the CPU-only test modules still get collected.
     shutil.copytree(REPO_ROOT / "tools" / "forklib", dest / "tools" / "forklib", ignore=ignore)
-    shutil.copytree(REPO_ROOT / "tools" / "e2e", dest / "tools" / "e2e", ignore=ignore)  # test_e2e_cpu imports it
+    shutil.copytree(REPO_ROOT / "tools" / "e2e", dest / "tools" / "e2e", ignore=ignore)
     # conftest reads the pin and the series (the release, our modules, dropped patches' tests).
     shutil.copytree(REPO_ROOT / "patches", dest / "patches")
     shutil.copy(REPO_ROOT / "upstream.toml", dest / "upstream.toml")
     shutil.copytree(REPO_ROOT / "benchmark", dest / "benchmark", ignore=shutil.ignore_patterns(
         "__pycache__", "*.pyc", "results"))
     shutil.copy(REPO_ROOT / "tools" / "gpu_bundle_run.sh", dest / "run.sh")
+    shutil.copy(REPO_ROOT / "tools" / "gpu_e2e_run.sh", dest / "e2e.sh")
     (dest / "VERSION").write_text(version + "\n")
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     if size > LIMIT:

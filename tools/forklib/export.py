@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out
+from .git import git, out, out_diff
 from .pin import fetch_pinned, load_pin
 from .series import Patch, check_series, load_series
 from .tree import assemble, owned_files
@@ -80,7 +80,7 @@ def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None,
     if set(out(tree, "diff", "--name-only", "--no-renames", asm.base, replayed).split()) != expected:
         raise ForkError(f"{patch.name}: its replay onto upstream touches other files than its own")
     tmp = diff_file.with_suffix(".diff.tmp")
-    tmp.write_text(out(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n")
+    tmp.write_text(out_diff(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n")
     tmp.replace(diff_file)
     md_file = out_dir / f"{patch.name}.md"
     carried = [patches[j].name for j in chain if j != i]
@@ -104,7 +104,7 @@ def _standalone(tree: Path, base: str, commits: list[str], chain: list[Patch], p
     try:
         for commit, patch in zip(commits, chain):
             diff = check.parent / "check.diff"
-            diff.write_text(out(tree, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
+            diff.write_text(out_diff(tree, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
             if git(check, "apply", "--check", str(diff.resolve()), check=False).returncode == 0:
                 git(check, "apply", "--index", str(diff.resolve()))
                 git(check, "commit", "-q", "-C", commit)

@@ -34,3 +34,9 @@ def git(repo: Path, *args: str, check: bool = True, input: str | None = None,
 
 def out(repo: Path, *args: str) -> str:
     return git(repo, *args).stdout.strip()
+
+
+def out_diff(repo: Path, *args: str) -> str:
+    """A diff or patch without its final newline: not ``out``'s strip(), which also eats the
+    single space of a last context line that is blank and leaves a corrupt hunk."""
+    return git(repo, *args).stdout.rstrip("\n")

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out
+from .git import git, out, out_diff
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
 from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch
 from .tree import apply_problems, assemble, commit_patch, hunk_texts, import_release, owned_files, upstream_ref
@@ -307,7 +307,7 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
     repo, commit = lay.repo, entry["commit"]
     patch = parse_patch(lay.root / "patches" / f"{entry['name']}.patch")
     diff = lay.dir / "current.diff"
-    diff.write_text(out(repo, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
+    diff.write_text(out_diff(repo, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
     to = state["to"]
 
     # Already upstream: the whole change (owned files included) reverse-applies on the target.

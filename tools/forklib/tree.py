@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out
+from .git import git, out, out_diff
 from .series import Patch
 
 PKG = "python/sglang"
@@ -310,10 +310,10 @@ def commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
     excludes = [f":(exclude){o}" for o in owns]
     fmt = ("format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature", "--full-index")
     if out(tree, "diff", "--name-only", f"{commit}^", commit, "--", ".", *excludes):
-        text = out(tree, *fmt, "--", ".", *excludes) + "\n"
+        text = out_diff(tree, *fmt, "--", ".", *excludes) + "\n"
         head, sep, diff = text.partition("\n---\n")
     else:  # only files of ours: a pathspec would make format-patch walk back to an older commit
-        head, sep, _ = (out(tree, *fmt) + "\n").partition("\n---\n")
+        head, sep, _ = (out_diff(tree, *fmt) + "\n").partition("\n---\n")
         diff = "\n"
     head = "\n".join(line for line in head.split("\n") if not line.startswith("Owns: "))
     trailers = [arg for own in owns for arg in ("--trailer", f"Owns: {own}")]

@@ -1,0 +1,54 @@
+"""DeepSeek-V4 weights copied one tensor at a time (``--weight-loader-disable-async-load``).
+
+``DeepseekV4ForCausalLM.load_weights`` hands each checkpoint tensor that sits on the CPU to a
+thread pool (``maybe_executor_submit``) and reads on: every tensor still queued keeps its CPU
+pages alive, so host memory grows with the queue. On unified-memory machines (DGX Spark /
+GB10) those pages and the CUDA allocations come out of the same RAM. With the flag the loader
+copies each tensor before it reads the next: the same copies in the same order (bitwise the
+same weights), at most one tensor in flight (``docs/serial-weight-load.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The loaders that submit copies to a pool and read this flag.
+ARCHITECTURES = ("DeepseekV4ForCausalLM",)
+
+
+def async_weight_load_enabled() -> bool:
+    """False under ``--weight-loader-disable-async-load``; True (upstream) otherwise,
+    including where no server configuration is published (offline loading)."""
+    from sglang.srt.runtime_context import get_context, get_model
+
+    if not get_context().is_config_namespace_published("model"):
+        return True
+    if not get_model().weight_loader_disable_async_load:
+        return True
+    from sglang.srt.utils import log_info_on_rank0
+
+    log_info_on_rank0(
+        logger,
+        "--weight-loader-disable-async-load: each checkpoint tensor is copied before the next is read",
+    )
+    return False
+
+
+def validate_weight_loader_disable_async_load(cfg: Any, model_arch: str) -> None:
+    """Resolution-hook check: refused where the flag would do nothing."""
+    if not cfg.weight_loader_disable_async_load:
+        return
+    if model_arch not in ARCHITECTURES:
+        raise ValueError(
+            f"--weight-loader-disable-async-load: the {model_arch} loader does not copy weights "
+            f"on a thread pool that this flag controls (it does for: {', '.join(ARCHITECTURES)}); "
+            "drop the flag"
+        )
+    if cfg.load_format == "dummy":
+        raise ValueError(
+            "--weight-loader-disable-async-load with --load-format dummy would do nothing: no "
+            "checkpoint is read"
+        )

@@ -1,0 +1,55 @@
+"""The end-to-end harness's own logic: log triage, the two-sample test, the checkpoints' tokenizer."""
+
+from __future__ import annotations
+
+import random
+
+from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
+from e2e.matrix import P_MIN, chi2_same, rows
+from e2e.server import handled_fallbacks, log_errors
+
+
+def test_log_errors_skip_only_upstreams_handled_fallback():
+    handled = ("[t] Metadata glue-graph capture failed for key (16, '5', '5'); falling back to eager metadata "
+               "prep permanently.\nTraceback (most recent call last):\n  File \"x\"\nRuntimeError: capture\n"
+               "[t] INFO: 200 OK\n")
+    assert log_errors(handled) == [] and len(handled_fallbacks(handled)) == 1
+    # A traceback after the next log record is an error again.
+    assert log_errors(handled + "Traceback (most recent call last):\nValueError: boom\n") == [
+        "Traceback (most recent call last):", "ValueError: boom"]
+    assert log_errors("[t] Scheduler hit an exception: Traceback (most recent call last):\n")
+
+
+def _draws(p_succ: float, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[0] + [1 if rng.random() < p_succ else rng.randint(2, 127) for _ in range(3)] for _ in range(n)]
+
+
+def test_two_sample_test_accepts_the_same_rule_and_refuses_a_broken_one():
+    same = chi2_same(_draws(0.82, 2000, 1), _draws(0.82, 2000, 2))
+    assert same["min_p"] >= P_MIN
+    # What the H200's negative control does: the target sampled sharper (0.7 T) than the reference.
+    broken = chi2_same(_draws(0.92, 2000, 3), _draws(0.82, 2000, 4))
+    assert broken["min_p"] < P_MIN
+
+
+def test_matrix_rows_cover_every_fork_flag():
+    import sglang.fork as fork
+
+    used = {a for r in rows() for a in r.args if a.startswith("--")}
+    # The verify cap's minimum and log are measurement knobs of the cap, tested by its unit tests.
+    missing = set(fork.fork_flags()) - used - {"--speculative-dspark-verify-cap-min", "--speculative-dspark-verify-cap-log"}
+    assert not missing, f"fork flags without an e2e row: {sorted(missing)}"
+
+
+def test_deepseek_tokenizer_carries_the_chat_encoders_special_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    assert write_tokenizer(tmp_path, vocab_size=128, extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS) == 128
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 128
+    ids = [tok.convert_tokens_to_ids(special) for special in DEEPSEEK_SPECIAL_TOKENS]
+    assert ids == list(range(128 - len(DEEPSEEK_SPECIAL_TOKENS), 128))  # the specials take the last ids
+    assert tok.convert_ids_to_tokens(MASK_TOKEN_ID).startswith("<extra_")  # the draft's mask is no special
+    ids = tok("hi<｜User｜>!")["input_ids"]
+    assert tok.decode(ids) == "hi<｜User｜>!"
