@@ -253,6 +253,10 @@ def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch
              stamp: bool = True, src: Path = REPO_ROOT, three_way: bool = False) -> Assembled:
     """Upstream root commit + one commit per patch; ``src`` is the fork repository holding
     the owned files (another one in tests); ``three_way`` only for editing trees."""
+    if (tree / ".git" / "rebase-apply").exists():  # a stopped `git am` (editing tree): start afresh
+        print(f"  {tree}: discarding the unfinished `git am` left there", flush=True)
+        git(tree, "am", "--abort", check=False)
+        shutil.rmtree(tree / ".git" / "rebase-apply", ignore_errors=True)
     base = import_release(tree, wheel, upstream_version)
     git(tree, "checkout", "-q", "-f", "-B", "fork", base)
     git(tree, "clean", "-qfdx")
