@@ -124,26 +124,13 @@ def test_flag_refused_where_no_draft_builds_the_copy(monkeypatch):
         mod.validate_draft_head_fp8(None, True, "DSPARK")
 
 
-def test_refuses_deterministic_inference(monkeypatch):
+def test_refuses_deterministic_inference():
     """Above MAX_ROWS the bf16 head serves, so a row's draft logits would follow its batch's row
-    count: with --enable-deterministic-inference the fp8 head refuses to build, naming both."""
-    import sglang.srt.layers.logprob_processor as lp
-
-    def exec_ns(on):
-        return lambda: types.SimpleNamespace(deterministic=types.SimpleNamespace(enable_deterministic_inference=on))
-
-    assert lp._deterministic_inference_enabled() is False  # no server context here
-    monkeypatch.setattr(lp, "get_exec", exec_ns(True))
-    assert lp._deterministic_inference_enabled() is True
-    # a head every other check accepts: a bf16 [64, 64] weight on an SM90 device
-    weight = types.SimpleNamespace(dtype=torch.bfloat16, shape=(64, 64), dim=lambda: 2, device=torch.device("cuda", 0))
-    head = types.SimpleNamespace(weight=weight, quant_method=None)
-    model = types.SimpleNamespace(uses_own_vocab_modules=False, _use_fp32_lm_head=False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    count: with --enable-deterministic-inference the flag is refused when the arguments resolve,
+    naming both (the real resolution: test_deterministic_inference_is_refused_at_resolution)."""
     with pytest.raises(ValueError, match="cannot be used with --enable-deterministic-inference"):
-        mod.check_draft_head_fp8_applies(model, head)
-    monkeypatch.setattr(lp, "get_exec", exec_ns(False))
-    mod.check_draft_head_fp8_applies(model, head)
+        mod.validate_draft_head_fp8(None, True, "DSPARK", deterministic=True)
+    mod.validate_draft_head_fp8(None, False, "DSPARK", deterministic=True)  # off: nothing to refuse
 
 
 def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 20, 32, 33, 48, 64)):
@@ -272,3 +259,11 @@ def test_fp8_copy_refuses_online_weight_updates(monkeypatch):
     assert _unsupported_derived_weight_cache_error(target) is None
     mod.maybe_build_draft_head_fp8(types.SimpleNamespace(), target["lm_head"], True)
     assert "--speculative-dspark-draft-head-fp8" in _unsupported_derived_weight_cache_error(target)
+
+
+def test_deterministic_inference_is_refused_at_resolution(llama_config):
+    """Refused when the server arguments resolve, not after the target has loaded."""
+    from conftest import resolve_server_args
+
+    with pytest.raises(ValueError, match=r"--speculative-dspark-draft-head-fp8 cannot be used with --enable-deterministic-inference"):
+        resolve_server_args(llama_config, speculative_dspark_draft_head_fp8=True, enable_deterministic_inference=True)

@@ -9,10 +9,9 @@ with the message. The GPU matrix (``tools/e2e/matrix.py``) serves DeepSeek-V4 + 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
-from conftest import REPO
+from conftest import REPO, UPSTREAM
 
 from e2e.checkpoints import write_tiny_llama
 from e2e.server import Server, refusal
@@ -82,7 +81,7 @@ def _refused(tiny_llama, args):
 
 
 def test_wrong_fork_build_is_refused_at_startup(tiny_llama):
-    out = _refused(tiny_llama, ["--fork-expect-version", "0.5.23+fork.1.0000000"])
+    out = _refused(tiny_llama, ["--fork-expect-version", f"{UPSTREAM}+fork.1.0000000"])
     assert "refusing to start another patch series" in out
 
 

@@ -63,7 +63,7 @@ def test_export_names_the_patch_it_depends_on(fork):
 
 
 def test_every_real_patch_exports_alone(tmp_path, series):
-    """Each patch of the series, alone with the files it owns, applies to a clean 0.5.23 tree."""
+    """Each patch of the series, alone with the files it owns, applies to a clean tree of the pinned release."""
     tree = clean_tree(fetch_pinned(load_pin(), TAG), tmp_path / "clean")
     for patch in series:
         diff, md = export(patch.name, out_dir=tmp_path / "export")
@@ -72,3 +72,66 @@ def test_every_real_patch_exports_alone(tmp_path, series):
         text = diff.read_text()
         assert all(f"b/{own}" in text for own in patch.owns)
         assert all(flag in md.read_text() for flag in patch.flags)
+
+
+# ---------------------------------------------------------------------------- dependencies (issue 19, item 5)
+
+DEP_SPECS = [
+    Spec("helper", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'helper'")},
+         owns={"python/sglang/helper.py": "H = 1\n"}),
+    Spec("user", {"python/sglang/b.py": lambda t: set_line(t, 5, "b5 = 'user'")},
+         owns={"python/sglang/user.py": "from sglang.helper import H\n"}),
+    # Imports a name an earlier patch adds to an upstream file: only an import shows it.
+    Spec("adds", {"python/sglang/c.py": lambda t: set_line(t, 5, "def added(): pass")}),
+    Spec("uses", {}, owns={"python/sglang/uses.py": "from sglang.c import added\n"}),
+]
+
+
+def _with_depends(root, name, dep):
+    from forklib.git import git
+
+    path = root / "patches" / f"{name}.patch"
+    path.write_text(path.read_text().replace("Tests: test/test_x.py\n", f"Tests: test/test_x.py\nDepends: {dep}\n", 1))
+    git(root, "commit", "-qam", f"{name} depends on {dep}")
+
+
+@pytest.fixture
+def dep_fork(tmp_path, monkeypatch):
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    root = tmp_path / "fork"
+    make_fork(root, tmp_path / "cache", "1.0.0", BASE, DEP_SPECS)
+    return root
+
+
+def test_check_requires_a_depends_where_a_patch_imports_anothers_module(dep_fork):
+    from forklib.series import check_series, load_series
+
+    with pytest.raises(ForkError, match=r"0002-user.patch: imports sglang.helper, which 0001-helper owns: add `Depends: 0001-helper`"):
+        check_series(load_series(dep_fork / "patches/series"), dep_fork)
+    _with_depends(dep_fork, "0002-user", "0001-helper")
+    check_series(load_series(dep_fork / "patches/series"), dep_fork)
+    _with_depends(dep_fork, "0001-helper", "0004-uses")
+    with pytest.raises(ForkError, match=r"0001-helper.patch: Depends 0004-uses, which comes after it"):
+        check_series(load_series(dep_fork / "patches/series"), dep_fork)
+
+
+def test_export_carries_what_the_patch_depends_on(dep_fork, tmp_path):
+    _with_depends(dep_fork, "0002-user", "0001-helper")
+    diff, md = export("2", root=dep_fork)
+    text = diff.read_text()
+    assert "b/python/sglang/helper.py" in text and "a5 = 'helper'" in text  # the dependency, carried
+    assert "b/python/sglang/user.py" in text and "b5 = 'user'" in text
+    wheel = tmp_path / "cache/wheels" / f"sglang-1.0.0-{TAG}.whl"
+    assert applies(diff, clean_tree(wheel, tmp_path / "clean")).returncode == 0
+    assert "0001-helper" in md.read_text() and "depends on" in md.read_text()
+
+
+def test_export_refuses_a_patch_whose_modules_do_not_import_alone(dep_fork):
+    _with_depends(dep_fork, "0002-user", "0001-helper")
+    with pytest.raises(ForkError, match=r"(?s)0004-uses.*sglang.uses does not import.*ImportError.*added.*Depends:"):
+        export("4", root=dep_fork)
+    assert not (dep_fork / "build/export/0004-uses.diff").exists()
+    _with_depends(dep_fork, "0004-uses", "0003-adds")
+    diff, _ = export("4", root=dep_fork)
+    assert "def added(): pass" in diff.read_text()

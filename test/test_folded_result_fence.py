@@ -405,3 +405,12 @@ def test_gpu_recapture_mid_serving_keeps_the_ring_in_step():
     torch.cuda.synchronize()
     # 200 steps taken, and the 2 warm-up copies of the capture at step 70, counted from the device
     assert int(epi.result_fence.counter[0]) == epi.result_fence.count == 202
+
+
+def test_flag_without_dspark_is_refused_at_resolution(llama_config):
+    """Real server-argument resolution: the fence does nothing without DSPARK, so it is refused."""
+    from conftest import resolve_server_args
+
+    with pytest.raises(ValueError, match=r"--speculative-dspark-fence-accept-results.*DSPARK"):
+        resolve_server_args(llama_config, speculative_dspark_fence_accept_results=True)
+    resolve_server_args(llama_config)  # off: accepted

@@ -10,14 +10,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, run_engine
+from conftest import REPO, UPSTREAM, run_engine
 
 import sglang.fork as fork
 from sglang.version import __version__
 
 
 def test_version_is_the_fork_version(series):
-    assert re.fullmatch(r"0\.5\.23\+fork\.\d+\.[0-9a-f]{7}", __version__)
+    assert re.fullmatch(re.escape(UPSTREAM) + r"\+fork\.\d+\.[0-9a-f]{7}", __version__)
     assert fork.fork_version() == __version__
     assert [p["name"] for p in fork.manifest()["series"]] == [p.name for p in series]
 
@@ -25,7 +25,7 @@ def test_version_is_the_fork_version(series):
 def test_launch_server_version_lists_the_series(series):
     r = run_engine("-m", "sglang.launch_server", "--version", check=True)
     lines = r.stdout.splitlines()
-    assert lines[0].startswith(f"sglang {__version__} (fork of sglang 0.5.23; {len(series)} patch(es))")
+    assert lines[0].startswith(f"sglang {__version__} (fork of sglang {UPSTREAM}; {len(series)} patch(es))")
     for patch in series:
         assert f"  {patch.name}: {' '.join(patch.flags) or '(no flags)'}" in lines
 
@@ -69,7 +69,7 @@ def test_wrong_fork_build_refuses_to_start():
     from sglang.srt.arg_groups.fork_hook import handle_fork
 
     with pytest.raises(ValueError, match="refusing to start"):
-        handle_fork(_view(fork_expect_version="0.5.23+fork.1.0000000"))
+        handle_fork(_view(fork_expect_version=f"{UPSTREAM}+fork.1.0000000"))
     with pytest.raises(ValueError, match="accepted form"):  # Engine(...) skips argparse
         handle_fork(_view(fork_expect_version="latest"))
 
@@ -91,7 +91,7 @@ def test_launch_refuses_a_wrong_build_before_touching_the_model():
     env = {**os.environ, "PYTHONPATH": str(REPO / "tools" / "standins")}
     r = subprocess.run(
         [sys.executable, "-W", "ignore", "-m", "sglang.launch_server", "--model-path", "/nonexistent",
-         "--fork-expect-version", "0.5.23+fork.1.0000000"],
+         "--fork-expect-version", f"{UPSTREAM}+fork.1.0000000"],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert r.returncode != 0
@@ -122,3 +122,31 @@ def test_flags_off_every_upstream_argument_is_unchanged(assembled, series, tmp_p
     flags = {f for p in series for f in p.flags}
     assert {k: v for k, v in ours.items() if k not in flags} == theirs
     assert all(ours[f] == "None" or ours[f] in ("False", "'off'", "1.0") for f in flags)
+
+
+def test_help_shows_each_fork_flag_beside_its_areas_flags(series):
+    """In --help a fork flag sits in its upstream namespace's run of flags (the DSpark flags
+    together), and a flag with choices shows them as upstream's choice flags do."""
+    from sglang.srt.arg_groups.arg_utils import namespace_of
+    from sglang.srt.server_args import ServerArgs
+
+    text = run_engine("-m", "sglang.launch_server", "--help", check=True).stdout
+    order = list(_help_entries())
+    ns = {"--" + f.replace("_", "-"): path for f, path in namespace_of(ServerArgs).items()}
+    ours = {f for p in series for f in p.flags}
+    for flag in ours:
+        i = order.index(flag)
+        before = next(f for f in reversed(order[:i]) if f not in ours)
+        assert ns.get(before) == ns[flag], f"{flag} ({ns[flag]}) follows {before} ({ns.get(before)})"
+    dspark = [i for i, f in enumerate(order) if f.startswith("--speculative-dspark-")]
+    assert dspark == list(range(dspark[0], dspark[0] + len(dspark)))
+    assert "--dsv4-wo-a-fp8-twin {off,small,mid,drop}" in text
+
+
+def test_sglang_serve_version_and_sglang_version_name_the_series(series):
+    code = "import sys; from sglang.cli.main import main; sys.argv = ['sglang', *sys.argv[1:]]; main()"
+    for argv in (["serve", "--version"], ["version"]):
+        r = run_engine("-c", code, *argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"sglang {__version__} (fork of sglang {UPSTREAM}; {len(series)} patch(es))" in r.stdout
+        assert all(f"  {p.name}: " in r.stdout for p in series)

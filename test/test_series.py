@@ -46,26 +46,6 @@ def test_assembled_tree_byte_compiles(assembled):
     assert compileall.compile_dir(str(pkg), quiet=2, workers=0, legacy=False)
 
 
-def test_every_patch_imports_its_own_modules_at_its_commit(assembled, tmp_path):
-    """Each patch stands alone on what precedes it (one upstream PR each): at its commit of the
-    assembled tree, with no later patch applied, every module it owns imports."""
-    from forklib.git import git
-
-    wt = tmp_path / "wt"
-    git(assembled.tree, "worktree", "add", "-q", "--detach", str(wt), assembled.base)
-    env = {"PYTHONPATH": f"{wt / 'python'}:{REPO / 'tools' / 'standins'}", "PATH": "/usr/bin:/bin"}
-    try:
-        for applied in assembled.applied:
-            git(wt, "checkout", "-q", "--detach", applied.commit)
-            mods = [o[len("python/"):-len(".py")].replace("/", ".") for o in applied.patch.owns if o.endswith(".py")]
-            run = subprocess.run([sys.executable, "-W", "ignore", "-c",
-                                  "import importlib, sys\nfor m in sys.argv[1:]: importlib.import_module(m)", *mods],
-                                 capture_output=True, text=True, env=env)
-            assert run.returncode == 0, f"{applied.patch.name}: {run.stderr[-1500:]}"
-    finally:
-        git(assembled.tree, "worktree", "remove", "--force", str(wt), check=False)
-
-
 def _broken_copy(tmp_path: Path, series, edit) -> Path:
     """A copy of the first patch with one hunk edited by ``edit(text) -> text``."""
     src = series[0].path
@@ -160,6 +140,38 @@ def test_failed_build_packages_and_installs_nothing(tmp_path, series):
     assert not venv.exists()
 
 
+@pytest.mark.slow
+def test_build_is_a_no_op_when_nothing_changed(tmp_path):
+    """`make` twice: the second run assembles, packages and installs nothing; a change to
+    the series (here: its file list) builds again."""
+    def build(series):
+        return subprocess.run(
+            [sys.executable, str(REPO / "tools" / "fork"), "--series", str(series),
+             "--build", str(tmp_path / "build"), "build"], capture_output=True, text=True, check=True)
+
+    series = REPO / "patches" / "series"
+    first = build(series)
+    assert "==> assembling" in first.stdout
+    (wheel,) = (tmp_path / "build" / "dist").glob("*.whl")
+    mtime = wheel.stat().st_mtime_ns
+    second = build(series)
+    assert "==> assembling" not in second.stdout and "up to date" in second.stdout
+    assert wheel.stat().st_mtime_ns == mtime and wheel.name in second.stdout
+    assert "0001-" in second.stdout  # the patch table is still shown
+    from forklib.series import read_series
+
+    names = [p.name for p in read_series(series)]
+    trimmed = tmp_path / "patches" / "series"  # the series without its last patch
+    trimmed.parent.mkdir()
+    for p in names[:-1]:
+        (trimmed.parent / p).write_text((series.parent / p).read_text())
+    trimmed.write_text("".join(p + "\n" for p in names[:-1]))
+    third = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "fork"), "--series", str(trimmed),
+         "--build", str(tmp_path / "build"), "build"], capture_output=True, text=True)
+    assert "up to date" not in third.stdout  # it ran (the trimmed series leaves files unowned)
+
+
 def test_unknown_release_is_a_clear_error(tmp_path, monkeypatch):
     from forklib.pin import fetch_wheel
 
@@ -168,15 +180,65 @@ def test_unknown_release_is_a_clear_error(tmp_path, monkeypatch):
         fetch_wheel("sglang", "0.5.999", TAG, None)
 
 
-def test_hash_mismatch_is_refused_and_the_file_dropped(tmp_path, monkeypatch):
+def test_hash_mismatch_is_refused_and_the_file_kept(tmp_path, monkeypatch):
+    """A cached file that does not match the pin is refused, never used; it is not deleted
+    either (the cache is shared, and the pin may be what is wrong)."""
     from forklib.pin import cache_dir, fetch_wheel, wheel_name
 
     monkeypatch.setenv("FORK_CACHE", str(tmp_path))
-    fake = cache_dir() / wheel_name("sglang", "0.5.23", TAG)
+    fake = cache_dir() / wheel_name("sglang", "9.9.9", TAG)
     fake.write_bytes(b"not the release")
+    with pytest.raises(ForkError, match=r"(?s)does not match the pinned.*kept.*upstream.toml"):
+        fetch_wheel("sglang", "9.9.9", TAG, "0" * 64)
+    assert fake.read_bytes() == b"not the release"
+
+
+def _fake_pypi(monkeypatch, payload: bytes):
+    """pip download stand-in: 'downloads' ``payload``."""
+    from forklib import pin
+
+    def download(package, version, tag, dest_dir):
+        path = Path(dest_dir) / pin.wheel_name(package, version, tag)
+        path.write_bytes(payload)
+        return path
+
+    monkeypatch.setattr(pin, "_pip_download", download)
+
+
+def test_a_wrong_pin_never_deletes_a_good_cached_wheel(tmp_path, monkeypatch):
+    from forklib.pin import cache_dir, fetch_wheel, file_sha256, wheel_name
+
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path))
+    _fake_pypi(monkeypatch, b"the real release")
+    good = hashlib.sha256(b"the real release").hexdigest()
+    path = fetch_wheel("sglang", "9.9.9", TAG, good)
+    assert path == cache_dir() / wheel_name("sglang", "9.9.9", TAG)
+    _fake_pypi(monkeypatch, b"never fetched again")
+    with pytest.raises(ForkError, match=r"(?s)when it entered the cache.*does not match the pinned.*kept"):
+        fetch_wheel("sglang", "9.9.9", TAG, "1" * 64)  # upstream.toml edited wrongly
+    assert path.exists() and file_sha256(path) == good
+    assert fetch_wheel("sglang", "9.9.9", TAG, good) == path  # and it still serves the right pin
+
+
+def test_a_download_is_verified_before_it_enters_the_cache(tmp_path, monkeypatch):
+    from forklib.pin import cache_dir, fetch_wheel
+
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path))
+    _fake_pypi(monkeypatch, b"a tampered release")
     with pytest.raises(ForkError, match="does not match the pinned"):
-        fetch_wheel("sglang", "0.5.23", TAG, load_pin().sha256(TAG))
-    assert not fake.exists()
+        fetch_wheel("sglang", "9.9.9", TAG, hashlib.sha256(b"the real release").hexdigest())
+    assert [p.name for p in cache_dir().iterdir()] == []  # nothing entered the cache
+
+
+def test_a_cached_file_damaged_since_it_was_stored_is_fetched_again(tmp_path, monkeypatch):
+    from forklib.pin import fetch_wheel
+
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path))
+    _fake_pypi(monkeypatch, b"the real release")
+    good = hashlib.sha256(b"the real release").hexdigest()
+    path = fetch_wheel("sglang", "9.9.9", TAG, good)
+    path.write_bytes(b"the real rel")  # truncated
+    assert fetch_wheel("sglang", "9.9.9", TAG, good).read_bytes() == b"the real release"
 
 
 def _built_wheel() -> Path:
@@ -230,3 +292,145 @@ def test_every_flag_is_in_the_readme_flag_table(series):
     table = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `--")]
     documented = {re.match(r"\| `(--[a-z0-9-]+)", line).group(1) for line in table}
     assert {f for p in series for f in p.flags} - documented == set()
+
+
+# ---------------------------------------------------------------------------- refresh and tree (issue 19)
+
+from fakefork import BASE, TAG as FAKE_TAG, Spec, make_fork, set_line, snapshot  # noqa: E402
+
+FAKE_SPECS = [
+    Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
+    Spec("module", {"python/sglang/e.py": lambda t: set_line(t, 5, "from sglang.extra import X")},
+         owns={"python/sglang/extra.py": "X = 'ours'\n"}),
+]
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A fake fork and its editing tree (``make tree``): (fork root, build/tree)."""
+    from forklib.pin import fetch_pinned, load_pin as load
+    from forklib.series import load_series
+
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    root = tmp_path / "fork"
+    make_fork(root, tmp_path / "cache", "1.0.0", BASE, FAKE_SPECS)
+    pin = load(root / "upstream.toml")
+    tree = root / "build" / "tree"
+    assemble(tree, fetch_pinned(pin, FAKE_TAG), pin.version, load_series(root / "patches/series"),
+             stamp=False, src=root, three_way=True)
+    return root, tree
+
+
+def _commit(tree, message, edits):
+    from forklib.git import git
+
+    for path, text in edits.items():
+        (tree / path).write_text(text)
+    git(tree, "add", "-A")
+    git(tree, "commit", "-q", "-F", "-", input=message)
+
+
+HEADER = "Server-Args: none\nWhy: a test\nUpstream-Status: not sent\nTests: test/test_x.py\n"
+
+
+def test_refresh_refuses_an_edit_of_a_file_another_patch_owns(fake):
+    from forklib.tree import refresh
+
+    root, tree = fake
+    before = snapshot(root)
+    _commit(tree, "third: touch extra\n\nBody.\n\n" + HEADER, {"python/sglang/extra.py": "X = 'changed'\n"})
+    with pytest.raises(ForkError, match=r"(?s)edits python/sglang/extra.py, which 0002-module owns.*git commit --fixup="):
+        refresh(tree, root)
+    assert snapshot(root) == before  # nothing written
+
+
+def test_editing_tree_never_folds_a_patch_into_the_one_before(fake, tmp_path):
+    """A patch whose change is already in the tree makes no commit under git am -3: refuse,
+    never amend the previous patch's commit with its files."""
+    from forklib.pin import fetch_pinned, load_pin as load
+    from forklib.series import load_series
+
+    root, _ = fake
+    first, module = load_series(root / "patches/series")
+    head, sep, _ = module.path.read_text().partition("\n---\n")
+    module.path.write_text(head + sep + first.path.read_text().partition("\n---\n")[2])  # 0001's edit again
+    pin = load(root / "upstream.toml")
+    tree = tmp_path / "again"
+    with pytest.raises(PatchError, match="0002-module.patch changes nothing"):
+        assemble(tree, fetch_pinned(pin, FAKE_TAG), pin.version, load_series(root / "patches/series"),
+                 stamp=False, src=root, three_way=True)
+    assert out(tree, "log", "-1", "--format=%s") == "first: change things"
+    assert out(tree, "diff", "--name-only", "HEAD^", "HEAD").split() == ["python/sglang/a.py"]
+
+
+def test_a_commit_without_a_body_keeps_its_trailers(fake):
+    from forklib.series import header_problems, load_series
+    from forklib.tree import refresh
+
+    root, tree = fake
+    _commit(tree, "third: no body\n\n" + HEADER, {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")})
+    refresh(tree, root)
+    third = load_series(root / "patches/series")[2]
+    assert third.trailers["Why"] == ["a test"] and header_problems(third, root) == []
+
+
+def test_refresh_writes_nothing_until_the_series_checks(fake):
+    from forklib.tree import refresh
+
+    root, tree = fake
+    before = snapshot(root)
+    _commit(tree, "third: no Why\n\nBody.\n\nServer-Args: none\nUpstream-Status: not sent\nTests: test/test_x.py\n",
+            {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0"), "python/sglang/new.py": "N = 1\n"})
+    with pytest.raises(ForkError, match="0003-third-no-Why.patch: no Why: trailer"):
+        refresh(tree, root)
+    assert snapshot(root) == before
+
+
+def test_no_test_hard_codes_the_pinned_release():
+    """After `make rebase TO=<release>` the tests must pass unedited: they read the release
+    from upstream.toml (issue 19, item 6)."""
+    pinned = load_pin().version
+    hits = [f"{f.name}:{n}" for f in sorted((REPO / "test").glob("*.py"))
+            for n, line in enumerate(f.read_text().splitlines(), 1) if pinned in line]
+    assert hits == []
+
+
+def test_no_module_of_ours_binds_a_top_level_name_twice(series):
+    """A second import or def of one name hides the first (fork.py once held two PrintVersion)."""
+    import ast
+
+    problems = []
+    for patch in series:
+        for own in (o for o in patch.owns if o.endswith(".py")):
+            seen: dict[str, int] = {}
+            for node in ast.parse((REPO / own).read_text()).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    names = [node.name]
+                elif isinstance(node, ast.Import):
+                    names = [a.asname or a.name.split(".")[0] for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    names = [a.asname or a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    if name in seen:
+                        problems.append(f"{own}:{node.lineno}: {name} bound again (first at line {seen[name]})")
+                    seen.setdefault(name, node.lineno)
+    assert problems == []
+
+
+# Tests of the tools and of the series as a whole; every other test file belongs to a patch.
+TOOL_TESTS = {"test/test_series.py", "test/test_rebase.py", "test/test_export.py",
+              "test/test_e2e_cpu.py", "test/test_e2e_tools.py", "test/test_gpu_bundle_smoke.py",
+              "test/test_docker.py"}
+
+
+def test_every_test_file_belongs_to_a_patch_or_the_tools(series):
+    """A feature's tests are named by its patch's Tests: trailer, so a rebase that drops the
+    patch can say which tests go with it (conftest skips them then)."""
+    from forklib.series import dropped_tests
+
+    named = {t for p in series for t in p.trailers.get("Tests", [])} | set(dropped_tests())
+    files = {f"test/{f.name}" for f in (REPO / "test").glob("test_*.py")}
+    assert sorted(files - named - TOOL_TESTS) == []

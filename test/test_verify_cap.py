@@ -415,3 +415,44 @@ def test_kernel_with_dead_q_matches_the_twin_and_a_k_draft_verify(block, device)
             draft_probs=draft[rows, :k], uniforms=u[rows, :k], uniforms_final=uf[rows],
             block_verification=block)
         assert torch.equal(tn, kn[rows]) and torch.equal(ttok, ktok[rows]), k
+
+
+# ---------------------------------------------------------------- upstream APIs (issue 19, item 15)
+
+
+def test_a_deprecation_warning_from_our_modules_fails_the_tests():
+    """conftest turns a DeprecationWarning raised from a module of the series into an error;
+    upstream's own stay warnings."""
+    import warnings
+
+    with pytest.raises(DeprecationWarning):
+        warnings.warn_explicit("old API", DeprecationWarning, "dspark_verify_cap.py", 1,
+                               module="sglang.srt.speculative.dspark_components.dspark_verify_cap")
+    with pytest.warns(DeprecationWarning):
+        warnings.warn_explicit("old API", DeprecationWarning, "topk.py", 1, module="sglang.srt.layers.moe.topk")
+
+
+def test_live_lengths_are_broadcast_over_the_parallel_contexts_tp_group():
+    """The cap finds the TP group through get_parallel() (get_tp_group() is deprecated)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    group = types.SimpleNamespace(world_size=2)
+    with get_parallel().override(tp_group=group):
+        cap = vc.VerifyCap(spec=vc.parse_verify_cap("conf:0.5"), gamma=GAMMA, device="cpu")
+        assert cap._group() is group
+    cap = vc.VerifyCap(spec=vc.parse_verify_cap("conf:0.5"), gamma=GAMMA, device="cpu")
+    assert cap._group() is None  # no parallel state in this process: one rank, no broadcast
+
+
+def test_our_modules_call_no_getter_upstream_deprecates(series):
+    """Upstream wraps these getters to warn once per process, so a test can miss the warning;
+    read the list upstream keeps and look for the names in our code instead."""
+    import ast
+
+    from sglang.srt.distributed import parallel_state
+
+    deprecated = set(parallel_state._CONTEXT_NAME_OF)
+    calls = [f"{own}:{node.lineno}: {node.id}" for p in series for own in p.owns if own.endswith(".py")
+             for node in ast.walk(ast.parse((REPO / own).read_text()))
+             if isinstance(node, ast.Name) and node.id in deprecated]
+    assert calls == []

@@ -198,3 +198,25 @@ def test_routes_without_the_live_length_refuse_a_capped_verify():
     vc.configure(None)  # cap off: nothing refused
     with vc.verify_cap_router_scope(_batch(True)):
         select_experts(logits, logits, config)
+
+
+def test_mega_gate_predicate_answers_and_the_gate_itself_refuses(monkeypatch):
+    """`should_use_mega_gate` is a predicate (callers probe it; it never raises); running the
+    mega gate in a capped target verify is what is refused."""
+    from sglang.srt.layers.moe import mega_gate as mg
+
+    monkeypatch.setattr(mg.envs.SGLANG_OPT_DEEPGEMM_MEGA_GATE, "get", lambda: True)
+    monkeypatch.setattr(mg, "get_forward", lambda: types.SimpleNamespace(sp_active=False))
+    mode = types.SimpleNamespace(is_target_verify=lambda: True, is_decode=lambda: False)
+    batch = types.SimpleNamespace(forward_mode=mode)
+    topk = types.SimpleNamespace(routing_inputs=lambda: (None, None))
+    moe = types.SimpleNamespace(mega_gate_supported=True, layer_id=3, is_hash=False, topk=topk)
+    hidden = torch.zeros((4, 8), dtype=torch.bfloat16)
+    vc.configure(vc.VerifyCap(spec=vc.parse_verify_cap("2"), gamma=GAMMA, device="cpu"))
+    try:
+        with vc.verify_cap_router_scope(batch):
+            assert mg.should_use_mega_gate(moe, hidden, batch) is True
+            with pytest.raises(RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"):
+                mg.run_mega_gate(moe, hidden, None, forward_batch=batch)
+    finally:
+        vc.configure(None)

@@ -64,16 +64,24 @@ def ulps(a, b):
 # ---------------------------------------------------------------- flag
 
 
+V4 = "DeepseekV4ForCausalLM"
+
+
 def test_flag_values_and_errors():
-    assert [twin_mod.parse_wo_a_fp8_twin(v) for v in ("off", "small", "MID ", "drop")] == [
+    assert [twin_mod.parse_wo_a_fp8_twin(v) for v in ("off", "small", "mid", "drop")] == [
         "off", "small", "mid", "drop"]
-    with pytest.raises(ValueError, match="accepted: off .* small .* mid .* drop"):
-        twin_mod.parse_wo_a_fp8_twin("on")
-    from sglang.srt.arg_groups.fields.exec_ import ExecKernel, _wo_a_fp8_twin_arg
+    for bad in ("on", "MID"):  # exact, as argparse's choices (Engine(...) bypasses argparse)
+        with pytest.raises(ValueError, match="accepted: off .* small .* mid .* drop"):
+            twin_mod.parse_wo_a_fp8_twin(bad)
+    from sglang.srt.arg_groups.fields.exec_ import ExecKernel
 
     assert ExecKernel().dsv4_wo_a_fp8_twin == "off"
-    with pytest.raises(argparse.ArgumentTypeError, match="accepted"):
-        _wo_a_fp8_twin_arg("drop2")
+    parser = argparse.ArgumentParser()
+    from sglang.srt.server_args import ServerArgs
+
+    ServerArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if a.dest == "dsv4_wo_a_fp8_twin"]
+    assert list(action.choices) == list(twin_mod.MODES)
 
 
 def test_flag_on_command_line():
@@ -205,22 +213,22 @@ def test_validate_refuses_what_the_twin_cannot_serve_under():
     def cfg(mode, **on):
         return SimpleNamespace(dsv4_wo_a_fp8_twin=mode, **{a: a in on for a in names})
 
-    assert twin_mod.validate_wo_a_fp8_twin(cfg("off", enable_deterministic_inference=1)) == "off"
-    assert twin_mod.validate_wo_a_fp8_twin(cfg("MID", enable_cp_decode_attn_tp=1)) == "mid"
+    assert twin_mod.validate_wo_a_fp8_twin(cfg("off", enable_deterministic_inference=1), V4) == "off"
+    assert twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_cp_decode_attn_tp=1), V4) == "mid"
     with pytest.raises(ValueError, match="small cannot be used with --enable-deterministic-inference"):
-        twin_mod.validate_wo_a_fp8_twin(cfg("small", enable_deterministic_inference=1))
+        twin_mod.validate_wo_a_fp8_twin(cfg("small", enable_deterministic_inference=1), V4)
     for a, flag, _ in twin_mod._DROP_REFUSED_WITH:
         with pytest.raises(ValueError, match=f"drop cannot be used with {flag}"):
-            twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}))
+            twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}), V4)
     with pytest.raises(ValueError, match="accepted"):
-        twin_mod.validate_wo_a_fp8_twin(cfg("yes"))
+        twin_mod.validate_wo_a_fp8_twin(cfg("yes"), V4)
     with pytest.raises(ValueError, match="mid cannot be used with --enable-torch-compile: a traced"):
-        twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_torch_compile=1))
+        twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_torch_compile=1), V4)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch.version, "hip", "6.3")
         with pytest.raises(ValueError, match="small: this torch is a ROCm build .6.3.; the twin's kernels"):
-            twin_mod.validate_wo_a_fp8_twin(cfg("small"))
-        assert twin_mod.validate_wo_a_fp8_twin(cfg("off")) == "off"
+            twin_mod.validate_wo_a_fp8_twin(cfg("small"), V4)
+        assert twin_mod.validate_wo_a_fp8_twin(cfg("off"), V4) == "off"
 
 
 def test_bad_layout_raises_naming_the_layer(monkeypatch):
@@ -594,11 +602,13 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
         sw = model[name].wo_a.weight
         assert sw.shape == (128, 1024) and sw.stride() == (0, 0) and torch.isnan(sw[0, 0])
         assert twin_mod._TWINS[sw.data_ptr()].dropped
-    # upstream's weight export (remote instance send, save_sharded_model) refuses, naming the layer
+    # upstream's weight export (remote instance send, save_sharded_model) refuses, naming the
+    # layer (a release whose export has no such refusal refuses drop at startup: the next test)
     from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
 
-    reason = WeightExporter._weight_export_unsupported_reason(SimpleNamespace(get_model=lambda: model))
-    assert reason and "l0.wo_a was released by --dsv4-wo-a-fp8-twin=drop" in reason
+    if twin_mod._weight_export_honours_refusals():
+        reason = WeightExporter._weight_export_unsupported_reason(SimpleNamespace(get_model=lambda: model))
+        assert reason and "l0.wo_a was released by --dsv4-wo-a-fp8-twin=drop" in reason
     after = _all_routes(model)
     for i, (a, b, s) in enumerate(zip(after, before, stock)):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16)), i
@@ -995,3 +1005,27 @@ def test_gpu_hopper_drop_served_path_and_memory(monkeypatch):
         else:
             assert_near_exact(a, x, w, ("drop", x.shape[0]))
     assert torch.equal(dropped[8][1].view(torch.int16), torch.einsum("tgd,grd->tgr", dropped[8][0], w.cuda()).view(torch.int16))
+
+
+def test_twin_on_a_target_other_than_deepseek_v4_is_refused_at_resolution(llama_config):
+    """Real server-argument resolution with a config-only Llama: the twin would do nothing."""
+    from conftest import resolve_server_args
+
+    for mode in ("small", "mid", "drop"):
+        with pytest.raises(ValueError, match=rf"--dsv4-wo-a-fp8-twin={mode}.*LlamaForCausalLM.*DeepseekV4ForCausalLM"):
+            resolve_server_args(llama_config, dsv4_wo_a_fp8_twin=mode)
+    resolve_server_args(llama_config, dsv4_wo_a_fp8_twin="off")
+
+
+def test_drop_is_refused_where_weight_export_would_send_the_stand_in(monkeypatch):
+    """drop relies on upstream's weight export refusing a released layer; a release without
+    that refusal refuses drop at startup instead of exporting NaN stand-ins."""
+    from sglang.srt.model_executor.model_runner_components import weight_exporter
+
+    cfg = SimpleNamespace(dsv4_wo_a_fp8_twin="drop", **{a: False for a, *_ in twin_mod._REFUSED_WITH
+                                                       + twin_mod._DROP_REFUSED_WITH})
+    monkeypatch.setattr(weight_exporter, "WeightExporter", type("WeightExporter", (), {}))
+    with pytest.raises(ValueError, match="drop: this sglang's weight export .* stand-in; use --dsv4-wo-a-fp8-twin mid"):
+        twin_mod.validate_wo_a_fp8_twin(cfg, V4)
+    cfg.dsv4_wo_a_fp8_twin = "mid"
+    assert twin_mod.validate_wo_a_fp8_twin(cfg, V4) == "mid"

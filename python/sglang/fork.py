@@ -1,21 +1,29 @@
 """What this engine is: sglang <upstream release> plus the fork's patch series.
 
 The fork's build (``tools/fork``) stamps the version into ``sglang/_version.py``
-(``0.5.23+fork.<patches>.<series digest>``) and the series into
-``_fork_manifest.json`` beside this module. ``launch_server --version``, the
-startup line and ``--fork-expect-version`` read them from here, so a running
-server always says which patches it carries and which fork flags are set.
+(``<release>+fork.<patches>.<series digest>``) and the series into ``_fork_manifest.json``
+beside this module. ``--version`` (``launch_server``, ``sglang serve``), ``sglang version``,
+the startup line and ``--fork-expect-version`` read them from here, so a running server always
+says which patches it carries and which fork flags are set.
+
+How a fork flag is declared (every patch follows it): the field lives in the upstream
+namespace of its area (``fields/spec.py`` for DSpark, ``fields/exec_.py`` for kernels,
+``fields/serving.py`` for this one), named as an upstream pull request would name it, off by
+default, help text ending in ``(default: ...)``; its syntax is checked by a ``type_parser``
+that lists the accepted forms and again, with every rule involving other flags, by one
+``validate_<feature>`` of ours called from that namespace's resolution hook (``Engine(...)``
+bypasses argparse). The patch's ``Server-Args:`` trailer lists it; that is how this module
+finds the fork flags.
 """
 
 from __future__ import annotations
 
 import argparse
-import argparse
 import functools
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 # 0.5.23+fork.1.3f9a1c2: upstream release, number of patches, 7 hex of the series digest.
 VERSION_RE = re.compile(r"^\d+(?:\.\d+)+\+fork\.\d+\.[0-9a-f]{7}$")
@@ -61,23 +69,38 @@ class PrintVersion(argparse.Action):
     """``--version``: print ``describe()`` as it is (argparse's own action re-wraps it) and exit."""
 
     def __init__(self, option_strings, dest, **kwargs):
-        super().__init__(option_strings, dest, nargs=0, help="print the fork version and its patch series, then exit")
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        print(describe())
-        parser.exit()
-
-
-class PrintVersion(argparse.Action):
-    """``--version``: print ``describe()`` as it is (argparse's own action re-wraps it) and exit."""
-
-    def __init__(self, option_strings, dest, **kwargs):
         kwargs.update(nargs=0, help="Print the fork version and its patch series, then exit.")
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
         print(describe())
         parser.exit()
+
+
+def place_fork_flags(parser: argparse.ArgumentParser, namespaces: Iterable[type]) -> None:
+    """Show each fork flag in ``--help`` beside its area's flags: right after the upstream
+    field its patch declares it after, in its namespace class. Upstream lists fields not in
+    ``field_order.py`` at the end; only the help order moves (parsing and ServerArgs' field
+    order stay upstream's)."""
+    try:
+        ours = {flag_field(f) for f in fork_flags()}
+    except RuntimeError:  # an unassembled tree: no manifest, upstream's order
+        return
+    by_dest = {a.dest: a for a in parser._actions}
+    for ns in namespaces:
+        anchor = None
+        for name in getattr(ns, "__struct_fields__", ()):
+            if name not in ours:
+                anchor = by_dest.get(name, anchor)
+                continue
+            action = by_dest.get(name)
+            if action is None or anchor is None:
+                continue
+            for actions in (parser._actions, parser._optionals._group_actions):
+                if action in actions and anchor in actions:
+                    actions.remove(action)
+                    actions.insert(actions.index(anchor) + 1, action)
+            anchor = action  # the next fork flag of this namespace follows this one
 
 
 def startup_line(view: Any) -> str:
@@ -95,6 +118,14 @@ def parse_expected_version(value: str) -> str:
             "`python -m sglang.launch_server --version` (e.g. 0.5.23+fork.1.3f9a1c2)"
         )
     return value
+
+
+def expected_version_arg(value: str) -> str:
+    """``type_parser`` of ``--fork-expect-version``: a bad value is an argparse error."""
+    try:
+        return parse_expected_version(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ dependencies do not load there).
 
 The bundle holds the assembled tree's pure-Python ``sglang`` (gzip tar; the compiled .so
 files stay behind), the small cp312 wheels of ``tools/requirements-import.txt``, the
-import-only stand-ins, this repository's ``test/`` and ``benchmark/``, and ``run.sh``,
+import-only stand-ins, this repository's ``test/``, ``benchmark/``, ``patches/`` and
+``upstream.toml`` (the tests read the series and the pin), and ``run.sh``,
 which unpacks, runs ``pytest -m gpu`` and every ``benchmark/bench_*.py`` and writes the
 results to one folder; and for the end-to-end matrix, ``tools/e2e`` with the serving wheels
 of ``tools/requirements-serve-gpu.txt`` and ``e2e.sh``, which serves the tiny DeepSeek-V4
@@ -82,6 +83,9 @@ def make_bundle(tree: Path, version: str, dest: Path) -> int:
     # test/conftest.py puts tools/ on sys.path; the CPU-only test modules still get collected.
     shutil.copytree(REPO_ROOT / "tools" / "forklib", dest / "tools" / "forklib", ignore=ignore)
     shutil.copytree(REPO_ROOT / "tools" / "e2e", dest / "tools" / "e2e", ignore=ignore)
+    # conftest reads the pin and the series (the release, our modules, dropped patches' tests).
+    shutil.copytree(REPO_ROOT / "patches", dest / "patches")
+    shutil.copy(REPO_ROOT / "upstream.toml", dest / "upstream.toml")
     shutil.copytree(REPO_ROOT / "benchmark", dest / "benchmark", ignore=shutil.ignore_patterns(
         "__pycache__", "*.pyc", "results"))
     shutil.copy(REPO_ROOT / "tools" / "gpu_bundle_run.sh", dest / "run.sh")

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import out
 from .pin import fetch_pinned, load_pin, python_tag
-from .series import SERIES_FILE, check_series, load_series, read_series
-from .tree import Assembled, assemble, commit_patch, copy_files, numstat, owned_files, upstream_ref
+from .series import SERIES_FILE, check_series, load_series, series_problems
+from .tree import Assembled, assemble, numstat
 from .wheel import build_wheel
 
 VENV = REPO_ROOT / ".venv"
@@ -38,7 +38,11 @@ def target_python(args) -> str:
 def assemble_series(args, stamp: bool = True, tag: str | None = None,
                     tree_name: str = "tree") -> tuple[Assembled, Path]:
     patches = load_series(args.series)
-    check_series(patches)
+    if stamp:
+        check_series(patches)
+    else:  # an editing tree is where a header gets fixed: say what is wrong, do not refuse
+        for problem in series_problems(patches):
+            print(f"warning: {problem} (`make refresh` refuses until it is fixed)", flush=True)
     pin = load_pin()
     wheel = fetch_pinned(pin, tag or getattr(args, "tag", None) or python_tag(target_python(args)))
     tree = args.build / tree_name
@@ -67,18 +71,56 @@ def patch_table(asm: Assembled) -> str:
     return "\n".join(lines)
 
 
+def build_inputs(args, tag: str) -> str:
+    """Digest of everything a build reads: the pin and wheel tag, the series, our files and
+    the tool itself. Equal digests give the same wheel."""
+    h = hashlib.sha256(tag.encode() + b"\0")
+    files = [REPO_ROOT / "upstream.toml", args.series, Path(__file__).parents[1] / "fork",
+             *sorted(Path(__file__).parent.glob("*.py"))]
+    for patch in load_series(args.series):
+        files.append(patch.path)
+        files += [REPO_ROOT / own for own in sorted(patch.owns)]
+    for f in files:
+        h.update(str(f).encode() + b"\0" + (f.read_bytes() if f.exists() else b"(missing)") + b"\0")
+    return h.hexdigest()
+
+
+def _installed_marker(venv: Path) -> Path:
+    return venv / ".fork-wheel"
+
+
 def cmd_build(args) -> None:
     dist = args.build / "dist"
+    stamp_file = dist / ".build.json"
+    tag = args.tag or python_tag(target_python(args))
+    digest = build_inputs(args, tag)
+    stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
+    wheel_path = dist / stamp.get("wheel", "-")
+    venv = Path(args.install) if args.install else None
+    installed = (venv is None or (_installed_marker(venv).exists()
+                                  and _installed_marker(venv).read_text() == f"{stamp.get('wheel')} {digest}"
+                                  and _requirements_current(venv)))
+    if stamp.get("digest") == digest and wheel_path.is_file() and installed:
+        print(f"sglang {stamp['version']}: up to date (the pin, the series, our files and the tool are "
+              f"unchanged since the last build): {wheel_path}"
+              + (f", installed in {args.install}" if venv else "") + "\n")
+        print(stamp["table"])
+        return
     for old in dist.glob("*.whl"):
         old.unlink()  # a failed build must leave no wheel that could be installed
-    asm, wheel = assemble_series(args)
+    stamp_file.unlink(missing_ok=True)
+    asm, wheel = assemble_series(args, tag=tag)
     step(f"packaging sglang {asm.version}")
     built = build_wheel(asm.tree, wheel, asm.upstream_version, asm.version, dist)
-    if args.install:
-        install_wheel(built, Path(args.install))
+    table = patch_table(asm)
+    stamp_file.write_text(json.dumps({"digest": digest, "wheel": built.name, "version": asm.version,
+                                      "table": table}) + "\n")
+    if venv is not None:
+        install_wheel(built, venv)
+        _installed_marker(venv).write_text(f"{built.name} {digest}")
     print(f"\nsglang {asm.version}: {built}"
           + (f", installed in {args.install}" if args.install else "") + "\n")
-    print(patch_table(asm))
+    print(table)
 
 
 def cmd_tree(args) -> None:
@@ -120,14 +162,20 @@ def _requirements_digest() -> str:
     return hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
 
 
+def _requirements_current(venv: Path) -> bool:
+    marker = venv / ".fork-requirements"
+    return venv_python(venv).exists() and marker.exists() and marker.read_text() == _requirements_digest()
+
+
 def install_wheel(wheel: Path, venv: Path) -> None:
     """Install the fork wheel (--no-deps) over the CPU dependency set into ``venv``."""
     py = venv_python(venv)
     if not py.exists():
         step(f"creating {venv} ({sys.executable})")
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    _installed_marker(venv).unlink(missing_ok=True)
     marker = venv / ".fork-requirements"
-    if not marker.exists() or marker.read_text() != _requirements_digest():
+    if not _requirements_current(venv):
         step(f"installing the CPU dependency set ({REQUIREMENTS.relative_to(REPO_ROOT)})")
         subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)], check=True)
         marker.write_text(_requirements_digest())
@@ -143,28 +191,13 @@ def install_wheel(wheel: Path, venv: Path) -> None:
 
 def cmd_refresh(args) -> None:
     """Write the commits of build/tree's branch 'fork' back to patches/ and python/sglang/."""
-    tree = args.build / "tree"
-    base = out(tree, "merge-base", "fork", upstream_ref(load_pin().version))
-    commits = out(tree, "rev-list", "--reverse", f"{base}..fork").split()
-    if any(out(tree, "log", "-1", "--format=%s", c).startswith("fork stamp:") for c in commits):
-        raise ForkError(
-            "build/tree holds a stamped build (from `make`), not an editing tree: run "
-            "`make tree`, edit and commit there, then `make refresh`"
-        )
-    names = [p.name for p in read_series(args.series)]
-    for i, commit in enumerate(commits):
-        if i < len(names):
-            name = names[i]
-        else:
-            slug = "-".join(out(tree, "log", "-1", "--format=%f", commit).split("-")[:6])
-            name = f"{i + 1:04d}-{slug}.patch"
-            names.append(name)
-        owns = owned_files(tree, commit)
-        copy_files(owns, tree, REPO_ROOT)
-        (args.series.parent / name).write_text(commit_patch(tree, commit, owns))
-        print(f"wrote {args.series.parent / name} ({len(owns)} owned file(s))")
-    args.series.write_text("\n".join(names[: len(commits)]) + "\n")
-    check_series(load_series(args.series))
+    from .tree import refresh
+
+    wrote = refresh(args.build / "tree", REPO_ROOT)
+    for path in wrote:
+        print(f"wrote {path}")
+    print(f"{len(load_series(args.series))} patch(es) refreshed ({len(wrote)} file(s) changed); "
+          "`make check`, then `make` and the tests")
 
 
 # ---------------------------------------------------------------------------- rebase, export
@@ -183,12 +216,20 @@ def cmd_rebase(args) -> int:
     return rebase.start(args.release, dry_run=args.dry_run)
 
 
+def cmd_drift(args) -> None:
+    from .rebase import drift
+
+    drift(args.releases, REPO_ROOT, record=args.write)
+    if args.write:
+        print(f"wrote {args.write}")
+
+
 def cmd_export(args) -> None:
     from .export import export
 
     diff, md = export(args.patch)
     print(f"wrote {diff.relative_to(REPO_ROOT)} and {md.relative_to(REPO_ROOT)} "
-          "(checked with `git apply --check` on a clean upstream tree)")
+          "(applied to a clean upstream tree, its modules imported there)")
 
 
 # ---------------------------------------------------------------------------- main
@@ -219,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drop", action="append", metavar="PATCH", help="drop this patch from the series, then resume")
     p.add_argument("--dry-run", action="store_true", help="classify every patch, write nothing")
     p.set_defaults(fn=cmd_rebase)
-    p = sub.add_parser("export", help="one patch as a diff against upstream + PR text (build/export)")
+    p = sub.add_parser("drift", help="dry-run the series onto releases; record the tool's output (build/drift)")
+    p.add_argument("releases", nargs="+", help="releases to replay onto, e.g. 0.5.22 0.5.21")
+    p.add_argument("--write", type=Path, metavar="FILE",
+                   help="write the output into FILE's generated block, e.g. benchmark/results/rebase-drift.md")
+    p.set_defaults(fn=cmd_drift)
+    p = sub.add_parser("export", help="one patch (and what it depends on) as a diff against upstream + PR text (build/export)")
     p.add_argument("patch", help="patch name or number")
     p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)

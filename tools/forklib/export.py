@@ -1,16 +1,20 @@
 """``tools/fork export <patch>``: one patch as a self-contained diff + PR text for upstream.
 
 The diff is the patch's commit in the assembled tree against its parent, so it carries the
-files of ours the patch owns as new files and nothing of any other patch. It is proven by
-``git apply --check`` in a worktree of the bare upstream commit. When an earlier patch only
-sits in its context (neighbouring lines of the same file), the commit is cherry-picked onto
-bare upstream (git's three-way merge) and that replay is exported instead; when the replay
-conflicts, the patch really depends on an earlier one, which the error names.
+files of ours the patch owns as new files and nothing of any other patch, except the patches
+it names in ``Depends:``, which it carries (in series order) so it works alone. It is proven
+in a worktree of the bare upstream commit: each commit applies there (``git apply``, or, when
+only context from an earlier patch differs, git's three-way merge), and every module the
+exported patches own imports there. A replay that conflicts or a module that does not import
+names the patch it really depends on or says to declare it.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
@@ -30,69 +34,134 @@ def find_patch(patches: list[Patch], ref: str) -> int:
     raise ForkError(f"no patch {ref!r} in patches/series; patches: {', '.join(p.name for p in patches)}")
 
 
-def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None) -> tuple[Path, Path]:
+def with_dependencies(patches: list[Patch], i: int) -> list[int]:
+    """Indices of patch ``i`` and every patch it depends on (transitively), in series order."""
+    index = {p.name: j for j, p in enumerate(patches)}
+    need, todo = {i}, [i]
+    while todo:
+        for dep in patches[todo.pop()].depends:
+            j = index[dep]  # check_series guarantees an earlier patch of the series
+            if j not in need:
+                need.add(j)
+                todo.append(j)
+    return sorted(need)
+
+
+def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None,
+           python: str | None = None) -> tuple[Path, Path]:
+    """Write ``<patch>.diff`` (the patch and what it depends on, on bare upstream) and its PR
+    text; proven by applying to a clean upstream tree and importing its modules there."""
     out_dir = out_dir or root / "build" / "export"
     patches = load_series(root / "patches" / "series")
     check_series(patches, root)
     i = find_patch(patches, ref)
     patch = patches[i]
+    chain = with_dependencies(patches, i)
     pin = load_pin(root / "upstream.toml")
     tree = out_dir / "tree"
     # Only the patches up to this one: later ones cannot matter to its commit.
     asm = assemble(tree, fetch_pinned(pin, PRIMARY_TAG), pin.version, patches[: i + 1], stamp=False, src=root)
-    commit = asm.applied[i].commit
-    diff = out_diff(tree, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n"
-    new_files = owned_files(tree, commit)
-
-    files = set(out(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit).split())
-    expected = set(patch.files) | set(new_files)
-    if files != expected:  # the commit is built from exactly these; anything else is a tool bug
-        raise ForkError(f"{patch.name}: commit touches {sorted(files ^ expected)} beyond its own files")
+    expected: set[str] = set()
+    new_files: list[str] = []
+    for j in chain:
+        commit = asm.applied[j].commit
+        owns = owned_files(tree, commit)
+        files = set(out(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit).split())
+        mine = set(patches[j].files) | set(owns)
+        if files != mine:  # the commit is built from exactly these; anything else is a tool bug
+            raise ForkError(f"{patches[j].name}: commit touches {sorted(files ^ mine)} beyond its own files")
+        expected |= mine
+        new_files += owns
 
     out_dir.mkdir(parents=True, exist_ok=True)
     diff_file = out_dir / f"{patch.name}.diff"
-    tmp = diff_file.with_suffix(".diff.tmp")
-    tmp.write_text(diff)
-    replayed = _standalone(tree, asm.base, commit, tmp, patch, patches[:i], pin.version)
+    replayed, moved = _standalone(tree, asm.base, [asm.applied[j].commit for j in chain],
+                                  [patches[j] for j in chain], patches, pin.version, root, python)
     if set(out(tree, "diff", "--name-only", "--no-renames", asm.base, replayed).split()) != expected:
         raise ForkError(f"{patch.name}: its replay onto upstream touches other files than its own")
+    tmp = diff_file.with_suffix(".diff.tmp")
     tmp.write_text(out_diff(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n")
     tmp.replace(diff_file)
     md_file = out_dir / f"{patch.name}.md"
+    carried = [patches[j].name for j in chain if j != i]
     md_file.write_text(describe(patch, new_files, pin.package, pin.version,
-                                after=[p.name for p in patches[:i]] if replayed != commit else []))
+                                after=[p.name for p in patches[:i] if p.name not in carried] if moved else [],
+                                carried=carried))
     return diff_file, md_file
 
 
-def _standalone(tree: Path, base: str, commit: str, diff: Path, patch: Patch,
-                earlier: list[Patch], version: str) -> str:
-    """The commit that holds the patch alone on bare upstream: ``commit`` itself when its diff
-    applies there, else its three-way replay onto ``base``; raises when that conflicts."""
+def _standalone(tree: Path, base: str, commits: list[str], chain: list[Patch], patches: list[Patch],
+                version: str, root: Path, python: str | None) -> tuple[str, bool]:
+    """The commit holding ``chain`` (a patch after what it depends on) alone on bare upstream,
+    each commit applied as it is or, when only context differs, by git's three-way merge; then
+    every module the chain owns must import there. Returns (commit, whether a merge was needed)."""
     check = tree.parent / "check"
     git(tree, "worktree", "remove", "--force", str(check), check=False)
     shutil.rmtree(check, ignore_errors=True)
     git(tree, "worktree", "prune")
     git(tree, "worktree", "add", "-q", "--detach", str(check), base)
+    moved = False
     try:
-        if git(check, "apply", "--check", str(diff.resolve()), check=False).returncode == 0:
-            git(check, "apply", "--index", str(diff.resolve()))
-            git(check, "commit", "-q", "-C", commit)
-            return out(check, "rev-parse", "HEAD")
-        picked = git(check, "cherry-pick", "--allow-empty", commit, check=False)
-        if picked.returncode == 0:
-            return out(check, "rev-parse", "HEAD")
-        conflicts = out(check, "diff", "--name-only", "--diff-filter=U")
-        git(check, "cherry-pick", "--abort", check=False)
+        for commit, patch in zip(commits, chain):
+            diff = check.parent / "check.diff"
+            diff.write_text(out_diff(tree, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
+            if git(check, "apply", "--check", str(diff.resolve()), check=False).returncode == 0:
+                git(check, "apply", "--index", str(diff.resolve()))
+                git(check, "commit", "-q", "-C", commit)
+                continue
+            moved = True
+            if git(check, "cherry-pick", "--allow-empty", commit, check=False).returncode != 0:
+                conflicts = out(check, "diff", "--name-only", "--diff-filter=U")
+                git(check, "cherry-pick", "--abort", check=False)
+                earlier = patches[: patches.index(patch)]
+                touched = set(patch.files)
+                deps = [p.name for p in earlier if touched & (set(p.files) | set(p.owns)) and p not in chain]
+                raise ForkError(
+                    f"{patch.name} does not apply alone to upstream {version}: replaying it there "
+                    f"conflicts in {conflicts or '(no file named)'}\n"
+                    + (f"it depends on earlier patch(es) touching the same files: {', '.join(deps)} "
+                       f"(declare it with `Depends:` and the export carries them)" if deps
+                       else "no earlier patch touches these files")
+                )
+        _import_check(check, chain, version, root, python)
+        return out(check, "rev-parse", "HEAD"), moved
     finally:
         git(tree, "worktree", "remove", "--force", str(check), check=False)
-    touched = set(patch.files)
-    deps = [p.name for p in earlier if touched & (set(p.files) | set(p.owns))]
-    raise ForkError(
-        f"{patch.name} does not apply alone to upstream {version}: replaying it there conflicts in "
-        f"{conflicts or '(no file named)'}\n"
-        + (f"it depends on earlier patch(es) touching the same files: {', '.join(deps)}" if deps
-           else "no earlier patch touches these files")
-    )
+
+
+_IMPORT_ALL = """
+import importlib, sys, traceback
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        print(name)
+        traceback.print_exc(file=sys.stdout)
+        sys.exit(1)
+"""
+
+
+def _import_check(tree: Path, chain: list[Patch], version: str, root: Path, python: str | None) -> None:
+    """Every module the exported patches own imports on upstream with only the export applied
+    (what ``git apply --check`` cannot see: a name an earlier patch adds)."""
+    mods = [own[len("python/"):-len(".py")].replace("/", ".").removesuffix(".__init__")
+            for p in chain for own in p.owns if own.endswith(".py")]
+    if not mods:
+        return
+    venv = root / ".venv" / "bin" / "python"
+    python = python or (str(venv) if venv.exists() else sys.executable)
+    paths = [str(tree / "python")] + [str(d) for d in (root / "tools" / "standins",) if d.is_dir()]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    r = subprocess.run([python, "-W", "ignore", "-c", _IMPORT_ALL, *mods], cwd=tree,
+                       capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        failed, _, trace = r.stdout.partition("\n")
+        last = (trace.strip().splitlines() or [r.stderr.strip()])[-1]
+        raise ForkError(
+            f"{chain[-1].name}: with only this export applied to upstream {version}, {failed or mods} "
+            f"does not import: {last}\nIf it needs an earlier patch, name it in a `Depends:` trailer "
+            "(make tree, amend the commit, make refresh) and the export carries it"
+        )
 
 
 def _body(patch: Patch) -> str:
@@ -104,7 +173,7 @@ def _body(patch: Patch) -> str:
 
 
 def describe(patch: Patch, new_files: list[str], package: str, version: str,
-             after: list[str] | None = None) -> str:
+             after: list[str] | None = None, carried: list[str] | None = None) -> str:
     flags = ", ".join(f"`{f}`" for f in patch.flags) or "none"
     lines = [
         f"# {patch.subject}",
@@ -134,6 +203,12 @@ def describe(patch: Patch, new_files: list[str], package: str, version: str,
         "(paths are `python/sglang/...`).",
         "",
     ]
+    if carried:
+        lines += [
+            "This patch depends on " + ", ".join(carried) + " (its `Depends:` trailer); the diff "
+            "carries them, in series order, so it applies and imports on clean upstream.",
+            "",
+        ]
     if after:
         lines += [
             "In the fork this patch comes after " + ", ".join(after) + "; this diff is its "

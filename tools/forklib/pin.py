@@ -1,8 +1,11 @@
 """The upstream pin (``upstream.toml``) and the verified wheel cache.
 
 Upstream is a PyPI wheel (sglang ships no sdist since 0.5.11). A wheel is fetched with pip
-for one interpreter tag, checked against the pinned sha256 and kept in the cache; a file
-that does not match is deleted, never used.
+for one interpreter tag into a temporary directory and enters the cache (shared by every
+clone) only once it matches the pinned sha256; ``<wheel>.sha256`` beside it records the hash
+it was stored under. A cached file that does not match the pin is refused, never used, and
+kept: the pin may be what is wrong. Only a file that no longer matches its own recorded hash
+(damaged since) is replaced.
 """
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -99,38 +101,73 @@ def fetch_wheel(package: str, version: str, tag: str, sha256: str | None) -> Pat
     the caller records the hash it returns with ``file_sha256``.
     """
     target = cache_dir() / wheel_name(package, version, tag)
-    if not target.exists():
-        _download(package, version, tag, target)
-    if sha256 is not None:
-        got = file_sha256(target)
-        if got != sha256:
-            target.unlink()
-            raise ForkError(
-                f"{target.name}: sha256 {got} does not match the pinned {sha256}; "
-                "the file was deleted from the cache. If PyPI really re-published this "
-                "release, review the change and update upstream.toml by hand."
-            )
+    record = _record(target)
+    stored = record.read_text().strip() if record.exists() else None
+    got = file_sha256(target) if target.exists() else None
+    if got is not None and stored is not None and got != stored:
+        print(f"{target.name}: damaged in the cache since it was stored (sha256 {got}, stored "
+              f"as {stored}); fetching it again", flush=True)
+        got = None
+    if got is None:
+        got = _download(package, version, tag, target, sha256)
+    elif stored is None and (sha256 is None or got == sha256):
+        _write_record(target, got)  # a file cached before records were kept: record it now
+    if sha256 is not None and got != sha256:
+        raise ForkError(
+            f"{target.name}: the cached wheel's sha256 is {got}"
+            + (", the hash it was verified against when it entered the cache" if stored == got else "")
+            + f"; it does not match the pinned {sha256}. The wheel is refused, and kept in "
+            f"{target.parent} (other clones share it). Check the hash in upstream.toml; if PyPI "
+            "really re-published this release, review the change and update upstream.toml by "
+            f"hand; if the cached file is what is wrong, delete {target} and run again."
+        )
     return target
 
 
-def _download(package: str, version: str, tag: str, target: Path) -> None:
-    py, abi, platform = tag.split("-", 2)
+def _record(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _write_record(target: Path, sha: str) -> None:
+    tmp = _record(target).with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(sha + "\n")
+    os.replace(tmp, _record(target))
+
+
+def _download(package: str, version: str, tag: str, target: Path, sha256: str | None) -> str:
+    """Fetch into a temporary directory, verify, then move into the cache with its record."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [
-            sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-            "--only-binary=:all:", "--python-version", py[2:], "--implementation", "cp",
-            "--abi", abi, "--platform", platform, "-d", tmp, f"{package}=={version}",
-        ]
-        print(f"fetching {package}=={version} ({tag}) from PyPI ...", flush=True)
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        got = list(Path(tmp).glob("*.whl"))
-        if r.returncode != 0 or len(got) != 1 or got[0].name != target.name:
-            said = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        got_path = _pip_download(package, version, tag, Path(tmp))
+        got = file_sha256(got_path)
+        if sha256 is not None and got != sha256:
             raise ForkError(
-                f"cannot fetch {package}=={version} as {target.name} from PyPI: {said}. "
-                f"Is {version} a released version with a {tag} wheel?"
+                f"downloaded {got_path.name}: sha256 {got} does not match the pinned {sha256}; "
+                "it was not cached. If PyPI really re-published this release, review the change "
+                "and update upstream.toml by hand."
             )
-        shutil.move(str(got[0]), target)
+        os.replace(got_path, target)
+        _write_record(target, got)
+    return got
+
+
+def _pip_download(package: str, version: str, tag: str, dest: Path) -> Path:
+    py, abi, platform = tag.split("-", 2)
+    name = wheel_name(package, version, tag)
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+        "--only-binary=:all:", "--python-version", py[2:], "--implementation", "cp",
+        "--abi", abi, "--platform", platform, "-d", str(dest), f"{package}=={version}",
+    ]
+    print(f"fetching {package}=={version} ({tag}) from PyPI ...", flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    got = list(dest.glob("*.whl"))
+    if r.returncode != 0 or len(got) != 1 or got[0].name != name:
+        said = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise ForkError(
+            f"cannot fetch {package}=={version} as {name} from PyPI: {said}. "
+            f"Is {version} a released version with a {tag} wheel?"
+        )
+    return got[0]
 
 
 def fetch_pinned(pin: Pin, tag: str) -> Path:

@@ -8,17 +8,23 @@ Each patch is classified:
 
   clean           the commit's diff applies exactly (no offset, no 3-way) on the target
   merged          git merged it, but only with moved or changed context: review it
-  conflict        the merge left conflicts in the scratch worktree (files and hunks named)
+  conflict        the merge left conflicts in the scratch worktree: every region named as
+                  file:line with the patch hunk it came from (zdiff3 markers show the base),
+                  a modify/delete named as such with what each way out means
   upstream        the change is in the target already (reverse-applies, or the replay is empty)
   new-file clash  the target ships a file at a path one of our owned files uses
 
 The last three stop the run (``--dry-run`` notes them and goes on). The person resolves in
-the scratch worktree and runs ``--continue``, or drops the patch with ``--drop``; nothing is
-dropped or rewritten silently. The repository (``patches/``, ``python/sglang/``,
+the scratch worktree and runs ``--continue`` (staged or committed: the patch keeps its header;
+a resolution that would make the patch own upstream's file, or more files of ours, is
+refused), or drops the patch with ``--drop`` (refused while a patch that stays depends on it);
+nothing is dropped or rewritten silently. The repository (``patches/``, ``python/sglang/``,
 ``upstream.toml``) is written only once every patch is clean, merged, resolved or dropped:
 the new files are staged in the scratch dir, the new series is assembled exactly on the
-target as a proof, and only then moved in. ``git range-diff`` of old against new is printed
-and kept in ``build/rebase/range-diff.txt``.
+target as a proof, and only then moved in; ``patches/series`` keeps a comment per dropped
+patch naming its tests. ``git range-diff`` of old against new is printed and kept in
+``build/rebase/range-diff.txt``; ``finished.json`` lets ``--abort`` say that a finished
+rebase wrote the repository. ``drift`` records dry runs as the tool prints them.
 """
 
 from __future__ import annotations
@@ -33,10 +39,10 @@ import time
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out
+from .git import git, out, out_diff
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
-from .series import Patch, check_series, load_series, parse_patch
-from .tree import apply_problems, assemble, commit_patch, import_release, owned_files, upstream_ref
+from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch
+from .tree import apply_problems, assemble, commit_patch, hunk_texts, import_release, owned_files, upstream_ref
 
 # The tag the replay runs on; the other pinned tags only get their hashes recorded.
 PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
@@ -159,7 +165,8 @@ def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
         "stopped": False,
         "seconds": time.monotonic() - t0,
         "patches": [
-            {"name": a.patch.name, "commit": a.commit, "status": "pending", "detail": [], "new": None}
+            {"name": a.patch.name, "commit": a.commit, "status": "pending", "detail": [], "new": None,
+             "depends": a.patch.depends}
             for a in asm.applied
         ],
     }
@@ -178,10 +185,7 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
         _restore_repo(lay)
         state["phase"] = "replay"
     i = state["next"]
-    for ref in drop or []:
-        j = _find(state, ref)
-        if j < i or state["patches"][j]["status"] in DONE:
-            raise ForkError(f"{state['patches'][j]['name']} is already replayed; --abort and start again to drop it")
+    for j in _drops(state, drop or []):
         state["patches"][j]["status"] = "dropped"
         state["patches"][j]["detail"] = ["dropped by --drop"]
         print(f"dropping {state['patches'][j]['name']} (by request)")
@@ -191,7 +195,7 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
     elif i < len(state["patches"]) and state["stopped"]:
         state["patches"][i]["new"] = _take_resolution(repo, state, state["patches"][i])
         state["patches"][i]["status"] = "resolved"
-        state["patches"][i]["detail"].append("resolved by hand: review it")
+        state["patches"][i]["detail"].insert(0, "resolved by hand: review it")
         state["head"] = state["patches"][i]["new"]
         state["next"] = i + 1
     elif i < len(state["patches"]):
@@ -201,9 +205,46 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
     return _replay(lay, state)
 
 
+def _drops(state: dict, refs: list[str]) -> list[int]:
+    """The patches ``--drop`` names, refused when one is replayed already or when a patch
+    that stays depends on one (its ``Depends:`` trailer): nothing is dropped silently."""
+    idx = sorted({_find(state, ref) for ref in refs})
+    for j in idx:
+        if j < state["next"] or state["patches"][j]["status"] in DONE:
+            raise ForkError(f"{state['patches'][j]['name']} is already replayed; --abort and start again to drop it")
+    gone = {state["patches"][j]["name"] for j in idx} | {
+        p["name"] for p in state["patches"] if p["status"] == "dropped"}
+    for p in state["patches"]:
+        needs = sorted(set(p.get("depends", [])) & gone)
+        if p["name"] not in gone and needs:
+            both = " ".join(f"--drop {n}" for n in sorted(gone | {p["name"]}))
+            raise ForkError(
+                f"{p['name']} depends on {', '.join(needs)} (its Depends: trailer): dropping "
+                f"{', '.join(needs)} alone would leave it broken. Drop it too "
+                f"(`tools/fork rebase {both}`), or resolve {', '.join(needs)} instead"
+            )
+    return idx
+
+
 def abort(lay: Layout = Layout()) -> None:
-    """Forget the rebase: the scratch dir goes; the repository is as it was before it."""
+    """Forget the rebase: the scratch dir goes; the repository is as it was before it.
+
+    A rebase that finished has written the repository already: then nothing is removed,
+    and the error says what was written and how to undo it.
+    """
     state = _load_state(lay)
+    finished = lay.dir / "finished.json"
+    if state is None and finished.exists():
+        done = json.loads(finished.read_text())
+        changed = out(lay.root, "status", "--porcelain", "--", *WRITTEN).splitlines()
+        raise ForkError(
+            f"the rebase onto {done['package']} {done['to']} already finished: it wrote patches/, "
+            f"python/sglang/ and upstream.toml ({len(changed)} path(s) differ from HEAD now; "
+            "`git status` lists them). --abort does not undo a finished rebase and removed nothing. "
+            "To undo it before committing: `git checkout HEAD -- patches python/sglang upstream.toml "
+            "&& git clean -fd -- patches python/sglang`; once committed: `git revert <that commit>`. "
+            f"{lay.dir} (range-diff.txt) is kept; `tools/fork rebase <release>` starts a new rebase."
+        )
     if state is None and not lay.dir.exists():
         raise ForkError("no rebase in progress")
     if state is not None and state["phase"] == "writing":
@@ -251,6 +292,10 @@ def _replay(lay: Layout, state: dict) -> int:
     print(table(state))
     if state["dry_run"]:
         os.replace(lay.state_file, lay.dir / "result.json")  # nothing to continue: a dry run ends here
+        for p in state["patches"]:
+            if p["detail"]:
+                print(f"\n{p['name']} ({p['status']}):")
+                print("\n".join(f"  - {d}" for d in p["detail"]))
         print(f"\n(dry run: nothing written; the replay is in {repo}, branch 'rebased')")
         return 0 if all(p["status"] in DONE for p in state["patches"]) else 1
     _finish(lay, state)
@@ -262,7 +307,7 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
     repo, commit = lay.repo, entry["commit"]
     patch = parse_patch(lay.root / "patches" / f"{entry['name']}.patch")
     diff = lay.dir / "current.diff"
-    diff.write_text(out(repo, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
+    diff.write_text(out_diff(repo, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
     to = state["to"]
 
     # Already upstream: the whole change (owned files included) reverse-applies on the target.
@@ -283,7 +328,7 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
             f"patch if upstream's file is the same feature" for o in clash
         ] + [f"{u}: conflict left in {repo / u}" for u in unmerged]
     if unmerged:
-        return "conflict", _conflict_detail(repo, patch, unmerged, problems)
+        return "conflict", _conflict_detail(repo, patch, unmerged, to)
     if git(repo, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
         _reset(repo, state["head"])
         return "upstream", [f"replaying it onto {to} changes nothing: upstream has the change; drop it (--drop {entry['name']})"]
@@ -296,28 +341,92 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
     return "merged", notes or ["git needed its 3-way merge"]
 
 
-def _conflict_detail(repo: Path, patch: Patch, unmerged: list[str], problems: list[str]) -> list[str]:
-    detail = [p for p in problems if any(p.startswith(u + ":") for u in unmerged)]
+def _conflict_detail(repo: Path, patch: Patch, unmerged: list[str], to: str) -> list[str]:
+    """One line per conflict: each region as file:line with the patch hunk it came from, and
+    what a modify/delete or delete/modify conflict means and what each choice does."""
+    stages: dict[str, set[str]] = {}
+    for line in out(repo, "ls-files", "-u").splitlines():
+        meta, path = line.split("\t", 1)
+        stages.setdefault(path, set()).add(meta.split()[2])
+    hunks = hunk_texts(patch)
+    detail = []
     for u in unmerged:
-        path = repo / u
-        if not path.exists():
-            detail.append(f"{u}: deleted on one side and changed on the other (modify/delete)")
+        have = stages.get(u, set())
+        if "2" not in have:  # HEAD (the target) has no file there: deleted or renamed upstream
+            detail.append(
+                f"{u}: deleted (or renamed) in {to}, edited by this patch (modify/delete; the worktree "
+                f"holds the patch's version, which is upstream's old file, not ours). Either `git rm {u}` "
+                f"to drop our edit of a file that no longer exists, or re-home the edit: make it in the "
+                f"file where {to} has that code now, `git add` that file and `git rm {u}`. Never `git add "
+                f"{u}`: the patch would own upstream's old file"
+            )
             continue
-        lines = path.read_text(errors="replace").splitlines()
-        marks = [n + 1 for n, line in enumerate(lines) if line.startswith("<<<<<<< ")]
-        where = ", ".join(f"line {m}" for m in marks) or "no markers (binary or mode conflict)"
-        detail.append(f"{u}: conflict markers at {where} in {path}")
+        if "3" not in have:
+            detail.append(
+                f"{u}: edited in {to}, deleted by this patch (delete/modify): `git rm {u}` keeps the "
+                f"deletion, `git add {u}` keeps {to}'s file"
+            )
+            continue
+        path = repo / u
+        regions = conflict_regions(path.read_text(errors="replace").splitlines()) if path.exists() else []
+        if not regions:
+            detail.append(f"{u}: conflict without markers (binary or mode change) in {path}: "
+                          f"pick a side with `git checkout --ours|--theirs {u}`, then `git add {u}`")
+        for start_line, base, theirs in regions:
+            detail.append(f"{u}:{start_line}: conflict with hunk {_which_hunk(hunks.get(u, []), base, theirs)}")
     return detail
 
 
+def conflict_regions(lines: list[str]) -> list[tuple[int, list[str], list[str]]]:
+    """(line of ``<<<<<<<``, base lines, patch lines) of each conflict region (diff3 / zdiff3)."""
+    regions, i = [], 0
+    while i < len(lines):
+        if not lines[i].startswith("<<<<<<< "):
+            i += 1
+            continue
+        start, part, base, theirs = i + 1, "ours", [], []
+        i += 1
+        while i < len(lines) and not lines[i].startswith(">>>>>>> "):
+            if lines[i].startswith("||||||| "):
+                part = "base"
+            elif lines[i] == "=======":
+                part = "theirs"
+            elif part == "base":
+                base.append(lines[i])
+            elif part == "theirs":
+                theirs.append(lines[i])
+            i += 1
+        regions.append((start, base, theirs))
+        i += 1
+    return regions
+
+
+def _which_hunk(hunks: list[tuple[str, list[str], list[str], list[str]]], base: list[str], theirs: list[str]) -> str:
+    """The hunk whose added lines are the region's patch side (or whose old lines are its base)."""
+    def norm(rows):
+        return {r.strip() for r in rows if r.strip()}
+
+    base_set, theirs_set = norm(base), norm(theirs)
+    best, score = None, 0
+    for header, context, minus, plus in hunks:
+        s = 4 * len(norm(plus) & theirs_set) + 2 * len(norm(minus) & base_set) + len(norm(context) & base_set)
+        if s > score:
+            best, score = header, s
+    return best or "(no hunk of the patch matches this region: an earlier patch's lines?)"
+
+
 def _take_resolution(repo: Path, state: dict, entry: dict) -> str:
-    """The commit that replaces a stopped patch: one the person made, or the staged resolution."""
-    head = out(repo, "rev-parse", "HEAD")
-    if head != state["head"]:
-        if out(repo, "rev-list", "--count", f"{state['head']}..HEAD") != "1":
-            raise ForkError(f"{repo}: make exactly one commit for {entry['name']} on top of {state['head'][:10]}")
-        return head
-    if out(repo, "ls-files", "-u"):
+    """The commit that replaces a stopped patch, from the person's resolution: what they
+    staged, or what they committed on top of the stop (squashed). The tool owns the patch's
+    message: the new commit keeps the old one's header whatever was committed."""
+    head, base = out(repo, "rev-parse", "HEAD"), state["head"]
+    committed = head != base
+    if committed:
+        if git(repo, "merge-base", "--is-ancestor", base, head, check=False).returncode != 0:
+            raise ForkError(f"{repo}: HEAD moved off the replay; commit on top of {base[:10]} "
+                            f"(`git reset --soft {base[:10]}` keeps your changes staged), then --continue")
+        git(repo, "reset", "-q", "--soft", base)
+    elif out(repo, "ls-files", "-u"):
         raise ForkError(
             f"{entry['name']}: unresolved conflicts in {repo}:\n  "
             + "\n  ".join(sorted(set(out(repo, "diff", "--name-only", "--diff-filter=U").split())))
@@ -332,9 +441,38 @@ def _take_resolution(repo: Path, state: dict, entry: dict) -> str:
             f"{entry['name']} ({entry['status']}): nothing to continue with in {repo}; "
             f"resolve and `git add`, or drop it with `tools/fork rebase --drop {entry['name']}`"
         )
+    _check_ownership(repo, state, entry, out(repo, "diff", "--cached", "--name-only", "--no-renames",
+                                             "--diff-filter=A", "HEAD", "--", "python/sglang").split())
     git(repo, "cherry-pick", "--quit", check=False)
     git(repo, "commit", "-q", "--allow-empty-message", "-C", entry["commit"])
+    if committed:
+        print(f"kept the header of {entry['name']}: the tool owns patch headers, so your commit message "
+              "is not used (change a header after the rebase: `make tree`, amend, `make refresh`)")
     return out(repo, "rev-parse", "HEAD")
+
+
+def _check_ownership(repo: Path, state: dict, entry: dict, added: list[str]) -> None:
+    """A patch never comes to own upstream's file, and its files of ours do not grow.
+
+    ``added``: the files the resolution adds under python/sglang (they become its Owns:).
+    """
+    old = set(owned_files(repo, entry["commit"]))
+    adopted = [f for f in added if f not in old and git(
+        repo, "cat-file", "-e", f"{upstream_ref(state['from'])}:{f}", check=False).returncode == 0]
+    if adopted:
+        raise ForkError(
+            f"{entry['name']} would own " + ", ".join(adopted) + f", upstream's file(s) ({state['from']} "
+            f"ships them; {state['to']} deleted or renamed them). A patch owns only files of ours. "
+            + " ".join(f"`git rm -f {f}`" for f in adopted) + " drops our edit of a file that no longer "
+            f"exists; or re-home the edit into the file where {state['to']} has that code and `git rm` "
+            "the old one. Then `tools/fork rebase --continue`"
+        )
+    if len(set(added)) > len(old):
+        raise ForkError(
+            f"{entry['name']} would own {len(set(added))} files of ours, it owned {len(old)} "
+            f"({', '.join(sorted(old)) or 'none'}): a rebase may rename our files, not add new ones. "
+            f"New: {', '.join(sorted(set(added) - old))}; `git rm` them, or add them after the rebase"
+        )
 
 
 def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
@@ -390,12 +528,21 @@ def _finish(lay: Layout, state: dict) -> None:
     owned: set[str] = set()
     for p in kept:
         owns = owned_files(repo, p["new"])
+        if _header(repo, p["new"]) != _header(repo, p["commit"]):
+            raise ForkError(f"{p['name']}: its replayed commit's message differs from the patch's header; "
+                            "--abort and start again (the tool keeps headers; this is a bug)")
         for own in owns:
             (staged / own).parent.mkdir(parents=True, exist_ok=True)
             (staged / own).write_bytes(git_show(repo, p["new"], own))
         owned.update(owns)
         (staged / "patches" / f"{p['name']}.patch").write_text(commit_patch(repo, p["new"], owns))
-    (staged / "patches" / "series").write_text("".join(f"{p['name']}.patch\n" for p in kept))
+    dropped = [p for p in state["patches"] if p["status"] == "dropped"]
+    old_series = [line for line in lay.series_file.read_text().splitlines() if DROPPED_RE.match(line.strip())]
+    (staged / "patches" / "series").write_text("".join(f"{p['name']}.patch\n" for p in kept) + "".join(
+        line + "\n" for line in old_series + [
+            f"# dropped in the rebase from {state['from']} to {state['to']}: {p['name']} (tests: "
+            + ", ".join(parse_patch(root / "patches" / f"{p['name']}.patch").trailers.get("Tests", [])) + ")"
+            for p in dropped]))
     (staged / "upstream.toml").write_text(render_pin(pin))
 
     # 2. Proof: the written series applies exactly on the target (the same check as `make`).
@@ -405,8 +552,12 @@ def _finish(lay: Layout, state: dict) -> None:
     assemble(repo, wheel, pin.version, new_patches, stamp=False, src=staged)
 
     # 3. range-diff of the old series against the new one, for the reviewer.
-    rd = out(repo, "range-diff", "--no-color", f"{upstream_ref(state['from'])}..old",
-             f"{upstream_ref(state['to'])}..fork")
+    if kept:
+        rd = out(repo, "range-diff", "--no-color", f"{upstream_ref(state['from'])}..old",
+                 f"{upstream_ref(state['to'])}..fork")
+    else:  # git range-diff takes no empty range
+        rd = "every patch was dropped:\n" + out(repo, "log", "--reverse", "--format=  %h %s",
+                                                 f"{upstream_ref(state['from'])}..old")
     (lay.dir / "range-diff.txt").write_text(rd + "\n")
 
     # 4. Move in. A failure or a kill midway restores the paths from git (they were clean).
@@ -428,16 +579,24 @@ def _finish(lay: Layout, state: dict) -> None:
         state["phase"] = "replay"
         _save_state(lay, state)
         raise
+    (lay.dir / "finished.json").write_text(json.dumps(
+        {"package": state["package"], "from": state["from"], "to": state["to"]}) + "\n")
     lay.state_file.unlink()
     print(f"\ngit range-diff {state['from']}..old {state['to']}..new (kept in {lay.dir / 'range-diff.txt'}):\n{rd}\n")
     for w in warnings:
         print(f"warning: {w}")
-    dropped = [p["name"] for p in state["patches"] if p["status"] == "dropped"]
+    dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
     print(f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml"
-          + (f"; dropped: {', '.join(dropped)}" if dropped else "")
+          + (f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)" if dropped else "")
           + (f"; review: {', '.join(review)}" if review else "")
           + ". Check `git diff`, run `make test`, then commit.")
+
+
+def _header(repo: Path, commit: str) -> str:
+    """A commit's message without its Owns: trailers (those follow the files it adds)."""
+    msg = out(repo, "log", "-1", "--format=%B", commit)
+    return "\n".join(line for line in msg.splitlines() if not line.startswith("Owns: ")).strip()
 
 
 def git_show(repo: Path, commit: str, path: str) -> bytes:
@@ -452,3 +611,82 @@ def _restore_repo(lay: Layout) -> None:
     """Put the written paths back as committed (a rebase starts only when they are clean)."""
     git(lay.root, "checkout", "-q", "HEAD", "--", *WRITTEN)
     git(lay.root, "clean", "-qfd", "--", *WRITTEN)
+
+
+# ---------------------------------------------------------------------------- drift record
+
+DRIFT_BEGIN = "<!-- begin: written by `tools/fork drift`; do not edit by hand -->"
+DRIFT_END = "<!-- end: written by `tools/fork drift` -->"
+
+
+def drift(targets: list[str], root: Path = REPO_ROOT, record: Path | None = None,
+          scratch: Path | None = None) -> str:
+    """Dry-run the series onto each release and return (and, with ``record``, write between
+    the DRIFT markers of that file) the tool's own output for each, with where it ran."""
+    import contextlib
+    import io
+    import platform
+    import sys
+
+    from .pin import cache_dir, wheel_name
+
+    pin = load_pin(root / "upstream.toml")
+    base = scratch or root / "build" / "drift"
+    parts = []
+    for target in targets:
+        cached = (cache_dir() / wheel_name(pin.package, target, PRIMARY_TAG)).exists()
+        lay = Layout(root, base / target)
+        shutil.rmtree(lay.dir, ignore_errors=True)
+        buf = io.StringIO()
+        t0 = time.monotonic()
+        with contextlib.redirect_stdout(_Tee(sys.stdout, buf)):
+            rc = start(target, lay, dry_run=True)
+        seconds = time.monotonic() - t0
+        text = buf.getvalue().replace(str(lay.dir), f"build/drift/{target}").replace(str(root), ".")
+        parts += [
+            f"### {pin.package} {pin.version} -> {target}: "
+            + ("every patch applies" if rc == 0 else "stops where shown") + f" ({seconds:.1f} s, target wheel "
+            + ("cached" if cached else "downloaded") + ")",
+            "",
+            "```text",
+            text.rstrip(),
+            "```",
+            "",
+        ]
+        shutil.rmtree(lay.dir, ignore_errors=True)
+    git_version = out(root, "--version").removeprefix("git version ")
+    body = "\n".join([
+        DRIFT_BEGIN,
+        f"`tools/fork drift {' '.join(targets)}`: `tools/fork rebase <release> --dry-run` from "
+        f"{pin.package} {pin.version} with the series of that commit, printed as the tool prints it. "
+        f"Measured on {os.cpu_count()} CPU(s), {platform.machine()} {platform.system()}, Python "
+        f"{platform.python_version()}, git {git_version}; the time includes assembling the series on "
+        f"{pin.version} and importing the target wheel.",
+        "",
+        *parts,
+        DRIFT_END,
+    ])
+    if record is not None:
+        old = record.read_text() if record.exists() else ""
+        if DRIFT_BEGIN in old and DRIFT_END in old:
+            head, _, rest = old.partition(DRIFT_BEGIN)
+            _, _, tail = rest.partition(DRIFT_END)
+            new = head + body + tail
+        else:
+            new = (old.rstrip() + "\n\n" if old.strip() else "") + body + "\n"
+        record.write_text(new)
+    return body
+
+
+class _Tee:
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, text):
+        for s in self.streams:
+            s.write(text)
+        return len(text)
+
+    def flush(self):
+        for s in self.streams:
+            s.flush()

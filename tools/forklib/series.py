@@ -8,7 +8,11 @@ trailers (last paragraph)::
     Upstream-Status: not sent | PR <url> | merged in <release>
     Tests: test/test_verify_cap.py                   (one or more)
     Owns: python/sglang/srt/speculative/verify_cap.py (one per file of ours; none is fine)
+    Depends: 0002-moe_fused_gate-optional-live-length (an earlier patch it needs; optional)
 
+``Depends:`` names each earlier patch whose code this one uses (a module it imports, a
+keyword it passes): ``check`` requires it wherever one patch imports another's module, a
+rebase refuses to drop a patch another one depends on, and ``export`` carries it along.
 The diff itself touches upstream files only; the files a patch owns live in this repository
 under ``python/sglang/`` and join the patch's commit when the tree is assembled.
 """
@@ -51,6 +55,11 @@ class Patch:
     def owns(self) -> list[str]:
         return self.trailers.get("Owns", [])
 
+    @property
+    def depends(self) -> list[str]:
+        """The patches this one needs, by name (``0002-...``; a ``.patch`` suffix is dropped)."""
+        return [d.removesuffix(".patch") for d in self.trailers.get("Depends", [])]
+
     def first(self, key: str) -> str:
         return (self.trailers.get(key) or [""])[0]
 
@@ -62,6 +71,20 @@ def read_series(series_file: Path = SERIES_FILE) -> list[Path]:
         if line:
             names.append(line)
     return [series_file.parent / n for n in names]
+
+
+DROPPED_RE = re.compile(r"^# dropped in the rebase from \S+ to \S+: (\S+) \(tests: ([^)]*)\)$")
+
+
+def dropped_tests(series_file: Path = SERIES_FILE) -> dict[str, list[str]]:
+    """Test file -> the patches a rebase dropped that named it (the series' comments say so);
+    conftest skips those tests, so the suite passes unedited after a rebase drops a patch."""
+    out: dict[str, list[str]] = {}
+    for line in series_file.read_text().splitlines():
+        if m := DROPPED_RE.match(line.strip()):
+            for test in filter(None, (t.strip() for t in m.group(2).split(","))):
+                out.setdefault(test, []).append(m.group(1))
+    return out
 
 
 def parse_patch(path: Path) -> Patch:
@@ -87,9 +110,11 @@ def _header(block: str, name: str) -> str | None:
 
 
 def _trailers(message: str) -> dict[str, list[str]]:
+    # The subject is a mail header here: without a stand-in first paragraph, git takes a
+    # message that is only the trailer block (no body) for the subject and finds none.
     out = subprocess.run(
         ["git", "interpret-trailers", "--parse", "--no-divider"],
-        input=message, capture_output=True, text=True, check=True,
+        input="subject\n\n" + message, capture_output=True, text=True, check=True,
     ).stdout
     trailers: dict[str, list[str]] = {}
     for line in out.splitlines():
@@ -153,8 +178,50 @@ def ownership_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[str
     return problems
 
 
-def check_series(patches: list[Patch], root: Path = REPO_ROOT) -> None:
+def dependency_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[str]:
+    """Each Depends: names an earlier patch, and every patch whose code (a file it owns or a
+    line its diff adds) imports a module another patch owns depends on that patch."""
+    problems = []
+    owner = {own: p.name for p in patches for own in p.owns}
+    seen: set[str] = set()
+    for p in patches:
+        for dep in p.depends:
+            if dep not in seen:
+                later = dep in {q.name for q in patches}
+                problems.append(f"{p.path.name}: Depends {dep}, " + (
+                    "which comes after it in the series" if later else "which is not in the series"))
+        for mod in sorted(_imported_modules(p, root)):
+            dep = next((owner[f] for f in _module_files(mod) if f in owner), None)
+            if dep and dep != p.name and dep not in p.depends:
+                problems.append(f"{p.path.name}: imports {mod}, which {dep} owns: add `Depends: {dep}`")
+        seen.add(p.name)
+    return problems
+
+
+_IMPORT_RE = re.compile(r"^\s*(?:from\s+(sglang(?:\.\w+)+)\s+import|import\s+(sglang(?:\.\w+)+))", re.M)
+
+
+def _imported_modules(patch: Patch, root: Path) -> set[str]:
+    texts = [(root / own).read_text(errors="replace") for own in patch.owns
+             if own.endswith(".py") and (root / own).is_file()]
+    diff = patch.path.read_text().partition("\n---\n")[2]
+    texts.append("\n".join(line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")))
+    return {a or b for text in texts for a, b in _IMPORT_RE.findall(text)}
+
+
+def _module_files(mod: str) -> list[str]:
+    path = "python/" + mod.replace(".", "/")
+    return [path + ".py", path + "/__init__.py"]
+
+
+def series_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[str]:
     problems = [f"{p.path.name}: {msg}" for p in patches for msg in header_problems(p, root)]
     problems += ownership_problems(patches, root)
+    problems += dependency_problems(patches, root)
+    return problems
+
+
+def check_series(patches: list[Patch], root: Path = REPO_ROOT) -> None:
+    problems = series_problems(patches, root)
     if problems:
         raise ForkError("the series is not well-formed:\n  " + "\n  ".join(problems))

@@ -58,6 +58,9 @@ def import_release(tree: Path, wheel: Path, version: str) -> str:
     if not (tree / ".git").exists():
         tree.mkdir(parents=True, exist_ok=True)
         git(tree, "init", "-q")
+        # A conflict (git am -3 in an editing tree, a rebase's replay) shows the base too, so
+        # our lines stand apart from upstream's newer code.
+        git(tree, "config", "merge.conflictStyle", "zdiff3")
     have = git(tree, "log", "-1", "--format=%B", ref, check=False)
     if have.returncode == 0 and f"sha256: {sha}" in have.stdout:
         return out(tree, "rev-parse", ref)
@@ -101,10 +104,12 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
     ``three_way`` (editing trees only, never a build): a patch that no longer applies exactly
     is merged with ``git am -3`` instead, so ``refresh`` can write it back exactly.
     """
-    check = git(tree, "apply", "--check", "-v", str(patch.path), check=False)
-    problems = apply_problems(patch, check.stderr)
-    if check.returncode != 0 and not problems:
-        problems = [check.stderr.strip()]
+    problems = []
+    if patch.files:
+        check = git(tree, "apply", "--check", "-v", str(patch.path), check=False)
+        problems = apply_problems(patch, check.stderr)
+        if check.returncode != 0 and not problems:
+            problems = [check.stderr.strip()]
     clash = [f"owns {own}, but upstream already ships a file there"
              for own in patch.owns if (tree / own).exists()]
     if clash or (problems and not three_way):
@@ -113,7 +118,11 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
         )
     if problems:
         print(f"  {patch.path.name}: merged with git am -3 (" + "; ".join(problems) + ")", flush=True)
-    merged = git(tree, "am", "-q", "-3" if problems else "--no-3way", str(patch.path), check=False)
+    before = out(tree, "rev-parse", "HEAD")
+    if patch.files:
+        merged = git(tree, "am", "-q", "-3" if problems else "--no-3way", str(patch.path), check=False)
+    else:  # no upstream file edited: nothing for git am to apply, only the message
+        merged = _commit_message_only(tree, patch)
     copy_files(patch.owns, src, tree)
     if merged.returncode != 0:
         raise PatchError(
@@ -122,10 +131,28 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
             "copied in), `git am --continue`, then `tools/fork tree --continue` merges the rest "
             f"of the series; `tools/fork refresh` writes it back.\n{merged.stdout.strip()}"
         )
+    if out(tree, "rev-parse", "HEAD") == before:
+        # git am made no commit (its change is in the tree already): amending now would fold
+        # this patch into the one before it.
+        raise PatchError(
+            f"patch {patch.path.name} changes nothing on top of the patches before it (an earlier "
+            "patch makes the same edit?): it made no commit; fix the series before going on"
+        )
     if patch.owns:
         git(tree, "add", "--", *patch.owns)
         git(tree, "commit", "-q", "--amend", "--no-edit")
     return out(tree, "rev-parse", "HEAD")
+
+
+def _commit_message_only(tree: Path, patch: Patch):
+    """Commit a patch that edits no upstream file (its owned files are added next), with the
+    author, date and message ``git am`` would take from it."""
+    info = git(tree, "mailinfo", "/dev/null", "/dev/null", input=patch.path.read_text()).stdout
+    fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
+    env = {"GIT_AUTHOR_NAME": fields.get("Author", ""), "GIT_AUTHOR_EMAIL": fields.get("Email", ""),
+           "GIT_AUTHOR_DATE": fields.get("Date", "")}
+    message = f"{patch.subject}\n\n{patch.body}\n" if patch.body else patch.subject + "\n"
+    return git(tree, "commit", "-q", "--allow-empty", "-F", "-", input=message, env=env, check=False)
 
 
 def copy_files(paths: list[str], src: Path, dst: Path) -> None:
@@ -135,9 +162,9 @@ def copy_files(paths: list[str], src: Path, dst: Path) -> None:
         shutil.copyfile(src / path, dst / path)
 
 
-def _hunks(patch: Patch) -> dict[str, list[str]]:
-    """Hunk headers of a patch by file, in order."""
-    hunks: dict[str, list[str]] = {}
+def hunk_texts(patch: Patch) -> dict[str, list[tuple[str, list[str], list[str], list[str]]]]:
+    """Each file's hunks, in order: (header, context lines, removed lines, added lines)."""
+    hunks: dict[str, list[tuple[str, list[str], list[str], list[str]]]] = {}
     current = None
     for line in patch.path.read_text().splitlines():
         m = re.match(r"^diff --git a/(\S+) b/", line)
@@ -145,8 +172,15 @@ def _hunks(patch: Patch) -> dict[str, list[str]]:
             current = m.group(1)
             hunks[current] = []
         elif line.startswith("@@") and current is not None:
-            hunks[current].append(line)
+            hunks[current].append((line, [], [], []))
+        elif current is not None and hunks[current] and line[:1] in (" ", "-", "+"):
+            hunks[current][-1][" -+".index(line[0]) + 1].append(line[1:])
     return hunks
+
+
+def _hunks(patch: Patch) -> dict[str, list[str]]:
+    """Hunk headers of a patch by file, in order."""
+    return {f: [h[0] for h in hs] for f, hs in hunk_texts(patch).items()}
 
 
 def apply_problems(patch: Patch, stderr: str) -> list[str]:
@@ -219,6 +253,10 @@ def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch
              stamp: bool = True, src: Path = REPO_ROOT, three_way: bool = False) -> Assembled:
     """Upstream root commit + one commit per patch; ``src`` is the fork repository holding
     the owned files (another one in tests); ``three_way`` only for editing trees."""
+    if (tree / ".git" / "rebase-apply").exists():  # a stopped `git am` (editing tree): start afresh
+        print(f"  {tree}: discarding the unfinished `git am` left there", flush=True)
+        git(tree, "am", "--abort", check=False)
+        shutil.rmtree(tree / ".git" / "rebase-apply", ignore_errors=True)
     base = import_release(tree, wheel, upstream_version)
     git(tree, "checkout", "-q", "-f", "-B", "fork", base)
     git(tree, "clean", "-qfdx")
@@ -274,14 +312,122 @@ def commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
     header cannot keep naming a file the commit no longer carries.
     """
     excludes = [f":(exclude){o}" for o in owns]
-    text = out_diff(
-        tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature",
-        "--full-index", "--", ".", *excludes,
-    ) + "\n"
-    head, sep, diff = text.partition("\n---\n")
+    fmt = ("format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature", "--full-index")
+    if out(tree, "diff", "--name-only", f"{commit}^", commit, "--", ".", *excludes):
+        text = out_diff(tree, *fmt, "--", ".", *excludes) + "\n"
+        head, sep, diff = text.partition("\n---\n")
+    else:  # only files of ours: a pathspec would make format-patch walk back to an older commit
+        head, sep, _ = (out_diff(tree, *fmt) + "\n").partition("\n---\n")
+        diff = "\n"
     head = "\n".join(line for line in head.split("\n") if not line.startswith("Owns: "))
     trailers = [arg for own in owns for arg in ("--trailer", f"Owns: {own}")]
     return git(
         tree, "interpret-trailers", "--if-exists", "addIfDifferent", *trailers,
         input=head + sep + diff,
     ).stdout
+
+
+def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = None) -> list[str]:
+    """Write the commits of ``tree``'s branch ``fork`` back to ``root``'s patches/ and
+    python/sglang/; returns what it wrote.
+
+    Refused, with nothing written: an uncommitted change in the tree, a commit that edits a
+    file another patch owns (it would land in two places), and a series that does not pass
+    ``check``. Everything is staged first and checked there; then moved in.
+    """
+    from .pin import load_pin
+    from .series import check_series, load_series, parse_patch, read_series
+
+    series_file = root / "patches" / "series"
+    version = upstream_version or load_pin(root / "upstream.toml").version
+    base = out(tree, "merge-base", "fork", upstream_ref(version))
+    commits = out(tree, "rev-list", "--reverse", f"{base}..fork").split()
+    subjects = [out(tree, "log", "-1", "--format=%s", c) for c in commits]
+    if any(s.startswith("fork stamp:") for s in subjects):
+        raise ForkError(
+            "build/tree holds a stamped build (from `make`), not an editing tree: run "
+            "`make tree`, edit and commit there, then `make refresh`"
+        )
+    if out(tree, "rev-parse", "--abbrev-ref", "HEAD") != "fork":
+        raise ForkError(f"{tree}: HEAD is not on branch 'fork' (a rebase or am in progress?); finish it first")
+    dirty = out(tree, "status", "--porcelain", "--untracked-files=no")
+    if dirty:
+        raise ForkError(f"{tree} has uncommitted changes (commit them, or `git checkout` them away):\n  "
+                        + "\n  ".join(dirty.splitlines()))
+
+    # Each commit keeps its patch's name: matched by subject, else by position, else new.
+    old_paths = read_series(series_file) if series_file.exists() else []
+    old = {}
+    for path in old_paths:
+        if path.exists():
+            old.setdefault(parse_patch(path).subject, path.name)
+    old_names = [p.name for p in old_paths]
+    names: list[str] = []
+    for i, (commit, subject) in enumerate(zip(commits, subjects)):
+        name = old.get(subject)
+        if name is None or name in names:
+            name = old_names[i] if i < len(old_names) and old_names[i] not in old.values() else None
+        if name is None or name in names:
+            slug = "-".join(out(tree, "log", "-1", "--format=%f", commit).split("-")[:6])
+            name = f"{i + 1:04d}-{slug}.patch"
+        names.append(name)
+
+    owner: dict[str, tuple[str, str]] = {}
+    owns_of, problems = [], []
+    for commit, name in zip(commits, names):
+        owns = owned_files(tree, commit)
+        edited = out(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit, "--", PKG).split()
+        for f in sorted(set(edited) - set(owns)):
+            if f in owner:
+                problems.append(
+                    f"commit {commit[:10]} ({name.removesuffix('.patch')}) edits {f}, which "
+                    f"{owner[f][0].removesuffix('.patch')} owns (files of ours belong to one patch "
+                    "whole): move the edit into that patch's commit: `git reset HEAD^` (or an "
+                    f"interactive rebase to that commit), then `git commit --fixup={owner[f][1][:10]} "
+                    f"-- {f}` and `git rebase -i --autosquash {base[:10]}` in {tree}"
+                )
+        owner.update({f: (name, commit) for f in owns})
+        owns_of.append(owns)
+    if problems:
+        raise ForkError("refresh wrote nothing:\n  " + "\n  ".join(problems))
+
+    staged = tree.parent / "refresh"
+    shutil.rmtree(staged, ignore_errors=True)
+    (staged / "patches").mkdir(parents=True)
+    for commit, name, owns in zip(commits, names, owns_of):
+        for own in owns:
+            (staged / own).parent.mkdir(parents=True, exist_ok=True)
+            (staged / own).write_bytes(_show(tree, commit, own))
+        (staged / "patches" / name).write_text(commit_patch(tree, commit, owns))
+    (staged / "patches" / "series").write_text("".join(n + "\n" for n in names))
+    for extra in ("test",):  # what a header names besides our files
+        if (root / extra).exists():
+            (staged / extra).symlink_to(root / extra)
+    try:
+        check_series(load_series(staged / "patches" / "series"), staged)
+    except ForkError as e:
+        raise ForkError(f"refresh wrote nothing: {e}") from None
+
+    owned = {f for owns in owns_of for f in owns}
+    for f in (root / PKG).rglob("*") if (root / PKG).exists() else []:
+        if f.is_file() and "__pycache__" not in f.parts and str(f.relative_to(root)) not in owned:
+            f.unlink()
+    for f in (root / "patches").glob("*.patch"):
+        if f.name not in names:
+            f.unlink()
+    wrote = []
+    for f in sorted(staged.rglob("*")):
+        if f.is_file() and not f.is_symlink() and "test" not in f.relative_to(staged).parts[:1]:
+            dst = root / f.relative_to(staged)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if not dst.exists() or dst.read_bytes() != f.read_bytes():
+                shutil.copyfile(f, dst)
+                wrote.append(str(f.relative_to(staged)))
+    shutil.rmtree(staged)
+    return wrote
+
+
+def _show(tree: Path, commit: str, path: str) -> bytes:
+    import subprocess
+
+    return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=tree, check=True, capture_output=True).stdout

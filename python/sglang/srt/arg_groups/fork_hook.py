@@ -1,8 +1,9 @@
-"""Resolution hook of the ``fork`` namespace: check the fork flags, announce the fork.
+"""The fork's resolution step: check ``--fork-expect-version``, announce the fork.
 
-Runs first in the resolution pipeline, so a wrong fork build is refused before
-any model or device work, and the one startup line that lists every fork flag
-and its value is logged once per launch.
+Runs first in the resolution pipeline, called directly as upstream's non-overridable
+steps are (not through ``run_hook``: a plugin must not replace the build check), so a
+wrong fork build is refused before any model or device work, and the one startup line
+that lists every fork flag and its value is logged once per launch.
 """
 
 from __future__ import annotations

@@ -84,12 +84,15 @@ _TWINS: dict = {}
 _MODE = {"mode": "off"}
 
 
+# the targets whose wo_a the twin serves (the DSpark draft of one follows its target)
+TWIN_TARGETS = ("DeepseekV4ForCausalLM",)
+
+
 def parse_wo_a_fp8_twin(value) -> str:
-    """The flag's value, or ValueError listing the accepted forms."""
-    v = str(value).strip().lower()
-    if v not in MODES:
+    """The flag's value, or ValueError listing the accepted forms (exact, as argparse's choices)."""
+    if value not in MODES:
         raise ValueError(f"--dsv4-wo-a-fp8-twin={value!r}: {_USAGE}")
-    return v
+    return value
 
 
 # (server argument, its flag, why the twin cannot serve with it on) checked at startup; the
@@ -110,12 +113,18 @@ _DROP_REFUSED_WITH = (
 )
 
 
-def validate_wo_a_fp8_twin(cfg) -> str:
-    """Resolution-hook check (Engine(...) bypasses argparse): the flag's value, and the server
-    arguments the twin cannot serve under, refused with the reason."""
+def validate_wo_a_fp8_twin(cfg, model_arch: str) -> str:
+    """Resolution-hook check for every target (Engine(...) bypasses argparse): the flag's value,
+    refused where no twin would be built (another architecture) and with the server arguments
+    the twin cannot serve under, each with the reason."""
     mode = parse_wo_a_fp8_twin(cfg.dsv4_wo_a_fp8_twin)
     if mode == "off":
         return mode
+    if model_arch not in TWIN_TARGETS:
+        raise ValueError(
+            f"--dsv4-wo-a-fp8-twin={mode}: the target is {model_arch}; only {', '.join(TWIN_TARGETS)} "
+            "has the wo_a projection the twin replaces, so it would do nothing; use --dsv4-wo-a-fp8-twin off"
+        )
     if torch.version.hip is not None:
         raise ValueError(
             f"--dsv4-wo-a-fp8-twin={mode}: this torch is a ROCm build ({torch.version.hip}); the "
@@ -124,7 +133,21 @@ def validate_wo_a_fp8_twin(cfg) -> str:
     for attr, flag, why in _REFUSED_WITH + (_DROP_REFUSED_WITH if mode == "drop" else ()):
         if getattr(cfg, attr):
             raise ValueError(f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}")
+    if mode == "drop" and not _weight_export_honours_refusals():
+        raise ValueError(
+            "--dsv4-wo-a-fp8-twin=drop: this sglang's weight export (remote-instance send, "
+            "save_sharded_model) does not consult a layer's _weight_export_error, so it would "
+            "export the released weight's stand-in; use --dsv4-wo-a-fp8-twin mid"
+        )
     return mode
+
+
+def _weight_export_honours_refusals() -> bool:
+    """Whether upstream's weight export refuses a layer that sets ``_weight_export_error``
+    (drop relies on it: a released layer must not be exported; 0.5.23 has it, 0.5.22 not)."""
+    from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
+
+    return hasattr(WeightExporter, "_weight_export_unsupported_reason")
 
 
 class _Twin:
@@ -250,7 +273,7 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
         _TWINS.clear()  # twins of a model this process loaded earlier must not serve this one
-        return 0, 0  # upstream's path: nothing of ours is imported
+        return 0, 0  # upstream's path: no kernel of ours is imported
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
     from sglang.kernels.ops.gemm.dsv4_wo_a_fp8 import counters_for, wo_a_fp8_dequant
     if mode == "drop":

@@ -133,27 +133,25 @@ def check_draft_head_fp8_applies(model, lm_head) -> None:
         megakernel = False
     if megakernel:
         raise ValueError(f"{what}: the NVIDIA megakernel draft sampler computes its own logits")
-    # upstream's own reader of the flag (fails open without a server context: unit tests)
-    from sglang.srt.layers.logprob_processor import _deterministic_inference_enabled
-
-    if _deterministic_inference_enabled():
-        raise ValueError(
-            f"{what} cannot be used with --enable-deterministic-inference: calls above {MAX_ROWS} "
-            "rows keep the bf16 head, so a request's draft logits (and the tokens it accepts) "
-            "would depend on how many rows its batch has"
-        )
 
 
 # targets whose DSpark draft (DeepseekV4ForCausalLMDSpark) builds the fp8 copy of the head
 FP8_HEAD_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
-def validate_draft_head_fp8(server_args, enabled: bool, algorithm) -> None:
+def validate_draft_head_fp8(server_args, enabled: bool, algorithm, deterministic: bool = False) -> None:
     """Resolution-hook check: where no draft would build the copy, the flag is refused, not
-    ignored (the dense DSpark draft and the other algorithms keep the bf16 head)."""
+    ignored (the dense DSpark draft and the other algorithms keep the bf16 head); so is
+    deterministic inference, which the copy would break."""
     if not enabled:
         return
     what = "--speculative-dspark-draft-head-fp8"
+    if deterministic:
+        raise ValueError(
+            f"{what} cannot be used with --enable-deterministic-inference: calls above {MAX_ROWS} "
+            "rows keep the bf16 head, so a request's draft logits (and the tokens it accepts) "
+            "would depend on how many rows its batch has"
+        )
     if (algorithm or "").upper() != "DSPARK":
         raise ValueError(f"{what} applies to --speculative-algorithm DSPARK only (got {algorithm!r})")
     from sglang.srt.arg_groups.model_override_base import model_config_of

@@ -256,6 +256,16 @@ def _view(arena: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.
     return arena[offset : offset + size].view(dtype).view(shape)
 
 
+def validate_fence_accept_results(enabled: bool, algorithm: Optional[str]) -> None:
+    """Resolution-hook check: only DSpark folds its accept results into graph buffers, so the
+    flag would do nothing with another algorithm (or none): refused, not ignored."""
+    if enabled and (algorithm or "").upper() != "DSPARK":
+        raise ValueError(
+            "--speculative-dspark-fence-accept-results applies to --speculative-algorithm DSPARK "
+            f"only (got {algorithm!r}): no other algorithm has folded accept results to fence"
+        )
+
+
 def maybe_build_accept_result_fence(epilogue, enabled: bool) -> Optional[AcceptResultFence]:
     """Built at the end of the epilogue's constructor (before any capture), or None."""
     return AcceptResultFence(epilogue) if enabled else None

@@ -295,11 +295,11 @@ class VerifyCap:
 
     def _group(self):
         if self._tp_group is None:
-            try:
-                from sglang.srt.distributed import get_tp_group
+            from sglang.srt.runtime_context import get_parallel
 
-                self._tp_group = get_tp_group()
-            except Exception:  # no distributed state (unit tests)
+            try:
+                self._tp_group = get_parallel().tp_group
+            except RuntimeError:  # no parallel state in this process (CPU unit tests): one rank
                 return None
         return self._tp_group
 
