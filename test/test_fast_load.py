@@ -24,6 +24,7 @@ import json
 import os
 import struct
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -207,7 +208,9 @@ def _assert_reads_within(reads, spans):
 
 
 def _load(files, owner=KEEP_ALL, **kw):
+    """Every tensor into a dict: a model keeping them all (see the pacing tests)."""
     kw.setdefault("pin_memory", False)
+    kw.setdefault("head_wait_s", 0.02)
     loader = FastLoader(files, owner, **kw)
     return loader, dict(loader)
 
@@ -373,11 +376,18 @@ def test_slab_memory_is_bounded_and_released_after_load(ckpt, queue):
     assert loader.stats.live_bytes == 0
 
 
-def test_a_model_holding_every_tensor_is_never_starved(ckpt):
-    loader = FastLoader(ckpt.files, num_threads=2, slab_bytes=1024, pin_memory=False)
-    got = dict(loader)  # holds all: the budget is exceeded, the slab it waits for is still read
+def test_a_model_holding_every_tensor_is_never_starved(ckpt, caplog):
+    """Over budget the slab the model waits for is read once nothing is held, or once no
+    slab was released for head_wait_s: a model that keeps every tensor still gets them all,
+    and the pacing turns off (logged) rather than stalling every slab."""
+    loader = FastLoader(ckpt.files, num_threads=2, slab_bytes=1024, pin_memory=False, head_wait_s=0.05)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING"):
+        got = dict(loader)
+    assert time.monotonic() - t0 < 5
     assert set(got) == set(ckpt.stock)
     assert loader.stats.peak_live_bytes > loader.budget
+    assert "without pacing" in caplog.text
     del got
     gc.collect()
     assert loader.wait_released(10)
@@ -542,7 +552,7 @@ def test_validation_refuses_what_would_do_nothing():
 # --------------------------------------------------------------------------- DeepSeek-V4's owner
 
 
-H, I, N_V4 = 64, 256, 8  # hidden, expert intermediate, routed experts (MXFP4: 2 per byte, 1 e8m0 per 32)
+H, I, N_V4, V = 64, 256, 8, 100  # hidden, expert intermediate, routed experts (MXFP4), vocabulary
 
 
 def _v4_expert_tensors(g):
@@ -559,7 +569,25 @@ def _v4_expert_tensors(g):
         t[f"layers.{layer}.attn_norm.weight"] = _rand((H,), torch.float32, g)
     t["mtp.0.ffn.experts.0.w1.weight"] = _rand((I, H // 2), torch.uint8, g)
     t["mtp.0.enorm.weight"] = _rand((H,), torch.float32, g)
+    t["embed.weight"] = _rand((V, H), torch.bfloat16, g)
+    t["head.weight"] = _rand((V, H), torch.bfloat16, g)
     return t
+
+
+def _vocab_parallel(tp, rank):
+    """A VocabParallelEmbedding as its __init__ lays it out at attention TP ``tp``: the
+    rank's 25 rows of 100, in a buffer padded to 32."""
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    emb = VocabParallelEmbedding.__new__(VocabParallelEmbedding)
+    torch.nn.Module.__init__(emb)
+    per = V // tp
+    emb.tp_size, emb.org_vocab_size, emb.use_presharded_weights = tp, V, False
+    emb.shard_indices = types.SimpleNamespace(org_vocab_start_index=per * rank, org_vocab_end_index=per * (rank + 1))
+    w = torch.nn.Parameter(torch.zeros(-(-V // tp // 8) * 8 if tp > 1 else V, H, dtype=torch.bfloat16), requires_grad=False)
+    w.output_dim, w.weight_loader = 0, emb.weight_loader
+    emb.register_parameter("weight", w)
+    return emb
 
 
 class _MXFP4LikeMethod:  # FusedMoE only reads the method's class name and a few attributes
@@ -625,6 +653,9 @@ def _v4_model(tp, tp_rank, ep, ep_rank, **kw):
         block.input_layernorm.weight = torch.nn.Parameter(torch.zeros(H), requires_grad=False)
         model.model.layers.append(block)
     model.model.start_layer, model.model.end_layer = 0, 2
+    attn_tp, attn_rank = tp * ep, tp_rank * ep + ep_rank  # attention is TP over every rank
+    model.model.embed_tokens = _vocab_parallel(attn_tp, attn_rank)
+    model.lm_head = _vocab_parallel(attn_tp, attn_rank)
     model.config = types.SimpleNamespace(num_hidden_layers=2, n_routed_experts=N_V4, num_nextn_predict_layers=1,
                                          model_type="deepseek_v4")
     model.num_fused_shared_experts = 0
@@ -650,7 +681,8 @@ def _load_like_v4(model, weights):
                 params[resolved].weight_loader(params[resolved], w, resolved, shard_id=shard_id, expert_id=expert_id)
                 break
         else:
-            params[name].data.copy_(w)
+            loader = getattr(params[name], "weight_loader", None)
+            loader(params[name], w) if loader else params[name].data.copy_(w)
     return {k: v.detach().clone() for k, v in params.items()}
 
 
@@ -672,9 +704,10 @@ V4_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(V4_LAYOUTS))
 def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(v4ckpt, monkeypatch, layout):
-    """FusedMoE's real loader, fed fast load's tensors (stand-ins included) under the V4
-    owner, leaves every parameter bitwise as it does fed safe_open's; a rank reads only
-    its experts and, at TP, its rows of w1/w3."""
+    """FusedMoE's and VocabParallelEmbedding's real loaders, fed fast load's tensors
+    (stand-ins included) under the V4 owner, leave every parameter bitwise as they do fed
+    safe_open's; a rank reads only its experts, at TP its rows of w1/w3, and its rows of
+    the embedding and LM head."""
     from sglang.srt.layers.moe.fused_moe_triton import layer as moe_layer
     from sglang.srt.models import deepseek_v4_fast_load as v4fl
 
@@ -705,21 +738,23 @@ def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(v4ckpt, monkeypatc
                 assert _same(got[k], expected[k]), (layout, tp_rank, ep_rank, k)
             read_by_ranks += loader.stats.bytes_read
             assert loader.stats.files_opened < len(v4ckpt)  # the mtp shard is never opened
-            if tp > 1 and not cfg.get("rows_pad"):
-                assert loader.stats.tensors_sliced == 2 * (N_V4 // ep) * 4  # w1, w3 and their scales
+            if not cfg.get("rows_pad"):  # w1, w3 and their scales at TP; embed and head
+                assert loader.stats.tensors_sliced == 2 * (N_V4 // ep) * 4 * (tp > 1) + 2
     # every rank reads the norms; together they read each expert byte once, w2 once per TP rank
     expert = lambda n: ".experts." in n and not n.startswith("mtp.")
     sizes = {e.name: e.nbytes for f in v4ckpt for e in fl.read_header(f)[0]}
     w13 = sum(n for k, n in sizes.items() if expert(k) and ".w2." not in k)
     w2 = sum(n for k, n in sizes.items() if expert(k) and ".w2." in k)
-    norms = sum(n for k, n in sizes.items() if not expert(k) and not k.startswith("mtp."))
+    vocab = sum(n for k, n in sizes.items() if k in ("embed.weight", "head.weight"))
+    norms = sum(n for k, n in sizes.items() if not expert(k) and not k.startswith("mtp.")) - vocab
+    norms_and_vocab = tp * ep * norms + vocab  # every rank its norms, the ranks together one vocabulary
     if cfg.get("rows_pad"):
-        assert read_by_ranks < tp * ep * norms + w13 + tp * w2
+        assert read_by_ranks < norms_and_vocab + w13 + tp * w2
     elif cfg.get("eplb"):  # expert 0 has a redundant copy on a second rank
         dup = sum(n for k, n in sizes.items() if ".experts.0." in k and not k.startswith("mtp."))
-        assert read_by_ranks == tp * ep * norms + w13 + tp * w2 + dup
+        assert read_by_ranks == norms_and_vocab + w13 + tp * w2 + dup
     else:
-        assert read_by_ranks == tp * ep * norms + w13 + tp * w2
+        assert read_by_ranks == norms_and_vocab + w13 + tp * w2
     assert read_by_ranks < tp * ep * total
 
 
@@ -809,3 +844,64 @@ def test_deepseek_v4_drafts_read_only_their_layer(tmp_path, draft):
         # both loaders map mtp.0.embed and drop it themselves (it is no draft parameter)
         assert set(got) == mine | {"mtp.0.attn_norm.weight", "mtp.0.embed.weight"}
         assert loader.stats.files_opened == 1
+
+
+# --------------------------------------------------------------------------- the engine's call site
+
+
+def test_default_loader_reads_through_fast_load_only_behind_the_flag(ckpt, monkeypatch, tmp_path):
+    """DefaultModelLoader._get_weights_iterator: flag off, upstream's iterator (every tensor,
+    as mmap views); flag on, FastLoader with the thread / slab flags and the model's
+    checkpoint_owner(); a .bin checkpoint under the flag is refused naming the folder."""
+    from sglang.srt.configs.load_config import LoadConfig, LoadFormat
+    from sglang.srt.model_loader import loader as L
+
+    flags = types.SimpleNamespace(
+        weight_loader_fast_load=False, weight_loader_fast_load_num_threads=3, weight_loader_fast_load_slab_mb=1,
+        weight_loader_drop_cache_after_load=False, weight_loader_disable_mmap=False,
+        weight_loader_prefetch_checkpoints=False, weight_loader_prefetch_num_threads=4, model_checksum=None,
+    )
+    monkeypatch.setattr(L, "get_model", lambda: flags)
+    monkeypatch.setattr(L, "get_server_args", lambda: None)
+    built = []
+    real = fl.FastLoader.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        built.append(self)
+
+    monkeypatch.setattr(fl.FastLoader, "__init__", spy)
+    loader = L.DefaultModelLoader(LoadConfig(load_format=LoadFormat.AUTO))
+    model = types.SimpleNamespace(checkpoint_owner=lambda: EPOwner(2))
+    config = types.SimpleNamespace(model_path=str(ckpt.folder), revision=None, hf_config=None)
+    source = L.DefaultModelLoader.Source.init_new(config, model)
+    assert source.checkpoint_owner is model.checkpoint_owner
+
+    stock = dict(loader._get_weights_iterator(source))
+    assert not built and set(stock) == set(ckpt.stock)
+
+    flags.weight_loader_fast_load = True
+    got = dict(loader._get_weights_iterator(source))
+    assert len(built) == 1 and isinstance(built[0].owner, EPOwner)
+    assert (built[0].num_threads, built[0].slab_bytes) == (3, 1 << 20)
+    assert built[0].index_path == os.path.join(str(ckpt.folder), "model.safetensors.index.json")
+    assert set(got) == {n for n in ckpt.stock if EPOwner(2).keeps(n)}
+    assert all(_same(t, stock[n]) for n, t in got.items())
+
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text("{}")
+    source = L.DefaultModelLoader.Source(str(tmp_path), None)
+    with pytest.raises(ValueError, match="reads safetensors checkpoints"):
+        dict(loader._get_weights_iterator(source))
+
+
+@pytest.mark.e2e
+def test_launch_server_refuses_fast_load_where_it_would_do_nothing(tmp_path):
+    """A real launch_server start: the model namespace's check runs before any model work."""
+    from e2e.checkpoints import write_tiny_llama
+    from e2e.server import refusal
+    from test_e2e_cpu import CPU_ARGS, CPU_ENV
+
+    r = refusal(write_tiny_llama(tmp_path / "tiny"), CPU_ARGS + ["--weight-loader-fast-load"], env=CPU_ENV, timeout=240)
+    assert r.returncode != 0
+    assert "--weight-loader-fast-load reads safetensors checkpoints" in r.stdout and "dummy" in r.stdout

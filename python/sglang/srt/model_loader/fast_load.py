@@ -19,10 +19,13 @@ INVARIANTS
   or overlap, file length = header + data), and a short read is an error; every
   failure is a :class:`CheckpointError` naming the file and the tensor.
 * Only kept bytes: no byte outside a kept range is read, except the headers.
-* Memory (the pacing): the slabs issued and not yet released stay within
-  ``budget = 2 x threads x slab``; the one exception is the slab the model is
-  waiting for (a tensor larger than a slab, or a model holding more than the
-  budget), which is always read, so the reads can never deadlock the model.
+* Memory (the pacing): the slabs read ahead and those the model still holds (its
+  queued copies) stay within ``budget = 2 x threads x slab``. The one exception
+  is the slab the model waits for, when it does not fit (a tensor larger than the
+  budget, or copies lagging): it is read once nothing else is held, or once no
+  slab was released for ``_HEAD_WAIT_S``, so the reads can never deadlock a model
+  that keeps tensors (one that keeps them all turns the pacing off, logged; the
+  read-ahead alone stays within the budget).
 * A slab is released only once no tensor views its storage (its use count), so
   a copy the model still has queued never reads reused memory; pinned slabs go
   back through torch's host allocator, whose cache is emptied when the last one
@@ -56,6 +59,7 @@ from sglang.srt.arg_groups.fast_load_args import DEFAULT_NUM_THREADS, DEFAULT_SL
 logger = logging.getLogger(__name__)
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_HEAD_WAIT_S = 0.5  # with no slab released for this long, the slab the model needs is read anyway
 _INDEX_NAME = "model.safetensors.index.json"
 
 # safetensors dtype -> (torch dtype, bits per header element). F4 packs two
@@ -429,6 +433,7 @@ class FastLoader:
         drop_cache_after_load: bool = False,
         log_progress: Optional[bool] = None,
         progress_interval_s: float = 10.0,
+        head_wait_s: float = _HEAD_WAIT_S,
     ):
         if num_threads < 1 or slab_bytes < 1:
             raise ValueError("fast_load: num_threads and slab_bytes must be >= 1")
@@ -444,9 +449,16 @@ class FastLoader:
             log_progress = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
         self.log_progress = log_progress
         self.progress_interval_s = progress_interval_s
+        self.head_wait_s = head_wait_s
         self.stats = FastLoadStats(files=len(self.files))
         self._lock = threading.Lock()
         self._held: List[_Slab] = []  # yielded slabs not yet released (polled by use count)
+        self._pool: List[torch.Tensor] = []  # released pageable slabs, reused while reading
+        self._reading = False
+        self._ahead = 0  # slab bytes issued and not yet yielded (the read-ahead)
+        self._paced = True  # whether held slabs count against the budget too
+        self._last_release = time.monotonic()
+        self._quiet_escapes = 0
 
     # ---- planning
     def _files_to_open(self) -> Tuple[List[bool], Dict[str, str]]:
@@ -529,13 +541,18 @@ class FastLoader:
 
     # ---- reading
     def _alloc(self, nbytes: int) -> torch.Tensor:
+        size = max(nbytes, self.slab_bytes)  # whole slabs, so that they are reused as they are
         if self.pin_memory:
             # torch's host allocator: async copies from it record events, so a block is
-            # never handed out again while a copy may still read it. Slabs take whole
-            # blocks of slab_bytes, so the allocator's cache reuses them as they are.
-            return torch.empty(max(nbytes, self.slab_bytes), dtype=torch.uint8, pin_memory=True)
-        # an anonymous mapping is returned to the OS when its last view dies
-        return torch.from_numpy(np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8))
+            # never handed out again while a copy may still read it; its cache reuses slabs
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        if size == self.slab_bytes and self._pool:
+            return self._pool.pop()
+        # an anonymous mapping goes back to the OS when its last view dies
+        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
     def _read(self, slab: _Slab, base: torch.Tensor, reads: List[Tuple[int, int, int]]) -> int:
         fd, path = self._fds[slab.file_idx], self.files[slab.file_idx]
@@ -558,11 +575,13 @@ class FastLoader:
         return n_preads
 
     def _issue(self, slab: _Slab, pool: concurrent.futures.ThreadPoolExecutor) -> None:
-        slab.base = self._alloc(slab.nbytes)
-        slab.baseline_uses = _use_count(slab.base)
         with self._lock:
-            self.stats.live_bytes += slab.base.numel()
+            pooled = len(self._pool)
+            slab.base = self._alloc(slab.nbytes)
+            if len(self._pool) == pooled:  # newly allocated (a pooled one is counted already)
+                self.stats.live_bytes += slab.base.numel()
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
+        slab.baseline_uses = _use_count(slab.base)
         # one task per slab; a slab bigger than slab_bytes (one large tensor) is split
         task: List[Tuple[int, int, int]] = []
         size = 0
@@ -578,15 +597,45 @@ class FastLoader:
             slab.futures.append(pool.submit(self._read, slab, slab.base, task))
 
     def _poll_released(self) -> None:
+        """Release the yielded slabs no tensor views any more; pageable ones of slab size
+        go back to the pool while reading (safe: nothing can still be copying from them)."""
         with self._lock:
             still = []
             for slab in self._held:
                 if _use_count(slab.base) <= slab.baseline_uses:
+                    self._last_release = time.monotonic()
+                    self._quiet_escapes = 0
                     self.stats.live_bytes -= slab.base.numel()
+                    if self._reading and not self.pin_memory and slab.base.numel() == self.slab_bytes:
+                        self._pool.append(slab.base)
+                        self.stats.live_bytes += slab.base.numel()
                     slab.base = None
                 else:
                     still.append(slab)
             self._held = still
+
+    def _head_may_go(self, blocked_since: float) -> bool:
+        """Whether the slab the model waits for may be read over the budget: once nothing
+        is held, or once no slab was released for ``head_wait_s`` (the model keeps them:
+        twice in a row and pacing stops for the rest of the load, logged)."""
+        if not self._paced or self._in_use() == 0:
+            return True
+        now = time.monotonic()
+        if now - max(blocked_since, self._last_release) < self.head_wait_s:
+            return False
+        self._quiet_escapes += 1
+        if self._quiet_escapes >= 2:
+            self._paced = False
+            logger.warning(
+                "fast_load: the model keeps %.2f GiB of read tensors without releasing them; "
+                "reading on without pacing its copies (memory now grows with what it keeps)",
+                self._in_use() / 2**30,
+            )
+        return True
+
+    def _in_use(self) -> int:
+        """Slab bytes issued or held (the pool's idle slabs are memory, but reusable)."""
+        return self.stats.live_bytes - len(self._pool) * self.slab_bytes
 
     def _views(self, slab: _Slab) -> Iterator[Tuple[str, torch.Tensor]]:
         base = slab.base
@@ -606,19 +655,32 @@ class FastLoader:
         slabs = self._plan()
         total = sum(r[1] for s in slabs for r in s.reads)
         pool = concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix="fast_load")
+        self._reading = True
         next_issue = 0
         last_log, last_bytes = t0, 0
         done_bytes = 0
         try:
             for head, slab in enumerate(slabs):
+                blocked_since = None
                 while True:
                     self._poll_released()
-                    while next_issue < len(slabs) and (
-                        next_issue == head
-                        or self.stats.live_bytes + slabs[next_issue].nbytes <= self.budget
-                    ):
+                    while next_issue < len(slabs):
+                        size = max(slabs[next_issue].nbytes, self.slab_bytes)
+                        fits = self._ahead + size <= self.budget and (
+                            not self._paced or self._in_use() + size <= self.budget
+                        )
+                        if not fits:
+                            if next_issue != head:
+                                break
+                            blocked_since = blocked_since or time.monotonic()
+                            if not self._head_may_go(blocked_since):
+                                break
                         self._issue(slabs[next_issue], pool)
+                        self._ahead += slabs[next_issue].base.numel()
                         next_issue += 1
+                    if not slab.futures:
+                        time.sleep(0.005)
+                        continue
                     finished, _ = concurrent.futures.wait(slab.futures, timeout=0.02)
                     if len(finished) == len(slab.futures):
                         break
@@ -629,6 +691,7 @@ class FastLoader:
                 self.stats.bytes_read = done_bytes
                 if slab.last_of_file:
                     self._finish_file(slab.file_idx)
+                self._ahead -= slab.base.numel()
                 yield from self._views(slab)
                 self._held.append(slab)
                 now = time.perf_counter()
@@ -641,6 +704,10 @@ class FastLoader:
                     last_log, last_bytes = now, done_bytes
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            with self._lock:
+                self._reading = False
+                self.stats.live_bytes -= sum(b.numel() for b in self._pool)
+                self._pool.clear()
             for i in range(len(self.files)):
                 self._finish_file(i, drop=False)
             self.stats.seconds = time.perf_counter() - t0

@@ -5,7 +5,8 @@ layers, unwired V4.1 vision tensors and the routed experts FusedMoE's loader
 drops on this rank (another EP rank's, after EPLB's logical-to-physical map); the
 NextN (MTP) draft keeps only its layer, the DSpark draft only the ``mtp.*``
 tensors its loader maps, with the same experts rule. At moe_tp_size > 1 a routed expert's w1/w3 (and their block scales) are
-read as the TP rank's rows only; an Engram table as the rank's row range.
+read as the TP rank's rows only; the embedding and LM head as the rank's
+vocabulary rows, an Engram table as the rank's row range.
 
 INVARIANT: every rule here mirrors the model's own ``load_weights`` and the weight
 loader of the parameter the tensor lands in; whatever it cannot prove is kept
@@ -32,6 +33,7 @@ from sglang.srt.layers.moe.fused_moe_triton.layer import (
     _weight_layout_method,
 )
 from sglang.srt.layers.utils import get_layer_id
+from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_loader.fast_load import CheckpointOwner, RankSlice
 
 _EXPERT = re.compile(
@@ -127,6 +129,26 @@ def _is_ktransformers(moe: FusedMoE) -> bool:
     return type(getattr(moe, "quant_method", None)).__name__ == "KTEPWrapperMethod"
 
 
+def _vocab_rows(param: Optional[nn.Parameter]) -> Optional[RankSlice]:
+    """The rank's vocabulary rows VocabParallelEmbedding.weight_loader (embed, lm_head) narrows to."""
+    loader = getattr(param, "weight_loader", None)
+    emb = getattr(loader, "__self__", None)
+    if not (
+        isinstance(emb, VocabParallelEmbedding)
+        and getattr(loader, "__func__", None) is VocabParallelEmbedding.weight_loader
+        and emb.tp_size > 1
+        and not emb.use_presharded_weights
+        and type(param) is nn.Parameter
+        and not getattr(param, "is_gguf_weight_type", False)
+    ):
+        return None
+    dim, packed = getattr(param, "output_dim", None), getattr(param, "packed_dim", None)
+    if dim is None or packed == dim:
+        return None
+    s = emb.shard_indices
+    return RankSlice(dim, s.org_vocab_start_index, s.org_vocab_end_index - s.org_vocab_start_index)
+
+
 def _engram_rows(param: Optional[nn.Parameter]) -> Optional[RankSlice]:
     loader = getattr(param, "weight_loader", None)
     table = getattr(loader, "__self__", None)
@@ -207,7 +229,8 @@ class DeepseekV4Owner(CheckpointOwner):
         found = self.experts.lookup(mapped)
         if found is not None:
             return self.experts.rank_slice(*found, shape)
-        return _engram_rows(self.experts.params.get(mapped))
+        param = self.experts.params.get(mapped)
+        return _vocab_rows(param) or _engram_rows(param)
 
 
 class DeepseekV4DSparkOwner(CheckpointOwner):
