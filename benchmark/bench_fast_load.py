@@ -472,6 +472,7 @@ def main():
             "e8m0 scales (DeepSeek-V4's) at all"
         )
     rows, notes = [], dict(NOT_RUN)
+    load_start = os.getloadavg()[0]
     try:
         ceiling = [storage_ceiling(files, 1, 16), storage_ceiling(files, threads, slab_mb),
                    storage_ceiling(files, 32, 4)]
@@ -516,6 +517,7 @@ def main():
         "benchmark": a.name, "device": device_label(), "cpus": os.cpu_count(),
         "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
         "python": platform.python_version(), "torch": torch.__version__, "dest": a.dest,
+        "loadavg_1m_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
         "checkpoint": {"gb": round(total / 1e9, 2), "shards": len(files), "largest_shard_gb": round(largest_shard / 1e9, 2),
                        "dims": {"hidden": H, "expert_intermediate": I, "experts": EXPERTS, "vocab": VOCAB}},
         "storage": storage_info(a.dir if a.dir.exists() else a.dir.parent),

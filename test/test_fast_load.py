@@ -510,7 +510,7 @@ def _cfg(**kw):
         weight_loader_fast_load=False, weight_loader_fast_load_num_threads=None,
         weight_loader_fast_load_slab_mb=None, load_format="auto",
         weight_loader_prefetch_checkpoints=False, weight_loader_disable_mmap=False,
-        startup_weight_load_mode="serial", model_loader_extra_config="{}",
+        startup_weight_load_mode="serial", model_loader_extra_config="{}", model_path="org/remote-repo",
     )
     base.update(kw)
     return types.SimpleNamespace(**base)
@@ -527,9 +527,11 @@ def test_flag_parsers_list_the_accepted_forms():
         fl.parse_fast_load_slab_mb("4097")
 
 
-def test_validation_refuses_what_would_do_nothing():
+def test_validation_refuses_what_would_do_nothing(ckpt, tmp_path):
     from sglang.srt.arg_groups import fast_load_args as fl
 
+    torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
+    fl.validate_fast_load(_cfg(weight_loader_fast_load=True, model_path=str(ckpt.folder)))
     fl.validate_fast_load(_cfg())
     fl.validate_fast_load(_cfg(weight_loader_fast_load=True, weight_loader_fast_load_num_threads=4,
                                weight_loader_fast_load_slab_mb=32, load_format="safetensors"))
@@ -543,6 +545,7 @@ def test_validation_refuses_what_would_do_nothing():
         "enable_multithread_load": _cfg(weight_loader_fast_load=True,
                                         model_loader_extra_config='{"enable_multithread_load": true}'),
         "integer in 1..256": _cfg(weight_loader_fast_load=True, weight_loader_fast_load_num_threads=0),
+        "pytorch_model.bin and no .safetensors": _cfg(weight_loader_fast_load=True, model_path=str(tmp_path)),
     }
     for msg, cfg in refusals.items():
         with pytest.raises(ValueError, match=msg.replace(".", r"\.")):
@@ -852,7 +855,7 @@ def test_deepseek_v4_drafts_read_only_their_layer(tmp_path, draft):
 def test_default_loader_reads_through_fast_load_only_behind_the_flag(ckpt, monkeypatch, tmp_path):
     """DefaultModelLoader._get_weights_iterator: flag off, upstream's iterator (every tensor,
     as mmap views); flag on, FastLoader with the thread / slab flags and the model's
-    checkpoint_owner(); a .bin checkpoint under the flag is refused naming the folder."""
+    checkpoint_owner()."""
     from sglang.srt.configs.load_config import LoadConfig, LoadFormat
     from sglang.srt.model_loader import loader as L
 
@@ -888,11 +891,10 @@ def test_default_loader_reads_through_fast_load_only_behind_the_flag(ckpt, monke
     assert set(got) == {n for n in ckpt.stock if EPOwner(2).keeps(n)}
     assert all(_same(t, stock[n]) for n, t in got.items())
 
+    # a .bin checkpoint keeps upstream's pt iterator (refused at startup where the path is local)
     torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
-    (tmp_path / "config.json").write_text("{}")
-    source = L.DefaultModelLoader.Source(str(tmp_path), None)
-    with pytest.raises(ValueError, match="reads safetensors checkpoints"):
-        dict(loader._get_weights_iterator(source))
+    built.clear()
+    assert set(loader._get_weights_iterator(L.DefaultModelLoader.Source(str(tmp_path), None))) and not built
 
 
 @pytest.mark.e2e

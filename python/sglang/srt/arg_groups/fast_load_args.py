@@ -8,7 +8,9 @@ importing the model loader package (which imports the server arguments).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
 
 # Measured: benchmark/bench_fast_load.py, benchmark/results/fast_load-*.json.
 DEFAULT_NUM_THREADS = 16
@@ -56,6 +58,14 @@ def validate_fast_load(cfg) -> None:
             "--weight-loader-fast-load reads safetensors checkpoints (--load-format auto or "
             f"safetensors); got --load-format {cfg.load_format}"
         )
+    path = cfg.model_path
+    if path and os.path.isdir(path) and not glob.glob(os.path.join(path, "*.safetensors")):
+        found = sorted(glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt")))
+        if found:
+            raise ValueError(
+                f"--weight-loader-fast-load reads safetensors checkpoints; {path} holds "
+                f"{os.path.basename(found[0])} and no .safetensors"
+            )
     refused = {
         "--weight-loader-prefetch-checkpoints": (
             cfg.weight_loader_prefetch_checkpoints,

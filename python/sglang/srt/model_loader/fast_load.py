@@ -785,17 +785,11 @@ def fast_load_weights_iterator(
     *,
     owner_hook: Optional[Callable[[], Optional[CheckpointOwner]]],
     hf_folder: str,
-    use_safetensors: bool,
     num_threads: Optional[int],
     slab_mb: Optional[int],
     drop_cache_after_load: bool,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """The DefaultModelLoader's iterator under --weight-loader-fast-load."""
-    if not use_safetensors:
-        raise ValueError(
-            f"--weight-loader-fast-load reads safetensors checkpoints; {hf_folder} has none "
-            f"(found {[os.path.basename(f) for f in hf_weights_files[:3]]})"
-        )
+    """The DefaultModelLoader's iterator for a safetensors checkpoint under --weight-loader-fast-load."""
     owner = checkpoint_owner_of(owner_hook)
     loader = FastLoader(
         hf_weights_files,

@@ -175,8 +175,14 @@ class DeepseekV4Owner(CheckpointOwner):
         self.is_dsv41 = getattr(model.config, "model_type", None) == "deepseek_v41"
         n = self.config.num_hidden_layers
         self.nextn_prefix = f"model.layers.{0 if n == 1 else n}"
+        self._names: Dict[str, Optional[str]] = {}  # keeps() and rank_slice() ask in turn
 
     def _param_name(self, name: str) -> Optional[str]:
+        if name not in self._names:
+            self._names[name] = self._map(name)
+        return self._names[name]
+
+    def _map(self, name: str) -> Optional[str]:
         """The name load_weights maps ``name`` to, or None where it drops it unread."""
         cfg = self.config
         mapped = self.model.remap_weight_name_to_dpsk_hf_format(
