@@ -513,8 +513,14 @@ def main():
                 "fast_gbps_over_storage_ceiling": round(f["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
                 "stock_default_gbps_over_storage_ceiling": round(d["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
             }
+    try:
+        from sglang.fork import fork_version
+
+        version = fork_version()
+    except Exception:  # a tree without the fork's manifest
+        version = "unknown"
     payload = {
-        "benchmark": a.name, "device": device_label(), "cpus": os.cpu_count(),
+        "benchmark": a.name, "fork_version": version, "device": device_label(), "cpus": os.cpu_count(),
         "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
         "python": platform.python_version(), "torch": torch.__version__, "dest": a.dest,
         "loadavg_1m_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],

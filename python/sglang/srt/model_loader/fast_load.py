@@ -23,7 +23,7 @@ INVARIANTS
   queued copies) stay within ``budget = 2 x threads x slab``. The one exception
   is the slab the model waits for, when it does not fit (a tensor larger than the
   budget, or copies lagging): it is read once nothing else is held, or once no
-  slab was released for ``_HEAD_WAIT_S``, so the reads can never deadlock a model
+  slab was released for a while (``_head_may_go``), so the reads never deadlock a model
   that keeps tensors (one that keeps them all turns the pacing off, logged; the
   read-ahead alone stays within the budget).
 * A slab is released only once no tensor views its storage (its use count), so
@@ -60,6 +60,7 @@ logger = logging.getLogger(__name__)
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _HEAD_WAIT_S = 0.5  # with no slab released for this long, the slab the model needs is read anyway
+_HEAD_WAIT_MAX_S = 5.0  # ... stretched by 1 s per GB the model holds, up to this
 _INDEX_NAME = "model.safetensors.index.json"
 
 # safetensors dtype -> (torch dtype, bits per header element). F4 packs two
@@ -616,12 +617,14 @@ class FastLoader:
 
     def _head_may_go(self, blocked_since: float) -> bool:
         """Whether the slab the model waits for may be read over the budget: once nothing
-        is held, or once no slab was released for ``head_wait_s`` (the model keeps them:
-        twice in a row and pacing stops for the rest of the load, logged)."""
-        if not self._paced or self._in_use() == 0:
+        is held, or once no slab was released for ``head_wait_s`` plus 1 s per GB held
+        (up to 5 s: time for the copies queued to finish; a model that keeps the slabs
+        twice in a row turns pacing off for the rest of the load, logged)."""
+        in_use = self._in_use()
+        if not self._paced or in_use == 0:
             return True
-        now = time.monotonic()
-        if now - max(blocked_since, self._last_release) < self.head_wait_s:
+        quiet = time.monotonic() - max(blocked_since, self._last_release)
+        if quiet < min(self.head_wait_s + in_use / 1e9, _HEAD_WAIT_MAX_S):
             return False
         self._quiet_escapes += 1
         if self._quiet_escapes >= 2:
