@@ -29,7 +29,8 @@ installed here (and the first two need a CUDA device); the JSON says so.
 
 Run (repository root, or the GPU bundle's root with its PYTHONPATH):
   python benchmark/bench_fast_load.py --dir /tmp/fast_load_ckpt --gb 20 --out benchmark/results
-The checkpoint is deleted afterwards unless --keep.
+The checkpoint is deleted afterwards unless --keep. In the GPU bundle (which passes only
+--out), FAST_LOAD_BENCH_ARGS='--sweep 8,16,32x4,16,64 --iterators fast --ranks 1' adds arguments.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import multiprocessing as mp
 import os
 import platform
 import resource
+import shlex
 import shutil
 import struct
 import sys
@@ -431,7 +433,8 @@ def main():
     p.add_argument("--out", type=Path, default=REPO / "benchmark" / "results")
     p.add_argument("--name", default="fast_load")
     p.add_argument("--tiny", action="store_true", help="smoke run: small dimensions, nothing written to --out")
-    a = p.parse_args()
+    # the GPU bundle's run.sh passes only --out: FAST_LOAD_BENCH_ARGS adds the rest
+    a = p.parse_args(sys.argv[1:] + shlex.split(os.environ.get("FAST_LOAD_BENCH_ARGS", "")))
     if a.tiny:
         global H, I, EXPERTS, VOCAB, SHARD_BYTES
         H, I, EXPERTS, VOCAB, SHARD_BYTES = 1024, 512, 32, 4096, 20_000_000
