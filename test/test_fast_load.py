@@ -420,13 +420,19 @@ def _last_tensor(path):
     return fl.read_header(path)[0][-1]
 
 
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
 def test_truncated_shard_names_file_and_tensor(ckpt, tmp_path):
     files = _copy_ckpt(ckpt, tmp_path)
     last = _last_tensor(files[1])
     os.truncate(files[1], last.end - 3)
+    before = _open_fds()
     with pytest.raises(CheckpointError, match="truncated") as e:
         _load(files)
     assert e.value.path == files[1] and e.value.tensor == last.name
+    assert _open_fds() == before  # the shards opened before the bad one are closed
 
 
 def test_header_lying_about_sizes_names_the_tensor(ckpt, tmp_path):

@@ -460,6 +460,7 @@ class FastLoader:
         self._paced = True  # whether held slabs count against the budget too
         self._last_release = time.monotonic()
         self._quiet_escapes = 0
+        self._fds: List[Optional[int]] = [None] * len(self.files)  # closed by __iter__'s finally
 
     # ---- planning
     def _files_to_open(self) -> Tuple[List[bool], Dict[str, str]]:
@@ -490,7 +491,6 @@ class FastLoader:
 
     def _plan(self) -> List[_Slab]:
         wanted, placed = self._files_to_open()
-        self._fds: List[Optional[int]] = [None] * len(self.files)
         slabs: List[_Slab] = []
         found = set()
         for i, path in enumerate(self.files):
@@ -535,8 +535,9 @@ class FastLoader:
             if slabs and slabs[-1].file_idx == i:
                 slabs[-1].last_of_file = True
         if placed:
+            opened = {os.path.normpath(f) for f, w in zip(self.files, wanted) if w}
             for name, p in placed.items():
-                if name not in found and p in {os.path.normpath(self.files[i]) for i, w in enumerate(wanted) if w}:
+                if name not in found and p in opened:
                     raise CheckpointError(p, name, "the index places this tensor in the file, its header does not list it")
         return slabs
 
@@ -655,14 +656,14 @@ class FastLoader:
 
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         t0 = time.perf_counter()
-        slabs = self._plan()
-        total = sum(r[1] for s in slabs for r in s.reads)
         pool = concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix="fast_load")
         self._reading = True
         next_issue = 0
         last_log, last_bytes = t0, 0
         done_bytes = 0
         try:
+            slabs = self._plan()
+            total = sum(r[1] for s in slabs for r in s.reads)
             for head, slab in enumerate(slabs):
                 blocked_since = None
                 while True:
