@@ -580,7 +580,25 @@ def _v4_expert_tensors(g):
     t["mtp.0.enorm.weight"] = _rand((H,), torch.float32, g)
     t["embed.weight"] = _rand((V, H), torch.bfloat16, g)
     t["head.weight"] = _rand((V, H), torch.bfloat16, g)
+    t["layers.1.engram.embed.weight"] = _rand((V, H), torch.float8_e4m3fn, g)
+    t["layers.1.engram.embed.scale"] = _rand((V, H // 32), torch.float8_e8m0fnu, g)
     return t
+
+
+def _engram_table(n, rank):
+    """An EngramEmbedding as its __init__ lays it out in device memory: the rank's rows."""
+    from sglang.srt.layers.engram import EngramEmbedding
+
+    emb = EngramEmbedding.__new__(EngramEmbedding)
+    torch.nn.Module.__init__(emb)
+    per = -(-V // n)
+    emb.row_start, emb.host_table, emb.peer = per * rank, None, None
+    emb.rows = min(per, V - emb.row_start)
+    for name, cols, dtype in (("weight", H, torch.float8_e4m3fn), ("scale", H // 32, torch.float8_e8m0fnu)):
+        p = torch.nn.Parameter(torch.zeros(emb.rows, cols, dtype=torch.uint8).view(dtype), requires_grad=False)
+        p.weight_loader = emb._load_rows
+        emb.register_parameter(name, p)
+    return emb
 
 
 def _vocab_parallel(tp, rank):
@@ -663,6 +681,8 @@ def _v4_model(tp, tp_rank, ep, ep_rank, **kw):
         model.model.layers.append(block)
     model.model.start_layer, model.model.end_layer = 0, 2
     attn_tp, attn_rank = tp * ep, tp_rank * ep + ep_rank  # attention is TP over every rank
+    model.model.layers[1].engram = torch.nn.Module()
+    model.model.layers[1].engram.embed = _engram_table(attn_tp, attn_rank)
     model.model.embed_tokens = _vocab_parallel(attn_tp, attn_rank)
     model.lm_head = _vocab_parallel(attn_tp, attn_rank)
     model.config = types.SimpleNamespace(num_hidden_layers=2, n_routed_experts=N_V4, num_nextn_predict_layers=1,
@@ -713,10 +733,10 @@ V4_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", list(V4_LAYOUTS))
 def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(v4ckpt, monkeypatch, layout):
-    """FusedMoE's and VocabParallelEmbedding's real loaders, fed fast load's tensors
-    (stand-ins included) under the V4 owner, leave every parameter bitwise as they do fed
-    safe_open's; a rank reads only its experts, at TP its rows of w1/w3, and its rows of
-    the embedding and LM head."""
+    """FusedMoE's, VocabParallelEmbedding's and EngramEmbedding's real loaders, fed fast
+    load's tensors (stand-ins included) under the V4 owner, leave every parameter bitwise
+    as they do fed safe_open's; a rank reads only its experts, at TP its rows of w1/w3, and
+    its rows of the embedding, the LM head and the Engram table."""
     from sglang.srt.layers.moe.fused_moe_triton import layer as moe_layer
     from sglang.srt.models import deepseek_v4_fast_load as v4fl
 
@@ -747,14 +767,14 @@ def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(v4ckpt, monkeypatc
                 assert _same(got[k], expected[k]), (layout, tp_rank, ep_rank, k)
             read_by_ranks += loader.stats.bytes_read
             assert loader.stats.files_opened < len(v4ckpt)  # the mtp shard is never opened
-            if not cfg.get("rows_pad"):  # w1, w3 and their scales at TP; embed and head
-                assert loader.stats.tensors_sliced == 2 * (N_V4 // ep) * 4 * (tp > 1) + 2
+            if not cfg.get("rows_pad"):  # w1, w3 and their scales at TP; embed, head, Engram table
+                assert loader.stats.tensors_sliced == 2 * (N_V4 // ep) * 4 * (tp > 1) + 4 * (tp * ep > 1)
     # every rank reads the norms; together they read each expert byte once, w2 once per TP rank
     expert = lambda n: ".experts." in n and not n.startswith("mtp.")
     sizes = {e.name: e.nbytes for f in v4ckpt for e in fl.read_header(f)[0]}
     w13 = sum(n for k, n in sizes.items() if expert(k) and ".w2." not in k)
     w2 = sum(n for k, n in sizes.items() if expert(k) and ".w2." in k)
-    vocab = sum(n for k, n in sizes.items() if k in ("embed.weight", "head.weight"))
+    vocab = sum(n for k, n in sizes.items() if k in ("embed.weight", "head.weight") or ".engram." in k)
     norms = sum(n for k, n in sizes.items() if not expert(k) and not k.startswith("mtp.")) - vocab
     norms_and_vocab = tp * ep * norms + vocab  # every rank its norms, the ranks together one vocabulary
     if cfg.get("rows_pad"):
