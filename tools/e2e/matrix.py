@@ -65,7 +65,7 @@ TIMING_ARGS = ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests
 PROGRESS_LOCK = threading.Lock()
 # Startup lines in which a fork feature says what it built (kept in the report as evidence).
 FEATURE_LINE = re.compile(r"--dsv4-wo-a-fp8-twin=|DSpark draft LM head in fp8|DSpark verify cap on|fence|"
-                          r"draft temperature")
+                          r"draft temperature|fast_load: read")
 # Fraction of the GPU's memory each server takes for weights and KV (several share the GPU).
 MEM_FRACTION = {"agree": 0.035, "random": 0.035, "real": 0.3}
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
@@ -126,6 +126,9 @@ def rows() -> list[Row]:
         _row("fence", "--speculative-dspark-fence-accept-results"),
         _row("tau_0.7", "--speculative-dspark-draft-temperature-scale", "0.7"),
         _row("head_fp8", "--speculative-dspark-draft-head-fp8"),
+        # the target and the DSpark draft loaded through fast load (pinned slabs, their owners)
+        _row("fast_load", "--weight-loader-fast-load", "--weight-loader-fast-load-num-threads", "4",
+             "--weight-loader-fast-load-slab-mb", "1"),
         _row("block_verify", "--speculative-use-block-verification"),
         _row("block_verify_cap", "--speculative-use-block-verification", "--speculative-dspark-verify-cap", "conf:0.1"),
         # Serving control: the tiny model's greedy output cycles with a period far above 8, so
