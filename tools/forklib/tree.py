@@ -101,6 +101,8 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
     ``three_way`` (editing trees only, never a build): a patch that no longer applies exactly
     is merged with ``git am -3`` instead, so ``refresh`` can write it back exactly.
     """
+    if not patch.files:
+        return _commit_owned_only(tree, patch, src)
     check = git(tree, "apply", "--check", "-v", str(patch.path), check=False)
     problems = apply_problems(patch, check.stderr)
     if check.returncode != 0 and not problems:
@@ -125,6 +127,24 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
     if patch.owns:
         git(tree, "add", "--", *patch.owns)
         git(tree, "commit", "-q", "--amend", "--no-edit")
+    return out(tree, "rev-parse", "HEAD")
+
+
+def _commit_owned_only(tree: Path, patch: Patch, src: Path) -> str:
+    """A patch that edits no upstream file (a module of ours only, e.g. a utility that a later
+    patch calls): ``git am`` refuses its empty diff, so commit its files with its message,
+    author and date as ``git am`` would."""
+    if not patch.owns:
+        raise PatchError(f"patch {patch.path.name} neither edits an upstream file nor owns one")
+    head = patch.path.read_text().partition("\n---\n")[0]
+    mail = git(tree, "mailinfo", "-b", "/dev/null", "/dev/null", input=head + "\n---\n").stdout
+    info = dict(line.split(": ", 1) for line in mail.splitlines() if ": " in line)
+    message = patch.subject + "\n\n" + head.partition("\n\n")[2].strip() + "\n"
+    copy_files(patch.owns, src, tree)
+    git(tree, "add", "--", *patch.owns)
+    env = {"GIT_AUTHOR_NAME": info["Author"], "GIT_AUTHOR_EMAIL": info["Email"],
+           "GIT_AUTHOR_DATE": info["Date"]}
+    git(tree, "commit", "-q", "-F", "-", input=message, env=env)
     return out(tree, "rev-parse", "HEAD")
 
 
@@ -274,10 +294,17 @@ def commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
     header cannot keep naming a file the commit no longer carries.
     """
     excludes = [f":(exclude){o}" for o in owns]
-    text = out(
-        tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature",
-        "--full-index", "--", ".", *excludes,
-    ) + "\n"
+    edits = out(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit, "--", ".", *excludes)
+    if edits:
+        text = out(
+            tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature",
+            "--full-index", "--", ".", *excludes,
+        ) + "\n"
+    else:
+        # A commit that adds only files of ours: path-limited format-patch would walk back to
+        # the last commit that edits upstream files, so keep the header and an empty diff.
+        full = out(tree, "format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature")
+        text = full.partition("\n---\n")[0] + "\n---\n"
     head, sep, diff = text.partition("\n---\n")
     head = "\n".join(line for line in head.split("\n") if not line.startswith("Owns: "))
     trailers = [arg for own in owns for arg in ("--trailer", f"Owns: {own}")]
