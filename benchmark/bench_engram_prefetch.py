@@ -50,7 +50,7 @@ class Step:
 
     def __call__(self):
         self.hasher()
-        got = ep.issue(self.prefetch, self.ids, self.batch)
+        got = ep.issue_engram_prefetch(self.prefetch, self.ids, self.batch)
         h, gathered = self.x, []
         for i, w in enumerate(self.weights):
             if i in self.engram_layers:

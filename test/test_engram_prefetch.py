@@ -90,7 +90,7 @@ def test_build(monkeypatch):
     assert ep.build_engram_prefetch("on", [SimpleNamespace(engram=None)], "cpu") is None
     p = ep.build_engram_prefetch("on", layers, "cpu")
     assert p.engrams == [engrams[0]] and p.stream is None
-    assert ep.issue(None, None, None) is None
+    assert ep.issue_engram_prefetch(None, None, None) is None
 
 
 def test_build_refuses_a_drifted_embedding(monkeypatch):

@@ -133,6 +133,11 @@ def rows() -> list[Row]:
         _row("random_all_on", *ALL_ON, model="random", sampled=False),
         Row("refuse_wrong_build", DSPARK + ["--fork-expect-version", "0.5.23+fork.1.0000000"],
             refused_with="refusing to start another patch series"),
+        # The tiny checkpoints are DeepSeek-V4 (not V4.1) without Engram layers: both flags must
+        # refuse them at startup (they serve V4.1 only; their GPU tests and benchmarks cover them).
+        Row("refuse_hc_fused_v4", DSPARK + ["--dsv4-hc-fused-stats", "auto"],
+            refused_with="hc_pre_from_prev_sublayer is false"),
+        Row("refuse_engram_prefetch", DSPARK + ["--engram-prefetch", "on"], refused_with="has no Engram layers"),
         # DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing with the kernels on.
         _row("real_off", model="real", sampled=False, timing=True),
         _row("real_wo_a_small", "--dsv4-wo-a-fp8-twin", "small", model="real", sampled=False, timing=True),

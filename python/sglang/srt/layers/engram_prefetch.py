@@ -217,6 +217,8 @@ def build_engram_prefetch(mode: str, layers, device=None) -> Optional[EngramPref
     return EngramPrefetch(mode, engrams, device)
 
 
-def issue(prefetch: Optional[EngramPrefetch], hash_ids, forward_batch) -> Optional[Prefetched]:
+def issue_engram_prefetch(
+    prefetch: Optional[EngramPrefetch], hash_ids, forward_batch
+) -> Optional[Prefetched]:
     """The model's call right after the hasher: None (upstream's lookup) when off."""
     return None if prefetch is None else prefetch.issue(hash_ids, forward_batch)
