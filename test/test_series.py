@@ -434,3 +434,42 @@ def test_every_test_file_belongs_to_a_patch_or_the_tools(series):
     named = {t for p in series for t in p.trailers.get("Tests", [])} | set(dropped_tests())
     files = {f"test/{f.name}" for f in (REPO / "test").glob("test_*.py")}
     assert sorted(files - named - TOOL_TESTS) == []
+
+
+def test_a_patch_that_only_adds_our_files_round_trips(tmp_path):
+    """A commit that edits no upstream file (a utility module a later patch calls) becomes a
+    header with an empty diff, not the last commit that did edit upstream (path-limited
+    format-patch walks back to it), and applies again as the same commit."""
+    from forklib.git import git
+    from forklib.tree import apply_patch, commit_patch, owned_files
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    git(tree, "init", "-q")
+    (tree / "python" / "sglang").mkdir(parents=True)
+    (tree / "python" / "sglang" / "up.py").write_text("x = 1\n")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "upstream")
+    base = out(tree, "rev-parse", "HEAD")
+    (tree / "python" / "sglang" / "up.py").write_text("x = 2\n")
+    git(tree, "commit", "-qam", "edit upstream\n\nServer-Args: none")
+    (tree / "python" / "sglang" / "ours.py").write_text("y = 1\n")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "add a module of ours\n\nBody line.\n\nServer-Args: none")
+    commit = out(tree, "rev-parse", "HEAD")
+    owns = owned_files(tree, commit)
+    assert owns == ["python/sglang/ours.py"]
+    text = commit_patch(tree, commit, owns)
+    assert "Subject: [PATCH] add a module of ours" in text and "diff --git" not in text
+    assert "Owns: python/sglang/ours.py" in text
+    patch_file = tmp_path / "0002-add.patch"
+    patch_file.write_text(text)
+    patch = parse_patch(patch_file)
+    assert patch.files == () and patch.owns == ["python/sglang/ours.py"]
+    src = tmp_path / "src"
+    (src / "python" / "sglang").mkdir(parents=True)
+    (src / "python" / "sglang" / "ours.py").write_text("y = 1\n")
+    git(tree, "checkout", "-q", "--detach", base)
+    again = apply_patch(tree, patch, src)
+    assert out(tree, "log", "-1", "--format=%B", again).startswith("add a module of ours\n\nBody line.")
+    assert commit_patch(tree, again, owns) == text

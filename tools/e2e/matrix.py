@@ -147,6 +147,11 @@ def rows() -> list[Row]:
             refused_with="refusing to start another patch series"),
         Row("refuse_autotune_keep_tp1", DSPARK + ["--flashinfer-autotune-keep-cache"],
             refused_with="--tp-size 1 has no other rank to agree with"),
+        # The tiny checkpoints are DeepSeek-V4 (not V4.1) without Engram layers: both flags must
+        # refuse them at startup (they serve V4.1 only; their GPU tests and benchmarks cover them).
+        Row("refuse_hc_fused_v4", DSPARK + ["--dsv4-hc-fused-stats", "auto"],
+            refused_with="hc_pre_from_prev_sublayer is false"),
+        Row("refuse_engram_prefetch", DSPARK + ["--engram-prefetch", "on"], refused_with="has no Engram layers"),
         # DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing with the kernels on.
         _row("real_off", model="real", sampled=False, timing=True),
         _row("real_wo_a_small", "--dsv4-wo-a-fp8-twin", "small", model="real", sampled=False, timing=True),

@@ -1,0 +1,294 @@
+"""--dsv4-hc-fused-stats: DeepSeek-V4.1's hyper-connection mix statistics in one pass over K
+for prefill-size inputs, the same bits as upstream's split-K kernels.
+
+Upstream computes the mix statistics of a sublayer (x [M, 4 x 5120] against the 24-row mixing
+weight) as K slices (16 for the bf16x3 projection, the SM90 default; 80 for the tf32x3 kernel)
+written to a [slices, M, 24] partials buffer and summed by a reduce kernel. The one-pass kernel
+(kernels/ops/layernorm/mhc_one_pass.py) walks the same slices in the same order per row tile
+and hands the summed slice to upstream's own reduce with one slice: same partial sums, same
+order, same bits. It wins only where the row tiles alone fill the GPU (large M); below that the
+split-K grid is faster, so each device needs its measured threshold.
+
+THE THRESHOLD IS MEASURED, NEVER GUESSED. ``auto`` serves the one-pass kernel from the row count
+``MEASURED_MIN_ROWS`` lists for this GPU and route (benchmark/bench_hc_fused.py finds it;
+docs/hc_fused.md links the result file); a route not measured on this GPU stays stock, and a GPU
+with no measured route refuses to load. An explicit row count serves both routes from there.
+
+SELF-CHECK. The first eager call of each kernel variant (route x row tile) at or above the
+threshold also runs upstream's function and compares every bit of its outputs; a single differing
+bit turns that variant back to stock for the rest of the process (logged as an error), equality
+marks it verified. Before verification a variant never runs under CUDA-graph capture (stock is
+captured), so no graph ever holds an unchecked kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_USAGE = (
+    "accepted: off; auto (the one-pass kernel from the row count measured on this GPU); "
+    "or a row count >= 1 (the one-pass kernel from that many rows)"
+)
+
+ROUTES = ("bf16x3", "tf32x3")
+
+# (torch.cuda.get_device_name(), route) -> rows from which the one-pass kernel beat upstream's at
+# every larger measured row count (benchmark/bench_hc_fused.py: "min_rows" in
+# benchmark/results/hc_fused-<device>.json). Not yet measured on any GPU.
+MEASURED_MIN_ROWS: dict[tuple[str, str], int] = {}
+
+
+def parse_hc_fused_stats(value) -> str:
+    """The flag's value ("off", "auto" or a row count as a string), or ValueError listing the
+    accepted forms."""
+    v = str(value).strip().lower()
+    if v in ("off", "auto"):
+        return v
+    if v.isdigit() and int(v) >= 1:
+        return str(int(v))
+    raise ValueError(f"--dsv4-hc-fused-stats={value!r}: {_USAGE}")
+
+
+def hc_fused_stats_arg(value: str) -> str:
+    """argparse ``type_parser``: the parsed value, or ArgumentTypeError listing the forms."""
+    import argparse
+
+    try:
+        return parse_hc_fused_stats(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def validate_hc_fused_stats(cfg, model_arch: str, hf_config) -> str:
+    """Resolution-hook check (Engine(...) bypasses argparse): the value, and every configuration
+    where the flag would do nothing, refused with the reason."""
+    mode = parse_hc_fused_stats(cfg.dsv4_hc_fused_stats)
+    if mode == "off":
+        return mode
+    if model_arch != "DeepseekV4ForCausalLM":
+        raise ValueError(
+            f"--dsv4-hc-fused-stats={mode}: only DeepSeek-V4.1 computes hyper-connection mix "
+            f"statistics; this model is {model_arch}"
+        )
+    if not getattr(hf_config, "hc_pre_from_prev_sublayer", False):
+        raise ValueError(
+            f"--dsv4-hc-fused-stats={mode}: this DeepSeek-V4 checkpoint does not predict its "
+            "hyper-connection mix from the previous sublayer (hc_pre_from_prev_sublayer is "
+            "false: DeepSeek-V4, not V4.1), so the mix-statistics kernels never run"
+        )
+    if torch.version.hip is not None:
+        raise ValueError(
+            f"--dsv4-hc-fused-stats={mode}: this torch is a ROCm build; ROCm reduces the mix "
+            "statistics with its own kernels, which the one-pass kernel does not reproduce"
+        )
+    if getattr(cfg, "device", None) not in (None, "cuda"):
+        raise ValueError(f"--dsv4-hc-fused-stats={mode}: needs --device cuda, got {cfg.device}")
+    return mode
+
+
+class HcFusedStats:
+    """The feature for one process: the threshold per route and each kernel variant's
+    self-check state ("verified" or "stock"; absent: not yet checked)."""
+
+    def __init__(self, mode: str, device_name: str):
+        self.mode, self.device_name = mode, device_name
+        if mode == "auto":
+            self.min_rows = {r: MEASURED_MIN_ROWS.get((device_name, r)) for r in ROUTES}
+            if all(v is None for v in self.min_rows.values()):
+                raise RuntimeError(
+                    f"--dsv4-hc-fused-stats auto: the one-pass kernel's row threshold is not "
+                    f"measured on {device_name} (run benchmark/bench_hc_fused.py there and add its "
+                    "min_rows to MEASURED_MIN_ROWS in sglang/srt/models/deepseek_v4_hc_fused.py), "
+                    "or give the threshold: --dsv4-hc-fused-stats ROWS; refusing to guess"
+                )
+        else:
+            self.min_rows = {r: int(mode) for r in ROUTES}
+        self.state: dict[tuple[str, int], str] = {}
+        self.in_stock_call = False
+
+    def describe(self) -> str:
+        parts = [
+            f"{r} from {n} rows" if n is not None else f"{r} stock (not measured on {self.device_name})"
+            for r, n in self.min_rows.items()
+        ]
+        return ", ".join(parts)
+
+    def wants(self, route: str, rows: int) -> bool:
+        n = self.min_rows[route]
+        return not self.in_stock_call and n is not None and rows >= n
+
+    def serve(self, variant: tuple[str, int], rows: int, ours: Callable, stock: Callable):
+        """ours() where ``variant`` is verified; the self-check where it is new; None (stock)."""
+        state = self.state.get(variant)
+        if state == "stock":
+            return None
+        if state == "verified":
+            return ours()
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None  # never capture an unchecked kernel: the graph keeps stock
+        mine = ours()
+        self.in_stock_call = True
+        try:
+            ref = stock()
+        finally:
+            self.in_stock_call = False
+        differ, total = _differing_bits(mine, ref)
+        if differ:
+            self.state[variant] = "stock"
+            logger.error(
+                "dsv4 hc fused stats: the one-pass %s kernel (row tile %d) differs from upstream's "
+                "in %d of %d values at %d rows; that kernel stays stock for the rest of this process",
+                variant[0], variant[1], differ, total, rows,
+            )
+            return ref
+        self.state[variant] = "verified"
+        logger.info(
+            "dsv4 hc fused stats: the one-pass %s kernel (row tile %d) matched upstream's bit for "
+            "bit at %d rows; serving it from %d rows",
+            variant[0], variant[1], rows, self.min_rows[_route_of(variant[0])],
+        )
+        return mine
+
+
+def _route_of(kernel: str) -> str:
+    return "bf16x3" if kernel == "bf16x3" else "tf32x3"
+
+
+def _differing_bits(a, b) -> tuple[int, int]:
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    differ = total = 0
+    for x, y in zip(a, b, strict=True):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return max(x.numel(), y.numel()), max(x.numel(), y.numel())
+        differ += int((x.contiguous().view(torch.int32) != y.contiguous().view(torch.int32)).sum())
+        total += x.numel()
+    return differ, total
+
+
+_ACTIVE: Optional[HcFusedStats] = None
+
+
+def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:
+    """Build (or keep) the process's feature from the flag's value, at model load; logs what
+    serves. ``off`` removes it: every hook below then returns None at once."""
+    global _ACTIVE
+    mode = parse_hc_fused_stats(mode)
+    if mode == "off":
+        _ACTIVE = None
+        return None
+    if _ACTIVE is not None and _ACTIVE.mode == mode:
+        return _ACTIVE  # post_load_weights again (weight update): keep the checks
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"--dsv4-hc-fused-stats={mode}: needs a CUDA GPU")
+    _ACTIVE = HcFusedStats(mode, torch.cuda.get_device_name())
+    logger.info(
+        "dsv4 hc fused stats (--dsv4-hc-fused-stats=%s): one pass over K for %s; each kernel "
+        "self-checks against upstream's on its first call",
+        mode, _ACTIVE.describe(),
+    )
+    return _ACTIVE
+
+
+# ---- the hooks upstream's mix-statistics functions call first (kernels/ops/layernorm/mhc.py):
+# each returns that function's result computed in one pass, or None for upstream's own.
+
+
+def mix_stats_sinkhorn_bf16x3(x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult):
+    f = _ACTIVE
+    if f is None or not f.wants("bf16x3", x.shape[0]):
+        return None
+    from sglang.kernels.ops.layernorm import mhc
+    from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass_bf16x3
+    from sglang.srt.runtime_context import get_platform
+
+    m, k = x.shape
+    hopper_medium = get_platform().is_sm90 and 32 <= m < 4096  # upstream's row tile rule
+    block_m = 64 if hopper_medium else mhc._HC_MIX_BF16X3_BLOCK_M
+
+    def ours():
+        mix = (2 + hc_mult) * hc_mult
+        part, sq = hc_mix_one_pass_bf16x3(x, weight_parts, block_m)
+        pre = torch.empty((m, hc_mult), device=x.device, dtype=torch.float32)
+        post = torch.empty_like(pre)
+        comb = torch.empty((m, hc_mult, hc_mult), device=x.device, dtype=torch.float32)
+        mhc._hc_mix_reduce_sinkhorn_kernel[(m,)](
+            part, sq, scale, base, pre, post, comb, m, 1.0 / k, rms_eps,
+            MIX=mix, HC=hc_mult, NUM_SLICES=1, ITERS=sinkhorn_iters, EPS=hc_eps, num_warps=1,
+        )
+        return pre, post, comb
+
+    def stock():
+        return mhc.hc_mix_stats_sinkhorn_bf16x3(
+            x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult
+        )
+
+    return f.serve(("bf16x3", block_m), m, ours, stock)
+
+
+def mix_stats(x_flat, hc_fn, eps):
+    f = _ACTIVE
+    if f is None or x_flat.shape[0] == 0 or not f.wants("tf32x3", x_flat.shape[0]):
+        return None
+    import triton
+
+    from sglang.kernels.ops.layernorm import mhc
+    from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass
+
+    m, k = x_flat.shape
+    block_m = mhc._block_m_for(m)
+
+    def ours():
+        mix = hc_fn.shape[0]
+        part, sq = hc_mix_one_pass(x_flat, hc_fn)
+        mixes = torch.empty((m, mix), dtype=torch.float32, device=x_flat.device)
+        mhc._hc_mix_stats_reduce_kernel[(triton.cdiv(m, block_m),)](
+            part, sq, mixes, m, 1.0 / k, eps,
+            MIX=mix, MIX_PAD=max(16, triton.next_power_of_2(mix)), NUM_SLICES=1,
+            BLOCK_M=block_m, num_warps=4,
+        )
+        return mixes
+
+    def stock():
+        return mhc.hc_mix_stats(x_flat, hc_fn, eps)
+
+    return f.serve(("tf32x3", block_m), m, ours, stock)
+
+
+def mix_stats_sinkhorn(x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps):
+    f = _ACTIVE
+    if f is None or x_flat.shape[0] == 0 or not f.wants("tf32x3", x_flat.shape[0]):
+        return None
+    from sglang.kernels.ops.layernorm import mhc
+    from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass
+
+    if mhc._is_hip:
+        return None
+    m, k = x_flat.shape
+    block_m = mhc._block_m_for(m)
+
+    def ours():
+        mix = hc_fn.shape[0]
+        part, sq = hc_mix_one_pass(x_flat, hc_fn)
+        dev = x_flat.device
+        pre = torch.empty(m, hc_mult, dtype=torch.float32, device=dev)
+        post = torch.empty(m, hc_mult, dtype=torch.float32, device=dev)
+        comb = torch.empty(m, hc_mult, hc_mult, dtype=torch.float32, device=dev)
+        mhc._hc_mix_reduce_sinkhorn_kernel[(m,)](
+            part, sq, hc_scale.float().contiguous(), hc_base.float().contiguous(),
+            pre, post, comb, m, 1.0 / k, rms_eps,
+            MIX=mix, HC=hc_mult, NUM_SLICES=1, ITERS=sinkhorn_iters, EPS=hc_eps, num_warps=1,
+        )
+        return pre, post, comb
+
+    def stock():
+        return mhc.hc_mix_stats_sinkhorn(
+            x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps
+        )
+
+    return f.serve(("tf32x3-sinkhorn", block_m), m, ours, stock)

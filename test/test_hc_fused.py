@@ -1,0 +1,309 @@
+"""--dsv4-hc-fused-stats: hyper-connection mix statistics in one pass over K.
+
+CPU (TRITON_INTERPRET=1, reduced K): the flag's values and refusals, the threshold rule (auto
+refuses an unmeasured GPU, explicit rows serve both routes), the one-pass kernels through the
+served hooks bit for bit equal to upstream's functions (bf16x3 16-slice with SM90's row tiles,
+tf32x3 split-K mixes and its fused sinkhorn), the self-check (a kernel that differs by one bit
+goes back to stock for good and the call returns upstream's result; nothing unchecked is
+captured in a CUDA graph), the wiring (upstream's three functions ask the hook first) and off =
+upstream (nothing of ours runs or is imported). GPU (-m gpu): both routes at DeepSeek-V4.1's
+K = 4 x 5120, row counts on both sides of upstream's row-tile changes, eager and replayed from a
+CUDA graph, bit for bit upstream's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from sglang.kernels.ops.layernorm import mhc
+from sglang.srt.models import deepseek_v4_hc_fused as hcf
+
+DEV = "cuda" if HAS_CUDA else "cpu"
+HC = 4
+MIX = (2 + HC) * HC
+
+
+def _inputs(m, k, seed=0, device=DEV):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=gen) * 3).to(torch.bfloat16)
+    fn = torch.randn(MIX, k, generator=gen) * 0.02
+    scale = torch.rand(3, generator=gen) + 0.5
+    base = torch.randn(MIX, generator=gen) * 0.1
+    return x.to(device), fn.to(device), scale.to(device), base.to(device)
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int32)
+
+
+def _same(a, b):
+    a = a if isinstance(a, tuple) else (a,)
+    b = b if isinstance(b, tuple) else (b,)
+    return all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalar_index(monkeypatch):
+    """Triton 3.6's interpreter turns a runtime scalar into a 1-element array and indexes it
+    with int(), which numpy 2 refuses: upstream's tf32x3 kernel (``range`` over K // slices)
+    then fails on CPU only. Index the element instead (test harness only; no effect on GPU)."""
+    if HAS_CUDA:
+        return
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
+@pytest.fixture
+def active(monkeypatch):
+    """An HcFusedStats serving from 1 row on both routes (as --dsv4-hc-fused-stats 1)."""
+    feature = hcf.HcFusedStats("1", "test-device")
+    monkeypatch.setattr(hcf, "_ACTIVE", feature)
+    return feature
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Upstream's SM90 row tiles for the bf16x3 route (64-row tiles at 32..4095 rows)."""
+    plat = SimpleNamespace(is_sm90=True, is_sm100=False, is_blackwell=False)
+    import sglang.srt.runtime_context as rc
+
+    monkeypatch.setattr(mhc, "get_platform", lambda: plat)
+    monkeypatch.setattr(rc, "get_platform", lambda: plat)
+
+
+# ------------------------------------------------------------------------------- the flag
+
+
+def test_flag_values_and_errors():
+    assert [hcf.parse_hc_fused_stats(v) for v in ("off", "AUTO ", "8192", "0042")] == [
+        "off", "auto", "8192", "42"]
+    for bad in ("on", "0", "-5", "1.5", ""):
+        with pytest.raises(ValueError, match="accepted: off; auto"):
+            hcf.parse_hc_fused_stats(bad)
+    from sglang.srt.arg_groups.fields.exec_ import ExecKernel
+
+    assert ExecKernel().dsv4_hc_fused_stats == "off"
+    with pytest.raises(argparse.ArgumentTypeError, match="accepted"):
+        hcf.hc_fused_stats_arg("yes")
+
+
+def test_flag_on_command_line():
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--model-path", "x", "--dsv4-hc-fused-stats", "auto"]).dsv4_hc_fused_stats == "auto"
+    assert parser.parse_args(["--model-path", "x"]).dsv4_hc_fused_stats == "off"
+    with pytest.raises((argparse.ArgumentError, SystemExit)):
+        parser.parse_args(["--model-path", "x", "--dsv4-hc-fused-stats", "fast"])
+
+
+def test_validate_refuses_where_it_would_do_nothing(monkeypatch):
+    v41 = SimpleNamespace(hc_pre_from_prev_sublayer=True)
+    cfg = SimpleNamespace(dsv4_hc_fused_stats="auto", device="cuda")
+    assert hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", v41) == "auto"
+    off = SimpleNamespace(dsv4_hc_fused_stats="off", device="cpu")
+    assert hcf.validate_hc_fused_stats(off, "LlamaForCausalLM", None) == "off"
+    with pytest.raises(ValueError, match="only DeepSeek-V4.1 .* LlamaForCausalLM"):
+        hcf.validate_hc_fused_stats(cfg, "LlamaForCausalLM", v41)
+    with pytest.raises(ValueError, match="hc_pre_from_prev_sublayer is false"):
+        hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", SimpleNamespace())
+    with pytest.raises(ValueError, match="--device cuda"):
+        hcf.validate_hc_fused_stats(SimpleNamespace(dsv4_hc_fused_stats="9", device="cpu"),
+                                    "DeepseekV4ForCausalLM", v41)
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    with pytest.raises(ValueError, match="ROCm"):
+        hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", v41)
+
+
+def test_threshold_is_measured_or_given_never_guessed(monkeypatch):
+    with pytest.raises(RuntimeError, match=r"not measured on NVIDIA H200 \(run benchmark/bench_hc_fused.py"):
+        hcf.HcFusedStats("auto", "NVIDIA H200")
+    monkeypatch.setitem(hcf.MEASURED_MIN_ROWS, ("NVIDIA H200", "bf16x3"), 8192)
+    f = hcf.HcFusedStats("auto", "NVIDIA H200")
+    assert f.min_rows == {"bf16x3": 8192, "tf32x3": None}
+    assert f.wants("bf16x3", 8192) and not f.wants("bf16x3", 8191) and not f.wants("tf32x3", 10**6)
+    assert "tf32x3 stock (not measured on NVIDIA H200)" in f.describe()
+    g = hcf.HcFusedStats("512", "any")
+    assert g.min_rows == {"bf16x3": 512, "tf32x3": 512}
+
+
+def test_off_is_upstream_and_imports_nothing_of_ours():
+    from conftest import run_engine
+
+    code = ("import sys, torch; from sglang.srt.models import deepseek_v4_hc_fused as h; "
+            "from sglang.kernels.ops.layernorm import mhc; "
+            "assert h.configure_hc_fused_stats('off') is None and h._ACTIVE is None; "
+            "assert h.mix_stats(torch.zeros(4, 64), torch.zeros(24, 64), 1e-6) is None; "
+            "print('mhc_one_pass' in ' '.join(sys.modules))")
+    run = run_engine("-c", code)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stdout + run.stderr
+
+
+def test_upstream_functions_ask_the_hook_first(monkeypatch):
+    calls = []
+
+    def hook(name):
+        def f(*args):
+            calls.append(name)
+            return name
+        return f
+
+    for name in ("mix_stats", "mix_stats_sinkhorn", "mix_stats_sinkhorn_bf16x3"):
+        monkeypatch.setattr(hcf, name, hook(name))
+    x, fn, scale, base = _inputs(2, 1024, device="cpu")
+    assert mhc.hc_mix_stats(x, fn, 1e-6) == "mix_stats"
+    assert mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6) == "mix_stats_sinkhorn"
+    assert mhc.hc_mix_stats_sinkhorn_bf16x3(x, None, scale, base, 3, 1e-6, 1e-6) == "mix_stats_sinkhorn_bf16x3"
+    assert calls == ["mix_stats", "mix_stats_sinkhorn", "mix_stats_sinkhorn_bf16x3"]
+
+
+# ------------------------------------------------------------ bit for bit, through the hooks
+
+
+def _bf16x3_call(m, k, seed):
+    x, fn, scale, base = _inputs(m, k, seed)
+    parts = mhc.split_bf16_hc_weight(fn.contiguous())
+    return lambda: mhc.hc_mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("m", [33])
+def test_bf16x3_one_pass_is_upstream_bit_for_bit(active, sm90, m):
+    call = _bf16x3_call(m, 1024, seed=m)  # 16 slices of one 64-wide block each
+    hcf._ACTIVE = None
+    stock = call()
+    hcf._ACTIVE = active
+    ours = call()  # first call: the self-check runs upstream's beside it
+    assert active.state == {("bf16x3", 64): "verified"}
+    assert _same(ours, stock)
+    assert _same(call(), stock)  # verified: ours alone
+
+
+def test_tf32x3_mixes_and_sinkhorn_are_upstream_bit_for_bit(active):
+    x, fn, scale, base = _inputs(11, 1024, seed=3)  # 16 slices; 16-row tiles, 5 masked rows
+    hcf._ACTIVE = None
+    stock_mix = mhc.hc_mix_stats(x, fn, 1e-6)
+    stock_sk = mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6)
+    hcf._ACTIVE = active
+    assert _same(mhc.hc_mix_stats(x, fn, 1e-6), stock_mix)
+    assert _same(mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6), stock_sk)
+    assert active.state == {("tf32x3", 16): "verified", ("tf32x3-sinkhorn", 16): "verified"}
+
+
+def test_self_check_sends_a_differing_kernel_back_to_stock_for_good(active, monkeypatch, caplog):
+    from sglang.kernels.ops.layernorm import mhc_one_pass
+
+    real = mhc_one_pass.hc_mix_one_pass
+
+    def off_by_one_bit(x_flat, hc_fn):
+        part, sq = real(x_flat, hc_fn)
+        part.view(torch.int32)[0, 0, 0] += 1
+        return part, sq
+
+    monkeypatch.setattr(mhc_one_pass, "hc_mix_one_pass", off_by_one_bit)
+    x, fn, _, _ = _inputs(5, 1024, seed=5)
+    hcf._ACTIVE = None
+    stock = mhc.hc_mix_stats(x, fn, 1e-6)
+    hcf._ACTIVE = active
+    with caplog.at_level(logging.ERROR, logger=hcf.__name__):
+        got = mhc.hc_mix_stats(x, fn, 1e-6)
+    assert _same(got, stock)  # the call that found the difference returns upstream's result
+    assert active.state == {("tf32x3", 8): "stock"}
+    assert "differs from upstream's in 1 of 120 values" in caplog.text
+    assert hcf.mix_stats(x, fn, 1e-6) is None  # and stays stock
+
+
+def test_unchecked_kernel_is_never_captured(active, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x, fn, _, _ = _inputs(4, 1024)
+    assert hcf.mix_stats(x, fn, 1e-6) is None and active.state == {}
+    active.state[("tf32x3", 8)] = "verified"
+    assert hcf.mix_stats(x, fn, 1e-6) is not None  # a verified kernel may be captured
+
+
+def test_below_the_threshold_is_stock(monkeypatch):
+    monkeypatch.setattr(hcf, "_ACTIVE", hcf.HcFusedStats("8192", "d"))
+    x, fn, _, _ = _inputs(4, 1024)
+    assert hcf.mix_stats(x, fn, 1e-6) is None and hcf._ACTIVE.state == {}
+
+
+def test_configure_keeps_the_checks_across_reloads(monkeypatch):
+    monkeypatch.setattr(hcf, "_ACTIVE", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test-device")
+    f = hcf.configure_hc_fused_stats("64")
+    f.state[("bf16x3", 128)] = "verified"
+    assert hcf.configure_hc_fused_stats("64") is f and f.state
+    assert hcf.configure_hc_fused_stats("off") is None and hcf._ACTIVE is None
+
+
+def test_benchmark_threshold_rule():
+    """bench_hc_fused.min_rows: the smallest row count from which every larger one wins by the
+    margin; a loss, a non-bitwise row or no win at the top gives None."""
+    import sys
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "benchmark"))
+    from bench_hc_fused import MARGIN, min_rows
+
+    def rows(ratios, bitwise=True):
+        return [{"route": "bf16x3", "rows": 512 * 2**i, "ratio": r, "bitwise": bitwise}
+                for i, r in enumerate(ratios)]
+
+    assert min_rows(rows([0.2, 0.9, 1.05, MARGIN, 1.2]), "bf16x3") == 2048
+    assert min_rows(rows([1.1, 0.9, 1.1]), "bf16x3") == 2048
+    assert min_rows(rows([1.2, 1.2, 1.0]), "bf16x3") is None
+    assert min_rows(rows([1.2, 1.2], bitwise=False), "bf16x3") is None
+    assert min_rows(rows([1.2]), "tf32x3") is None
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+K41 = 4 * 5120
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [32, 100, 4095, 4096, 5000, 8192])
+def test_gpu_bf16x3_bitwise_eager_and_graph(active, m):
+    """SM90's default route (64-row tiles below 4096 rows, 128 above), at V4.1's K."""
+    call = _bf16x3_call(m, K41, seed=m)
+    hcf._ACTIVE = None
+    stock = call()
+    hcf._ACTIVE = active
+    assert _same(call(), stock)  # the self-check
+    block = 64 if (torch.cuda.get_device_capability() == (9, 0) and m < 4096) else 128
+    assert active.state == {("bf16x3", block): "verified"}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same(out, stock)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 9, 2048, 2049, 8192])
+def test_gpu_tf32x3_bitwise(active, m):
+    x, fn, scale, base = _inputs(m, K41, seed=m)
+    hcf._ACTIVE = None
+    stock_mix = mhc.hc_mix_stats(x, fn, 1e-6)
+    stock_sk = mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 20, 1e-6, 1e-6)
+    hcf._ACTIVE = active
+    assert _same(mhc.hc_mix_stats(x, fn, 1e-6), stock_mix)
+    assert _same(mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 20, 1e-6, 1e-6), stock_sk)
+    assert set(active.state.values()) == {"verified"}
