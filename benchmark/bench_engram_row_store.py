@@ -149,6 +149,7 @@ def main():
                         "stock_us": round(us_stock, 1), "store_us": round(us_store, 1),
                         "store_over_stock": round(us_store / us_stock, 2),
                         "store_rows_per_s": round(pos / (us_store * 1e-6)),
+                        "store_host_us": round(d["lookup_s"] / steps * 1e6, 1),
                         "hit_rate": round(d["hits"] / d["unique"], 4) if d["unique"] else 0.0,
                         "read_kib_per_step": round(d["read_bytes"] / steps / 1024, 1),
                         "reads_per_step": round(d["reads"] / steps, 1),
@@ -156,10 +157,11 @@ def main():
                     })
                     r = rows_out[-1]
                     print(f"{dist:8s} cache {frac:5.2f} {name:14s} stock {r['stock_us']:9.1f} us  store "
-                          f"{r['store_us']:9.1f} us ({r['store_over_stock']:6.2f}x)  hit {r['hit_rate']:.3f}  "
+                          f"{r['store_us']:9.1f} us ({r['store_over_stock']:6.2f}x, host {r['store_host_us']:8.1f})  hit {r['hit_rate']:.3f}  "
                           f"{r['store_rows_per_s']:>9d} rows/s  {r['read_kib_per_step']:8.1f} KiB read/step")
                     os.close(st.fd)
-                    st.pool.shutdown()
+                    if st.pool is not None:
+                        st.pool.shutdown()
         meta = {"table_rows": args.rows, "record_bytes": REC, "hash_cols": args.cols,
                 "o_direct": probe.direct, "write_s": round(write_s, 2),
                 "write_mib_per_s": round(args.rows * REC / 2**20 / write_s, 1),

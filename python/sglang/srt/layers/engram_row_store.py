@@ -136,7 +136,7 @@ class EngramRowStore:
         dim: int,
         *,
         cache_bytes: int,
-        threads: int = 16,
+        threads: Optional[int] = None,
         direct_io: Optional[bool] = None,
     ):
         if dim % SCALE_BLOCK:
@@ -148,7 +148,9 @@ class EngramRowStore:
             directory, f"engram-{label}-rows{row_start}-{row_start + rows}-dim{dim}{rank}.rows"
         )
         self.cache_bytes = cache_bytes
-        self.threads = threads
+        # Reads overlap on a thread pool where there are cores for it; on 2 cores the pool's
+        # hand-offs cost more than they overlap (benchmark/results/engram_row_store-cpu-2core.json).
+        self.threads = min(16, len(os.sched_getaffinity(0))) if threads is None else threads
         self.want_direct = direct_io
         self._pending: dict[str, torch.Tensor] = {}
         self._written_s: Optional[float] = None
@@ -158,7 +160,7 @@ class EngramRowStore:
         self.pool: Optional[ThreadPoolExecutor] = None
         self.lock = threading.Lock()
         self.stats = {"lookups": 0, "rows": 0, "unique": 0, "hits": 0, "misses": 0,
-                      "uncached": 0, "reads": 0, "read_bytes": 0, "read_s": 0.0}
+                      "uncached": 0, "reads": 0, "read_bytes": 0, "read_s": 0.0, "lookup_s": 0.0}
 
     # ---------------------------------------------------------------- load
     def load_rows(self, loaded: torch.Tensor, *, scale: bool) -> None:
@@ -220,7 +222,10 @@ class EngramRowStore:
         self.stamp = np.zeros(self.capacity, np.int64)
         self.cache = np.empty((self.capacity, self.rec), np.uint8)
         self.used, self.hand, self.epoch = 0, 0, 0
-        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix=f"engram-{self.label}")
+        self.pool = (
+            ThreadPoolExecutor(self.threads, thread_name_prefix=f"engram-{self.label}")
+            if self.threads > 2 else None
+        )
         self._bounce = _AlignedBuffer()
         logger.info(
             "engram row store %s: %d rows x %d B in %s (%s reads), cache %d rows = %.2f GiB, written in %.1f s",
@@ -233,8 +238,11 @@ class EngramRowStore:
     def read_records(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Records of shard-local rows ``local`` (int64, all in [0, rows)): (unique records
         [u, rec] uint8, inverse [n] int64) with ``records[inverse]`` the rows of ``local``."""
+        t0 = time.perf_counter()
         with self.lock:
-            return self._read_records(local)
+            out = self._read_records(local)
+            self.stats["lookup_s"] += time.perf_counter() - t0
+        return out
 
     def _read_records(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         st = self.stats
@@ -318,7 +326,7 @@ class EngramRowStore:
             if got != want:
                 raise OSError(f"engram row store {self.label}: short read {got} of {want} B at block {block}")
 
-        if len(runs) <= 2 or self.pool is None:
+        if len(runs) <= 8 or self.pool is None:
             for r in runs:
                 read(r)
         else:
