@@ -24,6 +24,7 @@ import b12x_api  # noqa: E402
 # Our modules that call b12x, and how a receiver name in them maps to the snapshot.
 MODULES = [
     "python/sglang/srt/layers/quantization/mxfp4_b12x_moe.py",
+    "python/sglang/srt/layers/quantization/b12x_block_fp8.py",
 ]
 RECEIVERS = {
     "fused_moe": "fused_moe",
@@ -32,6 +33,7 @@ RECEIVERS = {
 }
 METHOD_CALLS = {  # receiver.attr in our code -> snapshot key
     "state.bind": "fused_moe.state.bind",
+    "state.run": "block_fp8_linear.state.run",
     "session.prepare": "preparation.PreparationSession.prepare",
     "PreparationSession": "preparation.PreparationSession",
     "PreparedCall": "preparation.PreparedCall",
@@ -59,7 +61,7 @@ def b12x_calls(src: str):
         kws = [k.arg for k in node.keywords if k.arg is not None]
         star = any(k.arg is None for k in node.keywords)
         head = name.split(".")[0]
-        if head in RECEIVERS or name in METHOD_CALLS or name.endswith(".request") and head == "decl":
+        if head in RECEIVERS or name in METHOD_CALLS or name.endswith(".request") and head in ("decl", "plan"):
             yield name, kws, star, node.lineno
 
 
@@ -88,7 +90,7 @@ def test_every_b12x_call_matches_the_pinned_signatures(rel):
         parts = name.split(".")
         if name in METHOD_CALLS:
             key = METHOD_CALLS[name]
-        elif parts[0] == "decl":
+        elif parts[0] in ("decl", "plan"):
             key = "preparation.CompositePlan.request" if "prepare_calls" in kws else "preparation.Plan.request"
         else:
             pkg = RECEIVERS[parts[0]]

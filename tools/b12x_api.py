@@ -58,6 +58,7 @@ TARGETS = {
     "block_fp8_linear.plan": ("b12x/gemm/block_fp8_linear/_preparation.py", "plan"),
     "block_fp8_linear.pack_weight": ("b12x/gemm/_shared/block_fp8.py", "pack_block_fp8_linear_weight_mxfp8"),
     "block_fp8_linear.run": ("b12x/gemm/_shared/block_fp8.py", "block_fp8_linear_mxfp8"),
+    "block_fp8_linear.state.run": ("b12x/gemm/block_fp8_linear/_preparation.py", "_BlockFP8ExecutionState.run"),
     # comm.roce
     "roce.AllReduce": ("b12x/comm/roce/roce_oneshot.py", "RoceOneshotAllReduce.__init__"),
     "roce.AllReduce.from_exchange_group": ("b12x/comm/roce/roce_oneshot.py", "RoceOneshotAllReduce.from_exchange_group"),
