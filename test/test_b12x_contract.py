@@ -25,6 +25,7 @@ import b12x_api  # noqa: E402
 MODULES = [
     "python/sglang/srt/layers/quantization/mxfp4_b12x_moe.py",
     "python/sglang/srt/layers/quantization/b12x_block_fp8.py",
+    "python/sglang/srt/distributed/device_communicators/b12x_roce_gather.py",
 ]
 RECEIVERS = {
     "fused_moe": "fused_moe",
@@ -38,8 +39,12 @@ METHOD_CALLS = {  # receiver.attr in our code -> snapshot key
     "PreparationSession": "preparation.PreparationSession",
     "PreparedCall": "preparation.PreparedCall",
     "require_prepared": "preparation.require_prepared",
-    "runtime.should_all_gather": "roce.AllReduce.should_all_gather",
-    "runtime.all_gather": "roce.AllReduce.all_gather",
+    "self.runtime.should_all_gather": "roce.AllReduce.should_all_gather",
+    "self.runtime.all_gather": "roce.AllReduce.all_gather",
+    "self.runtime.capture": "roce.AllReduce.capture",
+    "self.session.prepare": "preparation.PreparationSession.prepare",
+    "self.plan.request": "preparation.Plan.request",
+    "state.all_gather": "roce.state.all_gather",
 }
 
 

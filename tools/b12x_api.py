@@ -64,6 +64,8 @@ TARGETS = {
     "roce.AllReduce.from_exchange_group": ("b12x/comm/roce/roce_oneshot.py", "RoceOneshotAllReduce.from_exchange_group"),
     "roce.AllReduce.should_all_gather": ("b12x/comm/roce/roce_oneshot.py", "RoceOneshotAllReduce.should_all_gather"),
     "roce.AllReduce.all_gather": ("b12x/comm/roce/roce_oneshot.py", "RoceOneshotAllReduce.all_gather"),
+    "roce.AllReduce.capture": ("b12x/comm/roce/roce_oneshot.py", "RoceOneshotAllReduce.capture"),
+    "roce.state.all_gather": ("b12x/comm/roce/_preparation.py", "_PreparedRoce.all_gather"),
     "roce.plan": ("b12x/comm/roce/_preparation.py", "plan"),
     "roce.query_from_runtime": ("b12x/comm/roce/_preparation.py", "query_from_runtime"),
 }
