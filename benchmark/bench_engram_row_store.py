@@ -39,7 +39,7 @@ def parse_args():
     p.add_argument("--rows", type=int, default=2_000_000, help="table rows (2M = 528 MB on disk)")
     p.add_argument("--cols", type=int, default=16, help="hash columns per token ((max n-gram - 1) x heads)")
     p.add_argument("--steps", type=int, default=60, help="timed decode/verify steps per row")
-    p.add_argument("--caches", default="0,0.01,0.05,0.25", help="cache sizes as fractions of the table")
+    p.add_argument("--caches", default="0,0.05,0.25", help="cache sizes as fractions of the table")
     return p.parse_args()
 
 
@@ -124,10 +124,11 @@ def main():
                         st.read_records(ids)
                         warm += ids.size
                     base = dict(st.stats)
-                    t_store, t_stock = [], []
+                    t_store, t_stock, t_host = [], [], []
                     for i in range(steps):
                         idx = torch.from_numpy(wl.ids(tokens, args.cols)).to(dev)
                         sync()
+                        h0 = st.stats["lookup_s"]
                         a = time.perf_counter()
                         got = st.owned_rows(idx)
                         sync()
@@ -138,6 +139,7 @@ def main():
                         if i < 3 and not torch.equal(got.view(torch.int16), ref.view(torch.int16)):
                             raise SystemExit(f"{name} {dist} cache {frac}: rows differ from the in-memory table")
                         t_store.append(b - a)
+                        t_host.append(st.stats["lookup_s"] - h0)
                         t_stock.append(c - b)
                     d = {k: st.stats[k] - base[k] for k in st.stats}
                     us_store, us_stock = statistics.median(t_store) * 1e6, statistics.median(t_stock) * 1e6
@@ -149,7 +151,7 @@ def main():
                         "stock_us": round(us_stock, 1), "store_us": round(us_store, 1),
                         "store_over_stock": round(us_store / us_stock, 2),
                         "store_rows_per_s": round(pos / (us_store * 1e-6)),
-                        "store_host_us": round(d["lookup_s"] / steps * 1e6, 1),
+                        "store_host_us": round(statistics.median(t_host) * 1e6, 1),
                         "hit_rate": round(d["hits"] / d["unique"], 4) if d["unique"] else 0.0,
                         "read_kib_per_step": round(d["read_bytes"] / steps / 1024, 1),
                         "reads_per_step": round(d["reads"] / steps, 1),
