@@ -199,6 +199,11 @@ def run_moe(args, rows_out):
         print(row)
 
 
+def timed_on_roce(gather, fn, replays):
+    with gather.capture():  # the runtime's graph-capture context, as GroupCoordinator.graph_capture
+        return graph_us(fn, replays)
+
+
 def run_roce(args, rows_out):
     import torch.distributed as dist
 
@@ -220,7 +225,7 @@ def run_roce(args, rows_out):
         torch.cuda.synchronize()
         row = {"feature": "roce", "shape": f"{rows}x{hidden} {dtype}", "rows": rows, "world": world,
                "on_roce": took, "bitwise": bool(torch.equal(ours, stock)) if took else None,
-               "ours_us": graph_us(lambda: gather.gather_into(ours, x), args.replays) if took else None,
+               "ours_us": timed_on_roce(gather, lambda: gather.gather_into(ours, x), args.replays) if took else None,
                "stock_us": graph_us(lambda: dist.all_gather_into_tensor(stock, x), args.replays)}
         row["ok"] = row["bitwise"] is not False
         if row["ours_us"]:
