@@ -53,6 +53,10 @@ def test_only_the_tp_group_builds_a_runtime(monkeypatch):
     monkeypatch.setattr(rc, "get_exec", lambda: pytest.fail("asked for a group that never gathers on RoCE"))
     assert rg.maybe_roce_gather("tp", 1, None, None) is None
     assert rg.maybe_roce_gather("ep", 4, None, None) is None
+    ctx = SimpleNamespace(published=False)
+    monkeypatch.setattr(rc, "get_context", lambda: SimpleNamespace(is_config_namespace_published=lambda ns: ctx.published))
+    assert rg.maybe_roce_gather("tp", 4, None, None) is None  # no server flags published: off
+    ctx.published = True
     monkeypatch.setattr(rc, "get_exec", lambda: SimpleNamespace(comm=SimpleNamespace(enable_b12x_roce_all_gather=False)))
     assert rg.maybe_roce_gather("tp", 4, None, None) is None
 

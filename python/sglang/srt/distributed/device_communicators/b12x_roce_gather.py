@@ -59,8 +59,11 @@ def maybe_roce_gather(group_name: Optional[str], world_size: int, cpu_group, dev
     """The TP group's RoCE gather when the flag is on, else None."""
     if group_name != GROUP or world_size < 2:
         return None
-    from sglang.srt.runtime_context import get_exec
+    from sglang.srt.runtime_context import get_context, get_exec
 
+    # Groups built outside a server (tools, tests) have no published flags: the flag is off.
+    if not get_context().is_config_namespace_published("exec"):
+        return None
     if not get_exec().comm.enable_b12x_roce_all_gather:
         return None
     return RoceGather(cpu_group, device)
