@@ -138,6 +138,8 @@ def rows() -> list[Row]:
         Row("refuse_wrong_build", DSPARK + ["--fork-expect-version", "0.5.23+fork.1.0000000"],
             refused_with="refusing to start another patch series"),
         # The GB10 features refuse on this GPU and checkpoint, naming what they found.
+        Row("refuse_b12x_moe", DSPARK + ["--moe-runner-backend", "b12x"],
+            refused_with="b12x kernels need SM120/SM121"),
         Row("refuse_b12x_mxfp8", DSPARK + ["--block-fp8-mxfp8-backend", "b12x"],
             refused_with="--block-fp8-mxfp8-backend b12x"),
         Row("refuse_b12x_roce", DSPARK + ["--enable-b12x-roce-all-gather"],
