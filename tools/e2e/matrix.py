@@ -152,6 +152,15 @@ def rows() -> list[Row]:
         Row("refuse_hc_fused_v4", DSPARK + ["--dsv4-hc-fused-stats", "auto"],
             refused_with="hc_pre_from_prev_sublayer is false"),
         Row("refuse_engram_prefetch", DSPARK + ["--engram-prefetch", "on"], refused_with="has no Engram layers"),
+        # The GB10 features refuse on this GPU and checkpoint, naming what they found.
+        Row("refuse_b12x_moe", DSPARK + ["--moe-runner-backend", "b12x"],
+            refused_with="b12x kernels need SM120/SM121"),
+        Row("refuse_b12x_mxfp8", DSPARK + ["--block-fp8-mxfp8-backend", "b12x"],
+            refused_with="--block-fp8-mxfp8-backend b12x"),
+        Row("refuse_b12x_roce", DSPARK + ["--enable-b12x-roce-all-gather"],
+            refused_with="--enable-b12x-roce-all-gather does nothing with --tp 1"),
+        Row("refuse_engram_store", DSPARK + ["--engram-row-store-dir", "/tmp", "--engram-row-store-cache-gib", "1"],
+            refused_with="the model has no Engram tables"),
         # DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing with the kernels on.
         _row("real_off", model="real", sampled=False, timing=True),
         _row("real_wo_a_small", "--dsv4-wo-a-fp8-twin", "small", model="real", sampled=False, timing=True),

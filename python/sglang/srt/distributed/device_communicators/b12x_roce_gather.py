@@ -1,0 +1,110 @@
+"""TP all-gathers over b12x's RoCE one-shot runtime (``--enable-b12x-roce-all-gather``).
+
+WHY. A DGX Spark (GB10) line joins one GPU per node over 200 GbE RoCE; NCCL's all-gather there
+pays a network round per ring step, while b12x's RoCEnante (``b12x.comm.roce``) RDMA-writes each
+rank's shard straight into every peer's pinned host memory, which the GB10's GPU reads in place,
+in one kernel launch (the seeds' production line routed its gathers through it: roce_gather).
+
+WHAT IT DOES. The TP group's coordinator builds one runtime (collectively, every rank) and
+prepares its gather launcher and padded scratch at construction, before any CUDA-graph capture;
+``GroupCoordinator._all_gather_into_tensor`` asks ``gather_into`` first, ahead of pymscclpp and
+pynccl: a dim-0 gather whose shard fits the runtime (contiguous, on this device, at most
+``max_gather_bytes``; b12x's own ``should_all_gather``) runs on RoCE, anything else keeps
+upstream's path. Graph capture enters the runtime's capture context. Gathers are exact copies.
+
+Refused at startup, naming what was found: not SM12x or b12x not at the pinned release, TP 1,
+TP ranks on one node (--nnodes 1: RoCE is for ranks on different nodes), more than 16 ranks.
+Docs: docs/b12x-roce-all-gather.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from sglang.srt.utils.b12x_pin import require_b12x
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--enable-b12x-roce-all-gather"
+GROUP = "tp"
+
+
+def validate_b12x_roce_all_gather(cfg) -> None:
+    """Resolution-hook check (``Engine(...)`` bypasses argparse)."""
+    if not cfg.enable_b12x_roce_all_gather:
+        return
+    tp, nnodes = cfg.tp_size, cfg.nnodes
+    if tp < 2:
+        raise ValueError(f"{FLAG} does nothing with --tp {tp}: there is no all-gather")
+    if nnodes < 2:
+        raise ValueError(
+            f"{FLAG} needs TP ranks on different nodes joined by RoCE (found --nnodes {nnodes})"
+        )
+    if tp > 16:
+        raise ValueError(f"{FLAG}: b12x's RoCE runtime serves 2..16 ranks, found --tp {tp}")
+    require_b12x(FLAG, "comm.roce", "AllReduce")
+
+
+def gather_shape_fits(nbytes: int, max_gather_bytes: int) -> bool:
+    """The shard sizes RoCE takes (b12x's should_all_gather's size rule)."""
+    return 0 < nbytes <= max_gather_bytes
+
+
+def maybe_roce_gather(group_name: Optional[str], world_size: int, cpu_group, device) -> Optional["RoceGather"]:
+    """The TP group's RoCE gather when the flag is on, else None."""
+    if group_name != GROUP or world_size < 2:
+        return None
+    from sglang.srt.runtime_context import get_context, get_exec
+
+    # Groups built outside a server (tools, tests) have no published flags: the flag is off.
+    if not get_context().is_config_namespace_published("exec"):
+        return None
+    if not get_exec().comm.enable_b12x_roce_all_gather:
+        return None
+    return RoceGather(cpu_group, device)
+
+
+class RoceGather:
+    """One b12x RoCE runtime for a process group, its gather plan prepared at construction."""
+
+    def __init__(self, cpu_group, device):
+        import torch.distributed as dist
+        from b12x.comm import roce
+        from b12x.preparation import PreparationSession, PreparedCall
+
+        self.runtime = roce.AllReduce.from_exchange_group(exchange_group=cpu_group, device=device)
+        hosts = [None] * dist.get_world_size(group=cpu_group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
+        query = roce.query_from_runtime(
+            self.runtime, surface="AllReduce.all_gather", topology="roce_rdma", peer_hosts=hosts,
+            call={"dim": 0, "max_gather_bytes": self.runtime.max_gather_bytes},
+        )
+        self.plan = roce.plan(query, runtime=self.runtime)
+        probe = torch.zeros(256, dtype=torch.bfloat16, device=device)
+        self.session = PreparationSession(device=device).__enter__()  # lives with the group
+        self.session.prepare((self.plan.request(
+            name=f"roce all-gather {device}",
+            prepare_call=lambda state: PreparedCall(run=lambda: state.all_gather(probe), owners=(probe,)),
+        ),))
+        self.max_gather_bytes = self.runtime.max_gather_bytes
+        logger.info("%s: RoCE all-gather for %d ranks (hosts %s), shards up to %d bytes", FLAG,
+                    len(hosts), ",".join(hosts), self.max_gather_bytes)
+
+    def gather_into(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+        """Gather ``input`` (dim 0) into ``output`` on RoCE when it fits; False leaves it to NCCL."""
+        if not (output.is_contiguous() and self.runtime.should_all_gather(input, dim=0)):
+            return False
+        self.runtime.all_gather(input, dim=0, out=output, plan=self.plan)
+        return True
+
+    def capture(self):
+        return self.runtime.capture()
+
+
+def capture_context(roce_gather: Optional[RoceGather]):
+    return nullcontext() if roce_gather is None else roce_gather.capture()

@@ -1,0 +1,146 @@
+"""Block-fp8 linears served as MXFP8 on b12x's ``gemm.block_fp8_linear`` (``--block-fp8-mxfp8-backend b12x``).
+
+DIAGNOSIS. DeepSeek-V4.1's linears are e4m3 with one ue8m0 scale per 32x32 block: an MXFP8
+operand. On SM120 / SM121 (RTX Blackwell, GB10) upstream's block-fp8 MXFP8 resolver
+(``fp8_utils.resolve_block_fp8_mxfp8_backend``) has no kernel, so they run on the Triton block
+kernel. The seeds served them on b12x's MXFP8 GEMM; FlashInfer's wrapper of it rejected K % 128,
+so the shared expert's down_proj (K = 576 at TP4) fell back to CUTLASS at 58 us against 17 us
+(seed ``shared_pad_k``).
+
+WHAT IT DOES. After load each eligible layer's weight is packed once by b12x
+(``pack_weight``: the checkpoint's e4m3 bytes and its 32x32 scales expanded to the SM12x MMA
+layout; the bf16/Triton path's weight stays for layers b12x does not take) and two plans are
+prepared, one for decode / verify calls (up to ``decode_rows``) and one for prefill (up to the
+chunk size); a call runs the smaller plan that holds its rows. K that is not a multiple of 128
+(576) stays on b12x: b12x 1.5.1 pads K itself (zero weight columns with neutral scales, and the
+activation quantized into the padded width), so no pad-K step of ours runs on this path.
+Layers the model reads directly (``keep_plain_weight_layout``), other block shapes and
+pre-quantized (q, scale) inputs stay on upstream's path.
+
+Refused at startup, naming what was found: not SM12x or b12x not at the pinned release
+(``sglang.srt.utils.b12x_pin``), and a checkpoint without 32-wide ue8m0 block-fp8 linears (the
+flag would do nothing). Docs: docs/b12x-mxfp8-linear.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from sglang.srt.utils.b12x_pin import require_b12x
+
+logger = logging.getLogger(__name__)
+
+FLAG = "--block-fp8-mxfp8-backend"
+CHOICES = ("b12x",)
+
+
+def parse_block_fp8_mxfp8_backend(value: str) -> str:
+    v = value.strip().lower()
+    if v not in CHOICES:
+        raise ValueError(f"{FLAG} {value!r}: accepted: b12x (unset: upstream's resolver)")
+    return v
+
+
+def serves_block_fp8_as_mxfp8(block_size, scale_fmt) -> bool:
+    """A 32x32 ue8m0 block-fp8 weight is an MXFP8 operand b12x's linear takes."""
+    return block_size is not None and list(block_size) == [32, 32] and scale_fmt == "ue8m0"
+
+
+def validate_block_fp8_mxfp8_backend(cfg, *, quant_config=None) -> None:
+    """Resolution-hook check (``Engine(...)`` bypasses argparse). ``quant_config``: a callable
+    returning the checkpoint's quantization_config (dict or None), asked only when set."""
+    value = cfg.block_fp8_mxfp8_backend
+    if value is None:
+        return
+    parse_block_fp8_mxfp8_backend(value)
+    if quant_config is not None:
+        q = quant_config() or {}
+        block, fmt = q.get("weight_block_size"), q.get("scale_fmt")
+        if not serves_block_fp8_as_mxfp8(block, fmt):
+            raise ValueError(
+                f"{FLAG} b12x does nothing here: the checkpoint's linears are not 32x32 ue8m0 "
+                f"block-fp8 (found weight_block_size={block}, scale_fmt={fmt})"
+            )
+    require_b12x(f"{FLAG} b12x", "gemm.block_fp8_linear", "plan")
+
+
+def plan_capacities(decode_rows: int, chunk: int) -> tuple[int, ...]:
+    """The row capacities of a layer's plans: decode / verify calls, then prefill."""
+    return tuple(sorted({max(1, decode_rows), max(1, decode_rows, chunk)}))
+
+
+def capacity_for(rows: int, capacities: tuple[int, ...]) -> int:
+    for c in capacities:
+        if rows <= c:
+            return c
+    raise RuntimeError(
+        f"{FLAG} b12x: a call of {rows} rows exceeds the largest prepared plan ({capacities[-1]}); "
+        "plans cover the CUDA-graph batch sizes and prefill up to --chunked-prefill-size"
+    )
+
+
+def maybe_b12x_block_fp8(backend: Optional[str], block_size, scale_fmt) -> Optional["B12xBlockFp8Linear"]:
+    """The b12x linear for a block-fp8 linear method when the flag is on and the weights fit."""
+    if backend != "b12x" or not serves_block_fp8_as_mxfp8(block_size, scale_fmt):
+        return None
+    from sglang.srt.runtime_context import get_exec, get_schedule, get_spec
+
+    decode_bs = max(get_exec().graph.cuda_graph_config.decode.bs or [1])
+    rows = max(1, int(getattr(get_spec(), "speculative_num_draft_tokens", None) or 1))
+    chunk = int(get_schedule().chunked_prefill_size or 0)
+    return B12xBlockFp8Linear(tuple(block_size), plan_capacities(decode_bs * rows, chunk))
+
+
+_SESSIONS: dict[int, object] = {}
+
+
+class B12xBlockFp8Linear:
+    """One block-fp8 linear method's b12x path; per-layer state lives on the layer."""
+
+    def __init__(self, block_size: tuple[int, int], capacities: tuple[int, ...]):
+        self.block_size = block_size
+        self.capacities = capacities
+
+    def prepare(self, layer) -> bool:
+        """Pack the layer's weight and prepare its plans; False (upstream path) where b12x does
+        not take the layer."""
+        layer.b12x_block_fp8 = None
+        if getattr(layer, "keep_plain_weight_layout", False):
+            return False
+        from b12x.gemm import block_fp8_linear
+        from b12x.preparation import PreparationSession, PreparedCall
+
+        n, k = layer.weight.shape
+        device = layer.weight.device
+        packed = block_fp8_linear.pack_weight(layer.weight.data, layer.weight_scale_inv.data,
+                                              block_size=self.block_size)
+        session = _SESSIONS.get(device.index)
+        if session is None:  # lives with the process: closing it releases the plans
+            session = _SESSIONS[device.index] = PreparationSession(device=device).__enter__()
+        plans, requests = {}, []
+        for cap in self.capacities:
+            plan = block_fp8_linear.plan(block_fp8_linear.Caps(
+                device=device, max_tokens=cap, in_features=k, out_features=n,
+                block_size=self.block_size, output_mode="functional"))
+
+            def call(state, cap=cap):
+                x = torch.randn(cap, k, dtype=torch.bfloat16, device=device) * 0.125
+                return PreparedCall(run=lambda: state.run(x, packed), owners=(x,))
+
+            plans[cap] = plan
+            requests.append(plan.request(name=f"{getattr(layer, 'prefix', 'linear')}:{cap}", prepare_call=call))
+        session.prepare(tuple(requests))
+        layer.b12x_block_fp8 = (packed, plans)
+        return True
+
+    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        from b12x.gemm import block_fp8_linear
+
+        packed, plans = layer.b12x_block_fp8
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()
+        out = block_fp8_linear.run(x2, packed, plan=plans[capacity_for(x2.shape[0], self.capacities)],
+                                   bias=bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
