@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate
+from sglang.srt.layers.moe import router_live_rows as lr
 from sglang.srt.speculative.dspark_components import dspark_verify_cap as vc
 
 GAMMA, STRIDE = 5, 6
@@ -140,7 +141,7 @@ def _run_hash(device: str, bs: int, graph: bool):
         cap.begin_step(bs, conf)
         with vc.verify_cap_router_scope(_batch(True)):
             w, i = _hash_route(logits, ids_in, tid2eid)
-            vc.verify_cap_anchor_rows_(w, i)  # the hash_topk.py call site
+            lr.anchor_dead_rows_(w, i)  # the hash_topk.py call site
         out["w"], out["i"] = w, i
 
     if graph:
@@ -189,12 +190,12 @@ def test_routes_without_the_live_length_refuse_a_capped_verify():
     # Outside a target verify (decode, prefill) every route runs as upstream's.
     with vc.verify_cap_router_scope(_batch(False)):
         select_experts(logits, logits, config)
-        vc.verify_cap_router_unsupported("x", 3)
+        lr.refuse_dead_rows("x", 3)
     with vc.verify_cap_router_scope(_batch(True)):
         with pytest.raises(RuntimeError, match="cannot take the live length"):
             select_experts(logits, logits, config)
         with pytest.raises(RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"):
-            vc.verify_cap_router_unsupported("the DeepGEMM mega gate", 3)
+            lr.refuse_dead_rows("the DeepGEMM mega gate", 3)
     vc.configure(None)  # cap off: nothing refused
     with vc.verify_cap_router_scope(_batch(True)):
         select_experts(logits, logits, config)

@@ -12,11 +12,12 @@ With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 +
   for block verification alike, so the committed tokens are an exact sample of a verify with
   k drafts (upstream's trim after acceptance is not, for block verification);
 * in target-verify forwards the router takes the anchor row's experts for rows >= L
-  (``moe_fused_gate(live_lens=...)``), so dead rows add no experts to a layer's set.
+  (``moe_fused_gate(live_lens=...)``, through the scope of ``layers/moe/router_live_rows.py``
+  this cap opens around the target's forward), so dead rows add no experts to a layer's set.
   Dead rows are never committed and live rows attend to earlier rows only. Every router a
   DeepSeek-V4 / V4.1 target verify can take follows or refuses: select_experts' JIT route
   and V4.1's vision routing pass the live buffer to moe_fused_gate; the hash-routed layers
-  copy the anchor's routing over dead rows after their router (``anchor_rows_``, one launch
+  copy the anchor's routing over dead rows after their router (``anchor_dead_rows_``, one launch
   on 3 of 43 layers); a route that cannot take it (routing inside a FlashInfer TRT-LLM /
   triton_kernels MoE, the DeepGEMM mega gate, aiter, XPU, the torch-native, grouped or
   custom routers) raises at the first capped target verify, i.e. at graph capture.
@@ -48,6 +49,8 @@ from typing import Optional
 import msgspec
 import torch
 
+from sglang.srt.layers.moe.router_live_rows import LiveRows, live_rows_scope
+
 logger = logging.getLogger(__name__)
 
 ACCEPTED_FORMS = (
@@ -56,6 +59,7 @@ ACCEPTED_FORMS = (
     "per-position survival), or conf:t2,...,tgamma (one threshold per draft 2..gamma)"
 )
 # Requests the live buffer covers: the verify graphs' largest batch is far below.
+FLAG = "--speculative-dspark-verify-cap"
 MAX_REQUESTS = 1024
 # targets whose forward enters the cap's router scope (the live lengths reach every router)
 CAP_TARGETS = ("DeepseekV4ForCausalLM",)
@@ -263,7 +267,6 @@ class VerifyCap:
             if spec.thresholds is None
             else threshold_vector(spec, self.gamma).to(self.live.device)
         )
-        self._in_verify = False
         self._log_path = log_path
         self._log = None
         self._warned_no_conf = False
@@ -306,47 +309,12 @@ class VerifyCap:
     def cutoff(self, bs: int) -> torch.Tensor:
         return self.live[:bs]
 
-    @contextlib.contextmanager
     def router_scope(self, forward_batch):
-        prev = self._in_verify
-        self._in_verify = bool(forward_batch.forward_mode.is_target_verify())
-        try:
-            yield
-        finally:
-            self._in_verify = prev
-
-    def router_kwargs(self, gating_output: torch.Tensor) -> dict:
-        if not self._in_verify:
-            return {}
-        self._check_layout(gating_output.shape[0])
-        return {"live_lens": self.live, "live_stride": self.stride}
-
-    def _check_layout(self, m: int) -> None:
-        if m % self.stride != 0:
-            raise RuntimeError(
-                f"DSpark verify cap: a target-verify router got {m} rows, not a multiple "
-                f"of the verify stride {self.stride}; the cap needs the static layout."
-            )
-
-    def anchor_rows_(self, weights: torch.Tensor, ids: torch.Tensor) -> None:
-        """Routers without a live-length input (hash layers): one launch after routing."""
-        if not self._in_verify:
-            return
-        from sglang.kernels.ops.speculative.dspark.verify_anchor_rows import anchor_rows_
-
-        self._check_layout(weights.shape[0])
-        anchor_rows_(weights, ids, self.live, self.stride)
-
-    def unsupported_router(self, what: str, layer_id: Optional[int]) -> None:
-        """A target-verify route that cannot honour the live length: refuse it (at graph
-        capture, i.e. startup) instead of letting dead rows route on their own."""
-        if self._in_verify:
-            raise RuntimeError(
-                f"DSpark verify cap: the target-verify router of MoE layer {layer_id} runs "
-                f"{what}, which cannot take the live length (dead verify rows would add "
-                "their own experts); choose a configuration that routes through "
-                "moe_fused_gate or drop --speculative-dspark-verify-cap."
-            )
+        """Around the target's forward: in a target verify, the routers route dead rows as
+        their anchor (``router_live_rows``); elsewhere they run upstream's code."""
+        if not forward_batch.forward_mode.is_target_verify():
+            return live_rows_scope(None)
+        return live_rows_scope(LiveRows(self.live, self.stride, FLAG))
 
     def log_step(self, confidence: Optional[torch.Tensor], correct_len: torch.Tensor) -> None:
         """Rank 0: per request [confidence (gamma), live length, accepted drafts] as float32.
@@ -426,24 +394,6 @@ def verify_cap_needs_confidence() -> bool:
 
 
 def verify_cap_router_scope(forward_batch):
+    """The target model's forward runs in this scope (DeepSeek-V4's ``forward``)."""
     cap = get_verify_cap()
     return contextlib.nullcontext() if cap is None else cap.router_scope(forward_batch)
-
-
-def verify_cap_router_kwargs(gating_output: torch.Tensor) -> dict:
-    cap = get_verify_cap()
-    return {} if cap is None else cap.router_kwargs(gating_output)
-
-
-def verify_cap_anchor_rows_(weights: torch.Tensor, ids: torch.Tensor) -> None:
-    """Hash-routed layers: in a capped target verify, dead rows take the anchor's routing."""
-    cap = get_verify_cap()
-    if cap is not None:
-        cap.anchor_rows_(weights, ids)
-
-
-def verify_cap_router_unsupported(what: str, layer_id: Optional[int] = None) -> None:
-    """Call on a router route that ignores the live length; raises in a capped verify."""
-    cap = get_verify_cap()
-    if cap is not None:
-        cap.unsupported_router(what, layer_id)

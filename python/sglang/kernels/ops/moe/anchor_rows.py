@@ -1,12 +1,12 @@
 """Dead verify rows take their anchor row's routing, in place, for routers that cannot read a
-live length (DeepSeek-V4's hash-routed layers: ids from ``tid2eid[token]``, a CUDA JIT kernel).
+live length (DeepSeek-V4's hash-routed layers: ids from ``tid2eid[token]``).
 
-The DSpark verify cap (``--speculative-dspark-verify-cap``) gives each request a live length
-L = 1 + k inside the static [bs, gamma + 1] verify; ``moe_fused_gate(live_lens=...)`` routes
-rows >= L as their anchor inside the router. The hash layers (3 of 43) route elsewhere, so
-after their router this one launch copies row ``r * S`` over every row ``r * S + j``,
-``j >= live_lens[r]``, of each [M, ...] output (weights and ids): the dead rows add no
-experts. An anchor (j = 0) is never dead (L >= 1), so rows read in place are never written.
+Rows are requests of ``stride`` consecutive verify rows; ``moe_fused_gate(live_lens=...)``
+routes rows at or past a request's live length L as its anchor inside the router. Routers
+without that input call this once after routing: row ``r * S`` is copied over every row
+``r * S + j``, ``j >= live_lens[r]``, of each [M, ...] output (weights and ids), so the dead rows
+add no experts. An anchor (j = 0) is never dead (L >= 1), so rows read in place are never
+written.
 """
 
 from __future__ import annotations
