@@ -288,10 +288,68 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     assert f'"version": "{version}"' in r.stdout
 
 
-def test_every_flag_is_in_the_readme_flag_table(series):
-    table = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| `--")]
-    documented = {re.match(r"\| `(--[a-z0-9-]+)", line).group(1) for line in table}
-    assert {f for p in series for f in p.flags} - documented == set()
+README = REPO / "README.md"
+README_MAX_LINES = 250
+README_MAX_CELL = 300
+FLAG_TABLE_HEADER = ["flag", "default", "what it does", "patch"]
+
+
+def _table_rows(text: str) -> list[list[list[str]]]:
+    """Every markdown table of ``text``: its rows (header first, separator dropped), each a list of
+    cells, split on ``|`` but not on an escaped ``\\|``."""
+    tables, rows = [], None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            rows = None
+            continue
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if all(re.fullmatch(r":?-+:?", c) for c in cells):
+            continue
+        if rows is None:
+            rows = []
+            tables.append(rows)
+        rows.append(cells)
+    return tables
+
+
+def _readme_flag_rows() -> list[list[str]]:
+    tables = [t for t in _table_rows(README.read_text()) if t[0] == FLAG_TABLE_HEADER]
+    assert len(tables) == 1, f"README.md needs one flag table headed {' | '.join(FLAG_TABLE_HEADER)}"
+    return tables[0][1:]
+
+
+def test_every_flag_is_in_the_readme_flag_table_with_its_patch(series):
+    documented = {}
+    for row in _readme_flag_rows():
+        assert len(row) == len(FLAG_TABLE_HEADER), row
+        flag = re.search(r"`(--[a-z0-9-]+)", row[0]).group(1)
+        assert flag not in documented, f"{flag}: two rows"
+        documented[flag] = row[3]
+    declared = {f: p.name[:4] for p in series for f in p.flags}
+    assert set(declared) - set(documented) == set()
+    wrong = {f: documented[f] for f, n in declared.items() if not documented[f].startswith(n)}
+    assert wrong == {}, f"patch column does not start with the declaring patch's number: {wrong}"
+
+
+def test_every_readme_flag_row_links_its_docs_page():
+    for row in _readme_flag_rows():
+        pages = re.findall(r"\]\((docs/[^)#]+\.md)(?:#[^)]*)?\)", " ".join(row))
+        assert pages, f"{row[0]}: no link to its docs/ page"
+        assert all((REPO / page).is_file() for page in pages), f"{row[0]}: {pages}"
+
+
+def test_readme_stays_short():
+    text = README.read_text()
+    assert len(text.splitlines()) < README_MAX_LINES
+    long = [c[:60] + "..." for table in _table_rows(text) for row in table for c in row
+            if len(c) > README_MAX_CELL]
+    assert long == [], f"README table cells over {README_MAX_CELL} characters"
+
+
+def test_readme_links_resolve():
+    targets = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README.read_text())
+    local = [t for t in targets if not re.match(r"[a-z]+://", t)]
+    assert local and [t for t in local if not (REPO / t).exists()] == []
 
 
 # ---------------------------------------------------------------------------- refresh and tree (issue 19)
