@@ -593,6 +593,7 @@ def _engram_table(n, rank):
     torch.nn.Module.__init__(emb)
     per = -(-V // n)
     emb.row_start, emb.host_table, emb.peer = per * rank, None, None
+    emb.row_store = None  # the Engram row store's attribute (--engram-row-store-dir off)
     emb.rows = min(per, V - emb.row_start)
     for name, cols, dtype in (("weight", H, torch.float8_e4m3fn), ("scale", H // 32, torch.float8_e8m0fnu)):
         p = torch.nn.Parameter(torch.zeros(emb.rows, cols, dtype=torch.uint8).view(dtype), requires_grad=False)
