@@ -49,8 +49,6 @@ from typing import Optional
 import msgspec
 import torch
 
-from sglang.srt.layers.moe.router_live_rows import LiveRows, live_rows_scope
-
 logger = logging.getLogger(__name__)
 
 ACCEPTED_FORMS = (
@@ -312,6 +310,9 @@ class VerifyCap:
     def router_scope(self, forward_batch):
         """Around the target's forward: in a target verify, the routers route dead rows as
         their anchor (``router_live_rows``); elsewhere they run upstream's code."""
+        # Imported here: server-argument parsing imports this module, and the MoE package is heavy.
+        from sglang.srt.layers.moe.router_live_rows import LiveRows, live_rows_scope
+
         if not forward_batch.forward_mode.is_target_verify():
             return live_rows_scope(None)
         return live_rows_scope(LiveRows(self.live, self.stride, FLAG))
