@@ -478,6 +478,43 @@ def test_no_module_of_ours_binds_a_top_level_name_twice(series):
     assert problems == []
 
 
+# A git short sha or a fork build string (<release>+fork.7.170b0a5): which build a figure came from
+# is the results file's business (and git log's), never the code's or a patch header's (issue 20).
+# A hash is 7-12 hex digits with a digit and a letter among them, standing alone: hex constants
+# are written 0x..., pinned sha256 digests are 64 digits, English words have no digit.
+BUILD_HASH_RE = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}\b")
+FORK_BUILD_RE = re.compile(r"\+fork\.\d+\.[0-9a-f]{7}")
+# (file, text) allowed to match. fork.py documents the version format with an example string;
+# it names no build.
+BUILD_HASH_ALLOWED = {("python/sglang/fork.py", "+fork.1.3f9a1c2")}
+
+
+def _build_hashes(name: str, text: str) -> list[str]:
+    hits = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for allowed in (a for f, a in BUILD_HASH_ALLOWED if f == name):
+            line = line.replace(allowed, "")
+        hits += [f"{name}:{n}: {m.group()}" for r in (FORK_BUILD_RE, BUILD_HASH_RE) for m in r.finditer(line)]
+    return hits
+
+
+def test_the_build_hash_check_catches_what_it_is_for():
+    found = _build_hashes("x", "measured at build e1f555d\n9.9.9+fork.7.170b0a5 (the run at bffc136)")
+    assert [h.split(": ")[1] for h in found] == ["e1f555d", "+fork.7.170b0a5", "170b0a5", "bffc136"]
+    clean = "e4m3 0xB3A2 prmt 0x9180 sha256 " + "0a" * 32 + " 1234567 defaced accede"
+    assert _build_hashes("x", clean) == []
+
+
+def test_no_build_hash_in_our_modules_or_patch_headers(series):
+    """Our modules and the patch headers (subject and message, not the diff) name no build."""
+    hits = []
+    for patch in series:
+        hits += _build_hashes(patch.path.name, f"{patch.subject}\n{patch.body}")
+        for own in patch.owns:
+            hits += _build_hashes(own, (REPO / own).read_text(errors="replace"))
+    assert hits == []
+
+
 # Tests of the tools and of the series as a whole; every other test file belongs to a patch.
 TOOL_TESTS = {"test/test_series.py", "test/test_rebase.py", "test/test_export.py",
               "test/test_e2e_cpu.py", "test/test_e2e_tools.py", "test/test_gpu_bundle_smoke.py",

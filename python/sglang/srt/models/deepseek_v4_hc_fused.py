@@ -10,8 +10,8 @@ order, same bits. It wins only where the row tiles alone fill the GPU (large M);
 split-K grid is faster, so each device needs its measured threshold.
 
 THE THRESHOLD IS MEASURED, NEVER GUESSED. ``auto`` serves the one-pass kernel from the row count
-``MEASURED_MIN_ROWS`` lists for this GPU and route (benchmark/bench_hc_fused.py finds it;
-docs/hc_fused.md links the result file); a route not measured on this GPU stays stock, and a GPU
+``MEASURED_MIN_ROWS`` lists for this GPU and route (docs/hc_fused.md says how it is measured
+and links the result file); a route not measured on this GPU stays stock, and a GPU
 with no measured route refuses to load. An explicit row count serves both routes from there.
 
 SELF-CHECK. The first eager call of each kernel variant (route x row tile) at or above the
@@ -38,8 +38,8 @@ _USAGE = (
 ROUTES = ("bf16x3", "tf32x3")
 
 # (torch.cuda.get_device_name(), route) -> rows from which the one-pass kernel beat upstream's at
-# every larger measured row count (benchmark/bench_hc_fused.py: "min_rows" in
-# benchmark/results/hc_fused-<device>.json). Not yet measured on any GPU.
+# every larger measured row count ("min_rows" in benchmark/results/hc_fused-<device>.json,
+# docs/hc_fused.md). Not yet measured on any GPU.
 MEASURED_MIN_ROWS: dict[tuple[str, str], int] = {}
 
 

@@ -1,47 +1,36 @@
 """DeepSeek-V4 wo_a from an fp8 twin (``--dsv4-wo-a-fp8-twin``): building the twins, routing, drop.
 
-DIAGNOSIS. V4.1 ships wo_a as e4m3 with one ue8m0 scale per 32x32 block; the engine dequantizes
-it to bf16 at load, so every decode / verify / draft call streams 16.8 MB per layer and rank
-(G = 2) where the checkpoint has 8.4 MB of information, and the weight holds twice the memory.
-WHAT IT DOES. After the weights load, every bf16 ``wo_a`` of the target and of the DSpark draft
-gets a twin (e4m3 values + one exponent per 32x32 block), kept only when dequantizing it gives the
-bf16 weight back bit for bit. ``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_twin`` first. On
-Hopper (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
+V4.1 ships wo_a as e4m3 with one ue8m0 scale per 32x32 block; the engine dequantizes it to bf16
+at load, so every decode / verify / draft call streams twice the bytes. After the weights load,
+every bf16 ``wo_a`` of the target and of the DSpark draft gets a twin (e4m3 values + one exponent
+per 32x32 block), kept only when dequantizing it gives the bf16 weight back bit for bit.
+``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_twin`` first. On Hopper
+(``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
 - ``small``: decode / target-verify / draft calls with 2..8 rows on the small kernel, also those
-  that want upstream's fused MXFP8 epilogue;
-- ``mid``: also 9..32 rows, the row counts where the H200 measured the twin >= 1.1x stock: on the
-  small kernel up to 32 rows (16 at G = 8; up to four n8 tiles of x), on the wgmma kernel above;
-  more rows stay stock;
+  that want upstream's fused MXFP8 epilogue (bitwise upstream's ``wo_a_bf16_small_batch``);
+- ``mid``: also the row counts where the twin was measured faster (``MID_FASTER_MAX``): the small
+  kernel up to ``SMALL_KERNEL_MAX`` rows, the wgmma kernel above; more rows stay stock;
 - ``drop``: every decode / verify call of 1..192 rows reads the twin, and the bf16 weight is
-  released once the twin's dequantisation is checked bit-identical to it. The parameter then
-  holds a stand-in (one NaN seen through zero strides); every call the twin does not serve
-  (prefill, MXFP8 at mid rows, > 192 rows) multiplies ``stock_weight``: the weight rebuilt into a
-  fresh buffer per call (the seed's one shared scratch buffer raced between the target and draft
-  streams). Layers whose wo_a another reader takes (the fused rope + wo_a kernel, mega attention,
-  the NPU MXFP8 and bf16 paths, the DSpark draft's einsum) refuse to boot under drop, naming it;
-  so do in-place weight updates after it (writing into the stand-in raises).
-Every level refuses at startup --enable-deterministic-inference (the kernel follows the row count),
---enable-torch-compile (a traced ``data_ptr()`` misses the twin table: under drop the stand-in
-would be multiplied) and ROCm builds of torch (the kernels are NVIDIA's, measured on the H200).
-Every layer with a twin refuses online weight updates through upstream's
-``_derived_weight_cache_error`` (captured CUDA graphs read the twin's buffers); twins are built at
-the first load only, so a layer that had none then (e.g. ``--load-format dummy``) stays stock
-through later updates, whose graphs read its bf16 weight. Under drop a released layer refuses
-weight export (upstream's ``_weight_export_error``).
+  released once the twin's dequantisation is checked bit-identical to it.
 Elsewhere the portable Triton kernel ``dsv4_wo_a_fp8`` serves 2..8 rows (and 9..192 under mid).
 Prefill, one row (but under drop), other shapes or layouts and layers without a twin stay stock.
-LOSSLESS. Hopper small kernel: bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
-variant (H200, M = 2..8). wgmma and Triton kernels: within the fp32 accumulation bound of the
-exact result (G = 2/4/8, 9..192 rows), deterministic. drop: every route gives the bits it gave
-before the release (tests, CPU and H200).
-MEASURED (H200, 43 layers, CUDA graph; benchmark/results/wo_a_fp8-NVIDIA_H200.json, build
-e1f555d): G = 2, 2..8 rows 1.82-1.84x ``wo_a_bf16_small_batch`` (1.72-1.81x in the run at
-bffc136; 2.01-2.03x the einsum 0.5.23 runs on Hopper there), 9..16 rows 1.76-1.80x einsum,
-17..32 rows 1.30-1.59x; G = 4 1.76-1.80x at 2..8 / 1.66-1.68x at 9..16 / 1.32-1.36x at 17..32;
-G = 8 1.73-1.83x / 1.57-1.66x / 1.23-1.24x (wgmma). drop releases 7.99 MiB per layer net of the
-twin at G = 2 (15.98 at G = 4, 31.95 at G = 8; 343 / 687 / 1374 MiB for 43 layers); its prefill
-dequantisation costs 12.4 us per layer and call at G = 2, and the row counts mid leaves stock
-run at 0.54-1.05x einsum (still faster than rebuilding the weight).
+Figures: docs/wo-a-fp8-twin.md.
+
+DROP'S INVARIANTS. The released parameter holds a stand-in (one NaN seen through zero strides),
+so a reader the dispatch did not catch cannot produce plausible numbers (``_stand_in``).
+Every call the twin does not serve (prefill, MXFP8 at mid rows, > 192 rows) multiplies
+``stock_weight``: the weight rebuilt into a fresh buffer per call (one shared scratch buffer
+would race between the target's and the draft's streams). Layers whose wo_a another reader
+takes (the fused rope + wo_a kernel, mega attention, the NPU MXFP8 and bf16 paths, the DSpark
+draft's einsum) refuse to boot under drop, naming it, and writing into the stand-in raises.
+
+REFUSED. Every level refuses --enable-deterministic-inference (the kernel follows the row
+count), --enable-torch-compile (a traced ``data_ptr()`` misses the twin table: under drop the
+stand-in would be multiplied) and ROCm builds of torch. Layers with a twin refuse online weight
+updates through upstream's ``_derived_weight_cache_error`` (captured CUDA graphs read the twin's
+buffers); twins are built at the first load only, so a layer that had none then (e.g.
+``--load-format dummy``) stays stock through later updates. Under drop a released layer refuses
+weight export (upstream's ``_weight_export_error``).
 """
 
 from __future__ import annotations
@@ -66,9 +55,7 @@ MID_MAX_ROWS = 192
 
 
 # Hopper, mid and drop: rows up to which the small kernel (x in the ring, up to 4 n8 tiles) beats
-# the wgmma one, per group count (benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json: G = 2 at
-# 24 / 32 rows 6.7 / 6.9 us against 8.1; G = 4 8.3-8.6 against 10.9; G = 8 at 16 rows 12.0
-# against 14.6, at 24 rows 16.2 against 15.7, so there the wgmma kernel); other G: 8.
+# the wgmma one, per group count (benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json); other G: 8.
 SMALL_KERNEL_MAX = {2: 32, 4: 32, 8: 16}
 
 

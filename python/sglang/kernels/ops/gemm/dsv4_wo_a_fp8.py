@@ -1,44 +1,26 @@
-"""WO-A (``einsum('tgd,grd->tgr')``) read from an fp8 twin of the bf16 weight.
+"""WO-A (``einsum('tgd,grd->tgr')``) read from an fp8 twin of the bf16 weight: the portable Triton
+kernel (GPUs other than Hopper; Hopper runs ``dsv4_wo_a_fp8_sm90``) and the dequantisers.
 
 The twin holds the same operand values as the bf16 weight in half the bytes: e4m3 values plus
-one ue8m0 exponent per 32x32 block (``exp`` is stored biased by 127, ``uint8 [G, R/32, D/32]``).
-The kernel rebuilds each bf16 tile in registers (``bf16(e4m3) * 2**(e-127)``, exact
-because the twin is kept only when it reproduces the weight bit for bit) and feeds the same
-``tl.dot`` as upstream's ``_wo_a_partial``. This portable kernel is what GPUs other than Hopper
-run; on Hopper the Gluon kernels of ``dsv4_wo_a_fp8_sm90`` replace it. ``wo_a_fp8_dequant`` and
-``wo_a_fp8_dequant_packed`` (from Hopper's packed words) rebuild the bf16 weight: the build's
-exactness check and, under ``drop``, every call the twin kernels do not serve.
+one ue8m0 exponent per 32x32 block (``exp`` stored biased by 127, ``uint8 [G, R/32, D/32]``).
+The kernel rebuilds each bf16 tile in registers (``bf16(e4m3) * 2**(e-127)``, exact because the
+twin is kept only when it reproduces the weight bit for bit) and feeds ``tl.dot`` as upstream's
+``_wo_a_partial`` does. ``wo_a_fp8_dequant`` and ``wo_a_fp8_dequant_packed`` (from Hopper's
+packed words) rebuild the bf16 weight: the build's exactness check and, under ``drop``, every
+call the twin kernels do not serve.
 
-Small path (2..8 rows): upstream's K split (8 splits of 512, 4 chunks of 128, 16-row dot).
-``wo_a_fp8_matmul`` reduces the split partials inside the same kernel: the CTA that finishes a
-column tile last (an arrival counter, not a data atomic) sums the 8 partials in split order 0..7
-and stores bf16; the sum order is fixed, so the result is deterministic. The counters belong to
-one weight (one layer), and the last CTA resets them. ``wo_a_fp8_partial`` returns the partials.
-
+Small path (2..8 rows): upstream's K split (8 splits of 512). ``wo_a_fp8_matmul`` reduces the
+split partials inside the same kernel: the CTA that finishes a column tile last (an arrival
+counter, not a data atomic) sums the 8 partials in split order 0..7, so the result is
+deterministic. The counters belong to one weight (one layer) and the last CTA resets them.
 Mid path (9..192 rows): the same kernel with fewer splits and taller row tiles (``_MID``).
 
-Measured on the H200 (43 layers in a CUDA graph, benchmark/bench_wo_a_fp8.py,
-benchmark/results/wo_a_fp8-NVIDIA_H200.json): this kernel is NOT fast yet. Small path, G = 2,
-grid 32 x 2 x 8 = 512 CTAs (BN = 32, 16 KB of e4m3 each, all four 4 KB chunks loaded before the
-first dot, dequantisation in registers right before each dot, reduction by the last CTA of each
-tile): 9.4-9.6 us per layer, against 7.9-8.1 us for upstream's two kernels and 3.84 us for a pure
-read of the twin's 8.4 MB in one kernel (2.5x the read). G = 8: 21.3-22.3 us (einsum 18.3-18.6).
-A loop version with Triton's pipeliner and per-element exponent gathers measured 8.8-9.0 us at
-G = 2. The tile sweep (BN 16/32/64, 1..8 warps, 2..4 stages) moved it by < 10 %, so the cost is
-per CTA, not per byte. Where it goes (benchmark/probe_wo_a_fp8_breakdown.py, same kernel built up
-from a pure read of its tile, G = 2, M = 4): read 4.0-4.2 us, + dequantisation in registers
-+0.9-2.0 us, + the tensor-core dot with x (operands staged through shared memory) +2-3 us, + the
-split-K reduction +1.9 us; each step runs after the CTA's bytes arrive. Whole-kernel redesigns
-(swap-AB, a batched 3-D dot with one K lane per warp, 16/32 warps, a tile-contiguous twin layout,
-single-shot loads) all stayed at >= 8.9 us (G = 2) and >= 20.6 us (G = 8). The one design that
-beat stock is a probe in Gluon (benchmark/probe_wo_a_fp8_gluon.py): MMA operands loaded from global
-memory straight into registers, every load issued before the first MMA, no shared memory: 6.5-7.4
-us at G = 2 (1.1-1.2x stock), 17.7-18.4 us at G = 8; the next version of this kernel starts there.
-The split partials are not bit-identical to ``_wo_a_partial``'s (measured: 16250 of 32768 differ
-in the last bits at M = 2), so callers keep upstream's kernel for the MXFP8 epilogue. The cause, in
-the TTGIR compiled for sm_90: Triton lays out an operand upcast from fp8 with kWidth 4 (stock's bf16
-operands: kWidth 2), which reorders K inside each MMA; a swap-AB variant with stock's splits came
-within 0-3 differing outputs of stock at M = 2..8, so bitwise needs stock's operand layout.
+NOT BITWISE UPSTREAM: Triton lays out an operand upcast from fp8 with kWidth 4 (upstream's bf16
+operands: kWidth 2), which reorders K inside each MMA, so the partials differ from
+``_wo_a_partial``'s in the last bits and callers keep upstream's kernel for the MXFP8 epilogue.
+Results are within the fp32 accumulation bound of the exact product. On the H200 this kernel is
+slower than upstream's small-batch kernel (hence the Gluon kernels there); on other GPUs it is
+not measured (docs/wo-a-fp8-twin.md).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ DIAGNOSIS. DeepSeek-V4.1's linears are e4m3 with one ue8m0 scale per 32x32 block
 operand. On SM120 / SM121 (RTX Blackwell, GB10) upstream's block-fp8 MXFP8 resolver
 (``fp8_utils.resolve_block_fp8_mxfp8_backend``) has no kernel, so they run on the Triton block
 kernel. The seeds served them on b12x's MXFP8 GEMM; FlashInfer's wrapper of it rejected K % 128,
-so the shared expert's down_proj (K = 576 at TP4) fell back to CUTLASS at 58 us against 17 us
-(seed ``shared_pad_k``).
+so the shared expert's down_proj (K = 576 at TP4) fell back to CUTLASS, about 3x slower than
+b12x with K padded (seed ``shared_pad_k``; docs/b12x-mxfp8-linear.md).
 
 WHAT IT DOES. After load each eligible layer's weight is packed once by b12x
 (``pack_weight``: the checkpoint's e4m3 bytes and its 32x32 scales expanded to the SM12x MMA

@@ -1,24 +1,19 @@
 """The DSpark draft's block logits from an fp8 copy of the target's LM head
 (--speculative-dspark-draft-head-fp8).
 
-DIAGNOSIS. The draft projects gamma rows per request through the target's vocab-parallel
-bf16 LM head every step: at bs 1..4 (5..20 rows) that GEMM is bound by streaming the
-head (TP4 shard 32320 x 5120 = 331 MB: ~100 us on the H200; TP1 1.3 GB: 310-400 us).
+The draft projects gamma rows per request through the target's vocab-parallel bf16 LM head
+every step; at small batch that GEMM is bound by streaming the head. When the draft attaches
+the target's head it builds (before CUDA-graph capture) an e4m3 copy with one power-of-two
+scale per 32x32 block, held by the draft; the draft's logits for up to ``MAX_ROWS`` (32) rows
+come from it. On Hopper (SM90) the kernel is draft_head_fp8_wgmma.py and the copy is stored
+K-permuted for it; elsewhere (SM89) the Triton mma.sync kernel of draft_head_fp8.py. Larger
+calls keep the bf16 head. Figures: docs/draft-head-fp8.md.
 
-WHAT IT DOES. When the draft attaches the target's head, it builds (before CUDA-graph
-capture) an e4m3 copy with one power-of-two scale per 32x32 block, held by the draft; the
-draft's logits for up to ``MAX_ROWS`` (32) rows come from it, streamed once per call, with
-the same bits per row whatever the row count (exact bf16 products, fixed K order), so
-batching within 1..MAX_ROWS never changes a draft token. On Hopper (SM90) the kernel is a
-Gluon wgmma one (draft_head_fp8_wgmma.py: vocab rows as M, draft rows as N, weights and x by
-TMA) and the copy is stored K-permuted for it; elsewhere (SM89) the Triton mma.sync kernel
-(draft_head_fp8.py, 16-row tiles). Larger calls keep the bf16 head.
-
-SPEED (H200, benchmark/results/draft_head_fp8-NVIDIA_H200.json, vs cuBLAS bf16 in one
-CUDA graph): see the wgmma kernel's docstring and the patch header; the mma.sync kernel ran
-1.63-1.66x at 1..16 rows and 1.28-1.32x at 17..32 rows on the TP4 shard.
-The target keeps its bf16 head: the output stays lossless because the draft samples and
-computes q from the same fp8 logits (rejection sampling is exact for any proposal).
+INVARIANTS. A row's logits are the same bits whatever the row count (exact bf16 products,
+fixed K order) and one device uses one kernel for every call, so batching within
+1..MAX_ROWS never changes a draft token. The target keeps its bf16 head: the output stays
+lossless because the draft samples and computes q from the same fp8 logits (rejection
+sampling is exact for any proposal).
 
 COST. One fp8 copy per rank (N x K bytes + N x K / 256 bytes of scales: TP4 ~166 MB,
 TP1 ~663 MB), allocated at draft load, before the memory profile: the KV pool shrinks by
@@ -37,10 +32,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Rows the fp8 head serves. The mma.sync kernel adds ~15 us of MMA per 16-row tile: on the H200
-# (benchmark/results/draft_head_fp8-*.json) 33..48 rows were only 1.04-1.06x cuBLAS bf16 and
-# 49..64 rows 0.95-1.01x; the wgmma kernel's N is at most 32. Calls above 32 rows keep the
-# bf16 head: never slower than stock.
+# Rows the fp8 head serves: the wgmma kernel's N is at most 32, and past 32 rows the mma.sync
+# kernel is no faster than cuBLAS bf16 (benchmark/results/draft_head_fp8-NVIDIA_H200.json).
+# Calls above 32 rows keep the bf16 head: never slower than stock.
 MAX_ROWS = 32
 
 

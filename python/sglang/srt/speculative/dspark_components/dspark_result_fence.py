@@ -43,8 +43,7 @@ before it launches scheduler step N+2:
   before its side-stream D2H, so it reads in stream order, before any later replay.
 Every other consumer (next draft input, future-map publish, mamba commit) reads on the
 forward stream before step N+2; stock already rewrites the buffers at step N+1. So the
-ring serves every folded path, and it replaced the first version's per-step arena clone
-(one allocation and copy, 10-30 us of host time per step).
+ring serves every folded path.
 
 ONE COPY PER CONSUMED STEP. The host's count and the device counter stay equal because the
 copy is gated exactly like the fold: the verify graph copies under the epilogue's
@@ -60,12 +59,8 @@ warm-ups had copied). Any other drift would hand the host the other slot, so the
 counter is read back without a sync at the first consumption and every ``CHECK_EVERY``
 after, and a mismatch raises.
 
-COST (H200, benchmark/results/folded_result_fence-NVIDIA_H200.json, 5,120-byte arena at
-max_bs 64, gamma 5). Host per step: 5.2-7.6 us for the ring's cached views (drift check
-included) against 10.1-17.6 us for stock's fresh views; the arena clone it replaced cost
-25-42 us, one clone per tensor 135-140 us. GPU: one 1.08 us kernel inside the graph
-(arena clone 1.8 us, clone per tensor 10-15 us). Race test: stock read another step's
-tokens in 48 of 50 steps, the ring in 0 of 50.
+COST: one small kernel inside the graph and no host time beyond stock's
+(benchmark/results/folded_result_fence-NVIDIA_H200.json, docs/result-fence.md).
 
 LOSSLESS: the slot holds the bytes the graph wrote (tested bitwise).
 """

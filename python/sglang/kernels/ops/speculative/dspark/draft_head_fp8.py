@@ -1,7 +1,6 @@
 """fp8 copy of the draft's LM head (e4m3, one power-of-two scale per 32x32 block) and the
 portable draft-logits GEMM that reads it (--speculative-dspark-draft-head-fp8): served on SM89
-and run by the CPU tests; on Hopper the flag serves draft_head_fp8_wgmma.py (1.59-1.72x where
-this kernel gives 1.28-1.32x at 17..32 rows).
+and run by the CPU tests; on Hopper the flag serves draft_head_fp8_wgmma.py.
 
 EXACT. Each weight tile is dequantized in registers to bf16: e4m3 -> f16 is exact, the f16's
 exponent and mantissa move right by 3 bits into bf16 position (its sign stays), and one
@@ -10,33 +9,15 @@ exponent-bias change: exact for every weight whose dequantized value is a bf16 n
 x bf16 products are exact in the fp32 accumulator of mma.sync m16n8k16, and K is summed in
 one fixed order (the k16 steps of one HMMA chain, whatever BLOCK_K). A row's logits are its
 16-row tile's chain whatever the other rows hold, so they are the same bits at every row
-count and with every CONFIGS entry (tested on the H200 at 1, 2, 5, 16, 17, 20, 32, 33, 48
-and 64 rows, eager and in a CUDA graph): batching never changes a draft token.
+count and with every CONFIGS entry: batching never changes a draft token. Swapping the
+operands would keep the bits; K's order inside the MMA decides them.
 
-FAST (H200, benchmark/results/draft_head_fp8-NVIDIA_H200.json, tune_draft_head_fp8-*.json).
-The head streams from HBM once per call for up to 64 rows: each weight tile is converted
-once and feeds every 16-row tile. At 1..16 rows (one tile) the kernel runs at 3.2 TB/s on
-the TP4 shard (51 us vs cuBLAS bf16 84 us, 1.63-1.66x; floor 40.6 us) and 3.6 TB/s at TP1
-(182-185 us vs 306-349 us, 1.68-1.88x). What made it fast, against the tf32 kernel before
-it (57-59 us): bf16 dot operands instead of fp32 (half the registers and operand traffic,
-twice the MMA rate); the e4m3 -> bf16 conversion in packed asm (cvt.rn.f16x2.e4m3x2, shift,
-two LOP3, HMUL2.BF16: 2.5 instructions per weight) instead of Triton's path through a
-quarter-rate scalar F2F per weight (63.8 -> 54.7 us at the same tiles); 128 x 256 tiles with
-8 warps and 3 stages, the weights by TMA (52.7 -> 51.0 us). Each further row tile adds its
-16-row HMMA chain (mma.sync; Triton uses wgmma only from 64 rows per warpgroup) and ~15 us:
-2 tiles 66 us (2.5 TB/s, 1.28-1.32x), 3 tiles 82 us (1.04-1.06x), 4 tiles 92 us
-(0.95-1.01x), so the flag's gate serves up to 32 rows. Swapping the operands so Triton takes
-wgmma (vocab rows as M from registers, draft rows as a fixed N = 32) stays row invariant but runs
-69-98 us at TP4 (benchmark/probe_draft_head_fp8_wgmma.py): slower than one mma.sync tile.
-Also measured and slower at 20 rows (TP4; shipped 65.8 us): every row in one 64-row wgmma tile
-(77.7 us flat over 1..64 rows, probe_draft_head_fp8_w64.py); Gluon swap-AB mma.sync with
-operands loaded straight into registers (101 us); Gluon swap-AB wgmma with the weights as
-register A from a K-permuted copy (68.7 us, 66.7-72.5 flat over 1..32 rows,
-probe_draft_head_fp8_gluon.py). Swapping the operands keeps the bits; K's order inside the
-MMA decides them.
-
-Grid: one program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K steps through
-NUM_STAGES stages; tiles per number of 16-row tiles in CONFIGS (chosen by the sweep).
+HOW. The head streams from HBM once per call: each weight tile is converted once and feeds
+every 16-row tile of x. One program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K
+steps through NUM_STAGES stages (weights by TMA where the config says); tiles per number of 16-row tiles in CONFIGS
+(benchmark/results/tune_draft_head_fp8-NVIDIA_H200.json). Each 16-row tile beyond the first
+adds its own HMMA chain, which is why the flag serves at most 32 rows
+(benchmark/results/draft_head_fp8-NVIDIA_H200.json, docs/draft-head-fp8.md).
 """
 
 from __future__ import annotations
@@ -59,7 +40,7 @@ MAX_M_TILES = 4  # up to 64 rows per call with the head streamed once
 MAX_SCALE = 2.0**15
 
 # (block_n, block_k, num_warps, num_stages, weights by TMA) per number of 16-row tiles: the
-# best worst case over both shards in benchmark/tune_draft_head_fp8.py on the H200.
+# best worst case over both shards on the H200 (benchmark/results/tune_draft_head_fp8-NVIDIA_H200.json).
 CONFIGS: dict[int, tuple[int, ...]] = {
     1: (128, 256, 8, 3, 1),
     2: (128, 128, 4, 4, 0),

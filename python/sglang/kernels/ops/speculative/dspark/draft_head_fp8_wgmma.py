@@ -1,22 +1,20 @@
 """The fp8 draft head's GEMM on Hopper (--speculative-dspark-draft-head-fp8, SM90): one wgmma
 kernel for every row count the flag serves, written in Gluon (Triton's explicit-layout dialect).
 
-WHY. The portable Triton kernel (draft_head_fp8.py) multiplies 16-row tiles with mma.sync; each
-tile beyond the first costs ~15 us of MMA on the TP4 shard, so 17..32 rows ran at 1.28-1.32x
-stock. Here the vocabulary rows are the MMA's M (64 per warpgroup, weights in registers) and the
-draft rows its N (8, 16 or 32): the tensor-core work of 32 rows is one asynchronous wgmma per
-64x32 weight tile, so the time barely moves with the row count.
+WHY. The portable kernel (draft_head_fp8.py) multiplies 16-row tiles with mma.sync, so each
+tile beyond the first adds MMA time. Here the vocabulary rows are the MMA's M (64 per
+warpgroup, weights in registers) and the draft rows its N (8, 16 or 32): the tensor-core work of
+32 rows is one asynchronous wgmma per 64x32 weight tile, so the time barely moves with the row
+count (benchmark/results/draft_head_fp8-NVIDIA_H200.json, docs/draft-head-fp8.md).
 
-HOW (what made it fast on the H200: benchmark/results/draft_head_fp8-NVIDIA_H200.json).
+HOW.
 - Weights and x reach shared memory by TMA in a 4-stage ring (3 at TP1 size) of 128-K steps
-  with one mbarrier per stage; no load instruction touches L1 for them. Earlier forms that
-  loaded through L1 (weights and x per warp) were L1/L2 bound: 66.7-72.5 us.
+  with one mbarrier per stage; no load instruction touches L1 for them.
 - The head copy is stored with K permuted inside each 32-block (``e4m3_to_bf16.permute_k``) so
   that a thread's A-fragment bytes for one 32-K block are 8 contiguous bytes: one LDS.64 per
   row, and each 4-byte word is two logical pairs that the e4m3 -> bf16 asm (cvt + bit moves +
-  one HMUL2 by the power-of-two scale, 2.6 instructions per weight) turns into two bf16x2
-  registers; the K permutation is undone by renaming registers (join/reshape/permute), no byte
-  shuffles.
+  one HMUL2 by the power-of-two scale) turns into two bf16x2 registers; the K permutation is
+  undone by renaming registers (join/reshape/permute), no byte shuffles.
 - 128 vocab rows per CTA (two m64 pieces, 4 warps), ~96 KB of shared memory: 2 CTAs per SM.
 - One CTA barrier per 128-K step (before a stage is refilled) and at most one wgmma in flight.
 
@@ -24,10 +22,7 @@ EXACT and ROW INVARIANT. Dequantisation is exact (same bits as the Triton kernel
 bf16 products are exact in the fp32 accumulator and K runs in one fixed order whatever N is, so
 a row's logits are the same bits at every row count 1..32 (tested on the H200, eager and in a
 CUDA graph). The order of K inside each MMA differs from the mma.sync kernel's, so the two
-kernels' logits differ in the last bits: one device uses one of them for every call.
-Measured (benchmark/bench_draft_head_fp8.py, same run as cuBLAS bf16 and the mma.sync kernel):
-TP4 shard 49.1-53.8 us at 1..32 rows (1.59-1.72x; 1.55-1.61x at 17..32 rows over four runs;
-mma.sync 51-52 us at 1..16 rows, 66-67 us at 17..32), TP1 172-192 us (1.74-1.79x).
+kernels' logits differ in the last bits: one device must use one of them for every call.
 """
 
 from __future__ import annotations
