@@ -12,7 +12,7 @@ import glob
 import json
 import os
 
-# Measured: benchmark/bench_fast_load.py, benchmark/results/fast_load-*.json.
+# Measured: benchmark/loading/bench_fast_load.py, benchmark/results/fast_load-*.json.
 DEFAULT_NUM_THREADS = 16
 DEFAULT_SLAB_MB = 16
 

@@ -10,7 +10,7 @@ order, same bits. It wins only where the row tiles alone fill the GPU (large M);
 split-K grid is faster, so each device needs its measured threshold.
 
 THE THRESHOLD IS MEASURED, NEVER GUESSED. ``auto`` serves the one-pass kernel from the row count
-``MEASURED_MIN_ROWS`` lists for this GPU and route (benchmark/bench_hc_fused.py finds it;
+``MEASURED_MIN_ROWS`` lists for this GPU and route (benchmark/hc/bench_hc_fused.py finds it;
 docs/hc_fused.md links the result file); a route not measured on this GPU stays stock, and a GPU
 with no measured route refuses to load. An explicit row count serves both routes from there.
 
@@ -38,7 +38,7 @@ _USAGE = (
 ROUTES = ("bf16x3", "tf32x3")
 
 # (torch.cuda.get_device_name(), route) -> rows from which the one-pass kernel beat upstream's at
-# every larger measured row count (benchmark/bench_hc_fused.py: "min_rows" in
+# every larger measured row count (benchmark/hc/bench_hc_fused.py: "min_rows" in
 # benchmark/results/hc_fused-<device>.json). Not yet measured on any GPU.
 MEASURED_MIN_ROWS: dict[tuple[str, str], int] = {}
 
@@ -102,7 +102,7 @@ class HcFusedStats:
             if all(v is None for v in self.min_rows.values()):
                 raise RuntimeError(
                     f"--dsv4-hc-fused-stats auto: the one-pass kernel's row threshold is not "
-                    f"measured on {device_name} (run benchmark/bench_hc_fused.py there and add its "
+                    f"measured on {device_name} (run benchmark/hc/bench_hc_fused.py there and add its "
                     "min_rows to MEASURED_MIN_ROWS in sglang/srt/models/deepseek_v4_hc_fused.py), "
                     "or give the threshold: --dsv4-hc-fused-stats ROWS; refusing to guess"
                 )

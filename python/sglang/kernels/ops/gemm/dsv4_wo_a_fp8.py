@@ -17,7 +17,7 @@ one weight (one layer), and the last CTA resets them. ``wo_a_fp8_partial`` retur
 
 Mid path (9..192 rows): the same kernel with fewer splits and taller row tiles (``_MID``).
 
-Measured on the H200 (43 layers in a CUDA graph, benchmark/bench_wo_a_fp8.py,
+Measured on the H200 (43 layers in a CUDA graph, benchmark/wo_a/bench_wo_a_fp8.py,
 benchmark/results/wo_a_fp8-NVIDIA_H200.json): this kernel is NOT fast yet. Small path, G = 2,
 grid 32 x 2 x 8 = 512 CTAs (BN = 32, 16 KB of e4m3 each, all four 4 KB chunks loaded before the
 first dot, dequantisation in registers right before each dot, reduction by the last CTA of each
@@ -25,13 +25,13 @@ tile): 9.4-9.6 us per layer, against 7.9-8.1 us for upstream's two kernels and 3
 read of the twin's 8.4 MB in one kernel (2.5x the read). G = 8: 21.3-22.3 us (einsum 18.3-18.6).
 A loop version with Triton's pipeliner and per-element exponent gathers measured 8.8-9.0 us at
 G = 2. The tile sweep (BN 16/32/64, 1..8 warps, 2..4 stages) moved it by < 10 %, so the cost is
-per CTA, not per byte. Where it goes (benchmark/probe_wo_a_fp8_breakdown.py, same kernel built up
+per CTA, not per byte. Where it goes (benchmark/results/wo_a_fp8_breakdown-NVIDIA_H200.json, same kernel built up
 from a pure read of its tile, G = 2, M = 4): read 4.0-4.2 us, + dequantisation in registers
 +0.9-2.0 us, + the tensor-core dot with x (operands staged through shared memory) +2-3 us, + the
 split-K reduction +1.9 us; each step runs after the CTA's bytes arrive. Whole-kernel redesigns
 (swap-AB, a batched 3-D dot with one K lane per warp, 16/32 warps, a tile-contiguous twin layout,
 single-shot loads) all stayed at >= 8.9 us (G = 2) and >= 20.6 us (G = 8). The one design that
-beat stock is a probe in Gluon (benchmark/probe_wo_a_fp8_gluon.py): MMA operands loaded from global
+beat stock is a probe in Gluon (benchmark/results/wo_a_fp8_gluon_probe-NVIDIA_H200.json): MMA operands loaded from global
 memory straight into registers, every load issued before the first MMA, no shared memory: 6.5-7.4
 us at G = 2 (1.1-1.2x stock), 17.7-18.4 us at G = 8; the next version of this kernel starts there.
 The split partials are not bit-identical to ``_wo_a_partial``'s (measured: 16250 of 32768 differ

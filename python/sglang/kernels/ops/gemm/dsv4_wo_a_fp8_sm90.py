@@ -473,7 +473,7 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     instead of all of x up front (needed past 16 rows of x). The defaults are what serves
     (``small_config``, the fastest measured). Every configuration gives the same bits;
     ``rows_per_cta=8`` and ``cvt=CVT_F16`` are slower (served before; kept for
-    benchmark/probe_wo_a_fp8_small16.py)."""
+    benchmark/wo_a/probe_wo_a_fp8_small16.py)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert x.shape[1:] == (g, D) and x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == D

@@ -20,7 +20,7 @@ With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 +
   on 3 of 43 layers); a route that cannot take it (routing inside a FlashInfer TRT-LLM /
   triton_kernels MoE, the DeepGEMM mega gate, aiter, XPU, the torch-native, grouped or
   custom routers) raises at the first capped target verify, i.e. at graph capture.
-  H200 (benchmark/bench_verify_cap_moe.py, fused_moe_triton FP8 experts at TP4 shapes,
+  H200 (benchmark/dspark/bench_verify_cap_moe.py, fused_moe_triton FP8 experts at TP4 shapes,
   random routers): MoE GEMM time per layer at bs 1 / 4 / 16 is 1.94 / 2.20 / 1.88x lower
   with k = 1 and 1.35 / 1.36 / 1.21x with k = 3 than verifying all 5 drafts.
 

@@ -27,12 +27,12 @@ quarter-rate scalar F2F per weight (63.8 -> 54.7 us at the same tiles); 128 x 25
 2 tiles 66 us (2.5 TB/s, 1.28-1.32x), 3 tiles 82 us (1.04-1.06x), 4 tiles 92 us
 (0.95-1.01x), so the flag's gate serves up to 32 rows. Swapping the operands so Triton takes
 wgmma (vocab rows as M from registers, draft rows as a fixed N = 32) stays row invariant but runs
-69-98 us at TP4 (benchmark/probe_draft_head_fp8_wgmma.py): slower than one mma.sync tile.
+69-98 us at TP4 (benchmark/results/draft_head_fp8_wgmma_probe-NVIDIA_H200.json): slower than one mma.sync tile.
 Also measured and slower at 20 rows (TP4; shipped 65.8 us): every row in one 64-row wgmma tile
-(77.7 us flat over 1..64 rows, probe_draft_head_fp8_w64.py); Gluon swap-AB mma.sync with
+(77.7 us flat over 1..64 rows, draft_head_fp8_w64_probe-NVIDIA_H200.json); Gluon swap-AB mma.sync with
 operands loaded straight into registers (101 us); Gluon swap-AB wgmma with the weights as
 register A from a K-permuted copy (68.7 us, 66.7-72.5 flat over 1..32 rows,
-probe_draft_head_fp8_gluon.py). Swapping the operands keeps the bits; K's order inside the
+draft_head_fp8_gluon_probe-NVIDIA_H200.json). Swapping the operands keeps the bits; K's order inside the
 MMA decides them.
 
 Grid: one program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K steps through
@@ -59,7 +59,7 @@ MAX_M_TILES = 4  # up to 64 rows per call with the head streamed once
 MAX_SCALE = 2.0**15
 
 # (block_n, block_k, num_warps, num_stages, weights by TMA) per number of 16-row tiles: the
-# best worst case over both shards in benchmark/tune_draft_head_fp8.py on the H200.
+# best worst case over both shards in benchmark/dspark/tune_draft_head_fp8.py on the H200.
 CONFIGS: dict[int, tuple[int, ...]] = {
     1: (128, 256, 8, 3, 1),
     2: (128, 128, 4, 4, 0),

@@ -25,7 +25,7 @@ bf16 products are exact in the fp32 accumulator and K runs in one fixed order wh
 a row's logits are the same bits at every row count 1..32 (tested on the H200, eager and in a
 CUDA graph). The order of K inside each MMA differs from the mma.sync kernel's, so the two
 kernels' logits differ in the last bits: one device uses one of them for every call.
-Measured (benchmark/bench_draft_head_fp8.py, same run as cuBLAS bf16 and the mma.sync kernel):
+Measured (benchmark/dspark/bench_draft_head_fp8.py, same run as cuBLAS bf16 and the mma.sync kernel):
 TP4 shard 49.1-53.8 us at 1..32 rows (1.59-1.72x; 1.55-1.61x at 17..32 rows over four runs;
 mma.sync 51-52 us at 1..16 rows, 66-67 us at 17..32), TP1 172-192 us (1.74-1.79x).
 """
