@@ -22,7 +22,7 @@ import torch
 
 from conftest import HAS_CUDA, REPO
 
-sys.path.insert(0, str(REPO / "benchmark"))
+sys.path.insert(0, str(REPO / "benchmark" / "engram"))
 import engram_stack as stack  # noqa: E402
 
 from sglang.srt.layers import engram_prefetch as ep  # noqa: E402

@@ -130,7 +130,7 @@ def test_validate_refuses_where_it_would_do_nothing(monkeypatch):
 
 
 def test_threshold_is_measured_or_given_never_guessed(monkeypatch):
-    with pytest.raises(RuntimeError, match=r"not measured on NVIDIA H200 \(run benchmark/bench_hc_fused.py"):
+    with pytest.raises(RuntimeError, match=r"not measured on NVIDIA H200 \(run benchmark/hc/bench_hc_fused.py"):
         hcf.HcFusedStats("auto", "NVIDIA H200")
     monkeypatch.setitem(hcf.MEASURED_MIN_ROWS, ("NVIDIA H200", "bf16x3"), 8192)
     f = hcf.HcFusedStats("auto", "NVIDIA H200")
@@ -258,7 +258,7 @@ def test_benchmark_threshold_rule():
 
     from conftest import REPO
 
-    sys.path.insert(0, str(REPO / "benchmark"))
+    sys.path.insert(0, str(REPO / "benchmark" / "hc"))
     from bench_hc_fused import MARGIN, min_rows
 
     def rows(ratios, bitwise=True):

@@ -2,7 +2,7 @@
 
 A synthetic checkpoint in DeepSeek-V4's tensor names is loaded through the engine's real
 ``DeepseekV4ForCausalLM.load_weights`` and ``safetensors_weights_iterator``, once with the
-stock thread pool and once serial, each in a fresh process (benchmark/bench_serial_weight_load.py's
+stock thread pool and once serial, each in a fresh process (benchmark/loading/bench_serial_weight_load.py's
 children): every parameter is bitwise identical, and the serial load's peak RSS above its
 baseline stays within one open shard plus one tensor (the pool's has no such bound; both are
 printed). The flag off is upstream (no published config, or the flag unset: the pool);
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "benchmark"))
+sys.path.insert(0, str(REPO / "benchmark" / "loading"))
 import bench_serial_weight_load as bench  # noqa: E402
 
 from sglang.srt.model_loader import serial_weight_load as swl  # noqa: E402

@@ -518,7 +518,8 @@ def test_no_build_hash_in_our_modules_or_patch_headers(series):
 # Tests of the tools and of the series as a whole; every other test file belongs to a patch.
 TOOL_TESTS = {"test/test_series.py", "test/test_rebase.py", "test/test_export.py",
               "test/test_e2e_cpu.py", "test/test_e2e_tools.py", "test/test_gpu_bundle_smoke.py",
-              "test/test_docker.py", "test/test_gb10_validate.py"}
+              "test/test_docker.py", "test/test_gb10_validate.py",
+              "test/test_benchmark_readmes.py"}
 
 
 def test_every_test_file_belongs_to_a_patch_or_the_tools(series):

@@ -2,8 +2,9 @@
 # Entry point of the GPU bundle (make gpu-bundle): runs the fork's GPU tests and benchmarks on
 # a machine that has torch and triton but no sglang dependencies and no network.
 #   bash run.sh [RESULTS_DIR]      (default: $OUT if set, else ./results)
-#   BENCH='bench_wo_a_*.py probe_x.py' bash run.sh ...   runs only those benchmarks, in that order
-#   (space-separated globs; BENCH=none: tests only; TESTS=none: benchmarks only, for a probe run;
+#   BENCH='bench_wo_a_*.py dspark/tune_*.py' bash run.sh ...   runs only those benchmarks, in that order
+#   (space-separated globs: a bare name matches in every feature folder benchmark/*/, a name with a
+#   folder under benchmark/; BENCH=none: tests only; TESTS=none: benchmarks only, for a probe run;
 #   TESTS='test/test_x.py -k y': those tests only)
 # Writes gpu-tests.log, gpu-tests.xml, every benchmark's JSON and bundle-run.json (summary).
 set -uo pipefail
@@ -30,7 +31,8 @@ fi
 bench_rc=0
 read -ra patterns <<< "${BENCH:-bench_*.py}"  # split on spaces, globbed only under benchmark/
 for pattern in "${patterns[@]}"; do
-    for bench in benchmark/$pattern; do
+    case "$pattern" in */*) where=benchmark/$pattern ;; *) where=benchmark/*/$pattern ;; esac
+    for bench in $where; do
         [ -e "$bench" ] || continue
         echo "==> $bench"
         python3 "$bench" --out "$results" || bench_rc=1

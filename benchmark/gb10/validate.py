@@ -20,7 +20,7 @@ moe     V4.1-Flash TP4 routed experts (384 x 576, MXFP4) through the fork's b12x
 roce    TP all-gathers of decode-size shards through the fork's RoCE gather against NCCL's
         (bitwise), timed; needs the nodes of the line under torchrun.
 engram  the Engram row store (--engram-row-store-dir) on local NVMe against the in-memory
-        table: benchmark/bench_engram_row_store.py with --dir (default: the current directory).
+        table: benchmark/engram/bench_engram_row_store.py with --dir (default: the current directory).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def run_roce(args, rows_out):
 
 def run_engram(args, rows_out):
     out = args.out / "engram_row_store_gb10"
-    r = subprocess.run([sys.executable, str(REPO / "benchmark" / "bench_engram_row_store.py"),
+    r = subprocess.run([sys.executable, str(REPO / "benchmark" / "engram" / "bench_engram_row_store.py"),
                         "--dir", args.engram_dir, "--out", str(out)], check=True)
     for f in sorted(out.glob("engram_row_store-*.json")):
         for row in json.loads(f.read_text())["rows"]:

@@ -6,7 +6,7 @@ The bundle holds the assembled tree's pure-Python ``sglang`` (gzip tar; the comp
 files stay behind), the small cp312 wheels of ``tools/requirements-import.txt``, the
 import-only stand-ins, this repository's ``test/``, ``benchmark/``, ``patches/`` and
 ``upstream.toml`` (the tests read the series and the pin), and ``run.sh``,
-which unpacks, runs ``pytest -m gpu`` and every ``benchmark/bench_*.py`` and writes the
+which unpacks, runs ``pytest -m gpu`` and every ``benchmark/*/bench_*.py`` and writes the
 results to one folder; and for the end-to-end matrix, ``tools/e2e`` with the serving wheels
 of ``tools/requirements-serve-gpu.txt`` and ``e2e.sh``, which serves the tiny DeepSeek-V4
 through ``launch_server`` row by row (``python -m e2e.matrix``).

@@ -102,7 +102,7 @@ class HcFusedStats:
             if all(v is None for v in self.min_rows.values()):
                 raise RuntimeError(
                     f"--dsv4-hc-fused-stats auto: the one-pass kernel's row threshold is not "
-                    f"measured on {device_name} (run benchmark/bench_hc_fused.py there and add its "
+                    f"measured on {device_name} (run benchmark/hc/bench_hc_fused.py there and add its "
                     "min_rows to MEASURED_MIN_ROWS in sglang/srt/models/deepseek_v4_hc_fused.py), "
                     "or give the threshold: --dsv4-hc-fused-stats ROWS; refusing to guess"
                 )

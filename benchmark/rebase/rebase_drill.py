@@ -1,0 +1,174 @@
+"""A real rebase of the series onto sglang 0.5.22, resolved by following the tool's output,
+then ``make`` and the CPU tests on 0.5.22; records the transcript (issue 19, "Done when").
+
+Runs in a fresh clone of this repository's HEAD (nothing here is touched), with the shared
+wheel cache. Each stop is settled the way the tool's printout says: a conflict region
+resolved in ``build/rebase/repo`` and ``git add``-ed, then ``tools/fork rebase --continue``,
+or the patch dropped with ``--drop``. The resolutions are below, one per stop, with the
+reason read from the region the tool named. The transcript (every command and its output,
+machine paths removed) goes to ``benchmark/results/rebase-drill-0.5.22.log``.
+
+    python3 benchmark/rebase/rebase_drill.py [--keep DIR] [--no-test]
+
+Written for the pin 0.5.23 and the series at the time of the record; a series whose hunks
+moved needs its resolutions reviewed (the script stops where the tool's output differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LOG = REPO / "benchmark" / "results" / "rebase-drill-0.5.22.log"
+TARGET = "0.5.22"
+
+
+class Drill:
+    def __init__(self, clone: Path):
+        self.clone = clone
+        self.lines: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.lines += [f"# {line}" for line in text.strip().splitlines()] + [""]
+
+    def run(self, cmd: str, expect: int | None = 0, quiet_pip: bool = True) -> str:
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, shell=True, cwd=self.clone, capture_output=True, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out = (r.stdout + r.stderr).replace(str(self.clone) + "/", "./").replace(str(self.clone), ".")
+        if quiet_pip:  # the local package mirror's notices, not the tool's output
+            out = "\n".join(line for line in out.splitlines() if not line.startswith("WARNING: Location "))
+        self.lines += [f"$ {cmd}", out.rstrip(), f"(exit {r.returncode}, {time.monotonic() - t0:.0f} s)", ""]
+        print(f"$ {cmd}\n{out[-3000:]}\n(exit {r.returncode})", flush=True)
+        if expect is not None and r.returncode != expect:
+            self.save()
+            sys.exit(f"drill: `{cmd}` exited {r.returncode}, expected {expect}")
+        return out
+
+    def region(self, path: str, keep) -> None:
+        """Replace the first conflict region of ``path`` (in the scratch repository) with
+        ``keep(head_lines, patch_lines)``."""
+        f = self.clone / "build" / "rebase" / "repo" / path
+        text = f.read_text().splitlines(keepends=True)
+        start = next(i for i, line in enumerate(text) if line.startswith("<<<<<<< "))
+        base = next(i for i in range(start, len(text)) if text[i].startswith("||||||| "))
+        mid = next(i for i in range(base, len(text)) if text[i].rstrip("\n") == "=======")
+        end = next(i for i in range(mid, len(text)) if text[i].startswith(">>>>>>> "))
+        text[start:end + 1] = keep(text[start + 1:base], text[mid + 1:end])
+        f.write_text("".join(text))
+
+    def save(self) -> None:
+        LOG.write_text("\n".join(self.lines) + "\n")
+
+
+def expect_stop(out: str, patch: str, *regions: str) -> None:
+    """The tool stopped at ``patch`` naming exactly these regions (file:line or file)."""
+    if f"stopped at {patch}" not in out:
+        sys.exit(f"drill: the tool did not stop at {patch} as recorded; review the resolutions")
+    named = re.findall(r"^  - (\S+?):? ", out, re.M)
+    if sorted(named) != sorted(regions):
+        sys.exit(f"drill: {patch}: the tool named {named}, the drill resolves {list(regions)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keep", type=Path, help="clone into this directory and keep it")
+    ap.add_argument("--no-test", action="store_true", help="stop after make")
+    args = ap.parse_args()
+    clone = args.keep or Path(tempfile.mkdtemp(prefix="rebase-drill-")) / "fork"
+    if clone.exists():
+        shutil.rmtree(clone)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    d = Drill(clone)
+    d.note(f"Real rebase onto sglang {TARGET} from a clone of {head}, resolved by following the tool's "
+           f"output (benchmark/rebase/rebase_drill.py). Machine: {os.cpu_count()} CPU(s), {platform.machine()}, "
+           f"Python {platform.python_version()}; wheel cache shared.")
+
+    out = d.run(f"make rebase TO={TARGET}", expect=2)
+    expect_stop(out, "0002-moe_fused_gate-optional-live-length-dead-verify",
+                "python/sglang/kernels/ops/moe/moe_fused_gate.py:455")
+    d.note("moe_fused_gate.py:455: the region's base is 0.5.23's SM120 top-22 fast path, which 0.5.22 "
+           "does not have (its side is empty); our hunk only adds `and live_lens is None` to it. "
+           "Keep 0.5.22's side.")
+    d.region("python/sglang/kernels/ops/moe/moe_fused_gate.py", lambda head, ours: head)
+    d.run("git -C build/rebase/repo add python/sglang/kernels/ops/moe/moe_fused_gate.py")
+
+    out = d.run("python3 tools/fork rebase --continue", expect=1)
+    expect_stop(out, "0003-DSpark-per-request-verify-cap-inside",
+                "python/sglang/srt/layers/moe/hash_topk.py:26", "python/sglang/srt/layers/moe/mega_gate.py",
+                "python/sglang/srt/layers/moe/topk.py:107", "python/sglang/srt/layers/moe/topk.py:2658",
+                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:658",
+                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:1266",
+                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:70",
+                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1003")
+    d.note("0003's router wiring (select_experts, HashTopK) and accept wiring (dspark_verify.py, "
+           "dspark_worker_v2.py) sit in code 0.5.22 does not have (no static accept tail, no "
+           "sampling-accept graph, select_experts without num_shared_topk_slots), and mega_gate.py "
+           "is gone (modify/delete). Carrying it is a port of the feature, not a merge: drop it, as "
+           "the tool offers. No patch depends on it.")
+    out = d.run("python3 tools/fork rebase --drop 0003-DSpark-per-request-verify-cap-inside", expect=1)
+    expect_stop(out, "0004-dsv4-wo_a-from-an-exact-fp8", "python/sglang/srt/models/deepseek_v4_dspark.py:1091")
+    d.note("deepseek_v4_dspark.py:1091: 0.5.22's DSpark draft has no post_load_weights (its side is "
+           "empty; the base is 0.5.23's method, which our hunk extends with the twin build). 0.5.22's "
+           "loader calls model.post_load_weights() when a model has one: re-home the edit into a "
+           "draft post_load_weights that holds only the twin build.")
+    d.region("python/sglang/srt/models/deepseek_v4_dspark.py", lambda head, ours: [
+        "\n",
+        "    def post_load_weights(self, is_nextn=False, weight_names=None):\n",
+        "        # the draft's wo_a reaches the twin only through _apply_wo_a_bf16_matmul\n",
+        "        _wo_a_twin.build_wo_a_fp8_twins(\n",
+        '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n',
+        "        )\n",
+    ])
+    d.run("git -C build/rebase/repo add python/sglang/srt/models/deepseek_v4_dspark.py")
+
+    out = d.run("python3 tools/fork rebase --continue", expect=1)
+    expect_stop(out, "0005-dspark-fence-the-folded-accept-results",
+                "python/sglang/srt/arg_groups/speculative_hook.py:183",
+                "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
+                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:166",
+                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:548",
+                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:600",
+                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:667",
+                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:368",
+                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1126")
+    d.note("0005 fences the folded accept results of 0.5.23's verify epilogue and sampling-accept "
+           "region; 0.5.22 has no sampling-accept graph (modify/delete) and its epilogue's buffers "
+           "differ (the regions in dspark_verify.py and dspark_worker_v2.py). 0006's trap lives in "
+           "the same missing file, and its tests exercise it. Both are ports, not merges: drop "
+           "both (no patch depends on either).")
+    out = d.run("python3 tools/fork rebase --drop 0005-dspark-fence-the-folded-accept-results "
+                "--drop 0006-dspark-scale-the-draft-s-sampling", expect=1)
+    expect_stop(out, "0007-dspark-draft-block-logits-from-an",
+                "python/sglang/srt/arg_groups/fields/spec.py:109",
+                "python/sglang/srt/arg_groups/speculative_hook.py:238")
+    d.note("fields/spec.py:109: 0007 declares its field after 0005's, which is dropped; keep only "
+           "ours. speculative_hook.py:238: 0.5.22 has its --speculative-skip-dp-mlp-sync check "
+           "where our call sits; keep both, ours first.")
+    d.region("python/sglang/srt/arg_groups/fields/spec.py",
+             lambda head, ours: ours[ours.index("    speculative_dspark_draft_head_fp8: A[\n"):])
+    d.region("python/sglang/srt/arg_groups/speculative_hook.py", lambda head, ours: ours + ["\n"] + head)
+    d.run("git -C build/rebase/repo add python/sglang/srt/arg_groups/fields/spec.py "
+          "python/sglang/srt/arg_groups/speculative_hook.py")
+    d.run("python3 tools/fork rebase --continue")
+    d.run("git status --short && cat patches/series && python3 tools/fork check")
+    d.run("make")
+    if not args.no_test:
+        d.run("make test", expect=None)
+    d.save()
+    print(f"wrote {LOG.relative_to(REPO)} (clone: {clone})")
+
+
+if __name__ == "__main__":
+    main()
