@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -132,11 +133,15 @@ def test_help_shows_each_fork_flag_beside_its_areas_flags(series):
 
     text = run_engine("-m", "sglang.launch_server", "--help", check=True).stdout
     order = list(_help_entries())
-    ns = {"--" + f.replace("_", "-"): path for f, path in namespace_of(ServerArgs).items()}
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    fields = namespace_of(ServerArgs)
+    # flag -> namespace through each flag's dest (--fp8-gemm-backend stores fp8_gemm_runner_backend)
+    ns = {o: fields[a.dest] for a in parser._actions for o in a.option_strings if a.dest in fields}
     ours = {f for p in series for f in p.flags}
     for flag in ours:
         i = order.index(flag)
-        before = next(f for f in reversed(order[:i]) if f not in ours)
+        before = next(f for f in reversed(order[:i]) if f not in ours and f in ns)
         assert ns.get(before) == ns[flag], f"{flag} ({ns[flag]}) follows {before} ({ns.get(before)})"
     dspark = [i for i, f in enumerate(order) if f.startswith("--speculative-dspark-")]
     assert dspark == list(range(dspark[0], dspark[0] + len(dspark)))
