@@ -196,7 +196,7 @@ def test_validate(tmp_path, monkeypatch):
 
 def test_validate_on_a_release_without_peer_shards(tmp_path, monkeypatch):
     """The Engram placements the store refuses are read only where the release declares them:
-    peer shards are newer than releases the series rebases onto (0.5.22 has no such variable)."""
+    peer shards are newer than some releases the series rebases onto."""
     import sglang.srt.environ as environ
 
     host_table = SimpleNamespace(get=lambda: False)
