@@ -194,6 +194,20 @@ def test_validate(tmp_path, monkeypatch):
             rs.parse_cache_gib(bad)
 
 
+def test_validate_on_a_release_without_peer_shards(tmp_path, monkeypatch):
+    """The Engram placements the store refuses are read only where the release declares them:
+    peer shards are newer than some releases the series rebases onto."""
+    import sglang.srt.environ as environ
+
+    host_table = SimpleNamespace(get=lambda: False)
+    monkeypatch.setattr(environ, "envs", SimpleNamespace(SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=host_table))
+    ok = cfg(engram_row_store_dir=str(tmp_path))
+    rs.validate_engram_row_store(ok, has_engram=lambda: True)
+    host_table.get = lambda: True
+    with pytest.raises(ValueError, match="SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1"):
+        rs.validate_engram_row_store(ok, has_engram=lambda: True)
+
+
 def test_flag_on_command_line(tmp_path):
     from sglang.srt.server_args import ServerArgs
 

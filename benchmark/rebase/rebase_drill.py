@@ -66,6 +66,18 @@ class Drill:
         text[start:end + 1] = keep(text[start + 1:base], text[mid + 1:end])
         f.write_text("".join(text))
 
+    def insert(self, path: str, before: str, lines: str) -> None:
+        """Insert ``lines`` before the one line of ``path`` (in the scratch repository) that
+        starts with ``before``: a hunk re-homed where the target has that code."""
+        f = self.clone / "build" / "rebase" / "repo" / path
+        text = f.read_text().splitlines(keepends=True)
+        at = [i for i, line in enumerate(text) if line.startswith(before)]
+        if len(at) != 1:
+            self.save()
+            sys.exit(f"drill: {path}: {len(at)} lines start with {before!r}, expected one")
+        text[at[0]:at[0]] = [lines]
+        f.write_text("".join(text))
+
     def save(self) -> None:
         LOG.write_text("\n".join(self.lines) + "\n")
 
@@ -106,13 +118,13 @@ def main() -> None:
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
     expect_stop(out, "0003-DSpark-per-request-verify-cap-inside",
-                "python/sglang/srt/layers/moe/hash_topk.py:26", "python/sglang/srt/layers/moe/mega_gate.py",
+                "python/sglang/srt/layers/moe/mega_gate.py",
                 "python/sglang/srt/layers/moe/topk.py:107", "python/sglang/srt/layers/moe/topk.py:2658",
                 "python/sglang/srt/speculative/dspark_components/dspark_verify.py:658",
                 "python/sglang/srt/speculative/dspark_components/dspark_verify.py:1266",
                 "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:70",
                 "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1003")
-    d.note("0003's router wiring (select_experts, HashTopK) and accept wiring (dspark_verify.py, "
+    d.note("0003's router wiring (select_experts) and accept wiring (dspark_verify.py, "
            "dspark_worker_v2.py) sit in code 0.5.22 does not have (no static accept tail, no "
            "sampling-accept graph, select_experts without num_shared_topk_slots), and mega_gate.py "
            "is gone (modify/delete). Carrying it is a port of the feature, not a merge: drop it, as "
@@ -161,6 +173,70 @@ def main() -> None:
     d.region("python/sglang/srt/arg_groups/speculative_hook.py", lambda head, ours: ours + ["\n"] + head)
     d.run("git -C build/rebase/repo add python/sglang/srt/arg_groups/fields/spec.py "
           "python/sglang/srt/arg_groups/speculative_hook.py")
+    out = d.run("python3 tools/fork rebase --continue", expect=1)
+    expect_stop(out, "0008-scheduler-finish-a-request-whose-output",
+                "python/sglang/srt/managers/scheduler.py:2821")
+    d.note("scheduler.py:2821: the base is 0.5.23's _create_generation_req extension point, which "
+           "0.5.22 does not have (its side is empty); our hunk gives each new request its loop guard "
+           "there. Keep 0.5.22's side and re-home the one call where 0.5.22's handler has its request "
+           "(normal or session; the session-not-found branch has returned aborted): just before "
+           "`if recv_req.pp_prefetch_ticketed`.")
+    sched = "python/sglang/srt/managers/scheduler.py"
+    d.region(sched, lambda head, ours: head)
+    d.insert(sched, "        if recv_req.pp_prefetch_ticketed is True:",
+             "        attach_loop_guard(req, get_schedule())\n\n")
+    d.run(f"git -C build/rebase/repo add {sched}")
+
+    out = d.run("python3 tools/fork rebase --continue", expect=1)
+    expect_stop(out, "0009-openai-map-client-thinking-switches-onto",
+                "python/sglang/srt/entrypoints/openai/serving_chat.py:1354")
+    d.note("serving_chat.py:1354: the base is 0.5.23's MiniMax-M3 normalization, which 0.5.22 does "
+           "not have (its side is empty); our hunk adds the alias mapping after it, before the "
+           "server's default chat-template kwargs fill in. Keep only our two lines.")
+    chat = "python/sglang/srt/entrypoints/openai/serving_chat.py"
+    d.region(chat, lambda head, ours: ours[ours.index("        if get_serving().enable_thinking_aliases:\n"):])
+    d.run(f"git -C build/rebase/repo add {chat}")
+
+    out = d.run("python3 tools/fork rebase --continue", expect=1)
+    fast_load_files = ["python/sglang/srt/model_loader/loader.py", "python/sglang/srt/models/deepseek_v4.py",
+                       "python/sglang/srt/models/deepseek_v4_dspark.py",
+                       "python/sglang/srt/models/deepseek_v4_nextn.py"]
+    expect_stop(out, "0012-model_loader-fast-load-read-the-checkpoint",
+                "python/sglang/srt/model_loader/loader.py:45", "python/sglang/srt/models/deepseek_v4.py:162",
+                "python/sglang/srt/models/deepseek_v4_dspark.py:36",
+                "python/sglang/srt/models/deepseek_v4_nextn.py:33")
+    d.note("0012's four regions are its import lines, placed after imports 0.5.22 does not have "
+           "(monokernel_weights_iterator, deepseek_v4_boundary): 0.5.22's side is empty. Keep our "
+           "import, the region's last line.")
+    for path in fast_load_files:
+        d.region(path, lambda head, ours: head + ours[-1:])
+    d.run("git -C build/rebase/repo add " + " ".join(fast_load_files))
+
+    out = d.run("python3 tools/fork rebase --continue", expect=1)
+    expect_stop(out, "0015-engram-gather-every-Engram-layer-s",
+                "python/sglang/srt/layers/engram.py:1018", "python/sglang/srt/models/deepseek_v4.py:100")
+    d.note("engram.py:1018: 0.5.22's Engram looks its rows up in one call (`self.embed(...)`); the base "
+           "is 0.5.23's lookup (staged rows, embed_rows) that our prefetch mirrors. "
+           "layers/engram_prefetch.py gathers through 0.5.23's EngramEmbedding internals that "
+           "0.5.22 lacks (peer shards, new_rows, _sort_host_reads, Engram.embed_rows): carrying it "
+           "is a port, not a merge. Drop it (no patch depends on it; 0017 reads its flag with "
+           "getattr).")
+    out = d.run("python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s", expect=1)
+    engram = "python/sglang/srt/layers/engram.py"
+    expect_stop(out, "0017-engram-rows-on-local-storage-behind",
+                "python/sglang/srt/layers/engram.py:56", "python/sglang/srt/layers/engram.py:791",
+                "python/sglang/srt/layers/engram.py:893", "python/sglang/srt/layers/engram.py:972")
+    d.note("engram.py, 0017's row store in 0.5.22's EngramEmbedding, which has no peer shards and "
+           "builds rows with _empty: :56 keep 0.5.22's import line plus get_exec; :791 our row-store "
+           "branch first, then 0.5.22's host-table branch as its elif; :893 0.5.22's finish_load "
+           "docstring plus our row-store call; :972 0.5.22's _empty line plus our row-store return.")
+    d.region(engram, lambda head, ours: [head[0].replace("import get_model", "import get_exec, get_model")])
+    d.region(engram, lambda head, ours: ours[
+        ours.index("        # --engram-row-store-dir: the shard in a file with a RAM cache (refused with the above)\n"):
+        ours.index("        elif (\n")] + [head[0].replace("        if ", "        elif ", 1)])
+    d.region(engram, lambda head, ours: head + ours[2:4])
+    d.region(engram, lambda head, ours: head + ours[-2:])
+    d.run(f"git -C build/rebase/repo add {engram}")
     d.run("python3 tools/fork rebase --continue")
     d.run("git status --short && cat patches/series && python3 tools/fork check")
     d.run("make")

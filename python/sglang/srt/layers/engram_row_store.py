@@ -70,7 +70,8 @@ def validate_engram_row_store(cfg, *, has_engram=None) -> None:
     from sglang.srt.environ import envs
 
     for env in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS"):
-        if getattr(envs, env).get():
+        placement = getattr(envs, env, None)  # None: a release without that placement
+        if placement is not None and placement.get():
             raise ValueError(
                 f"{FLAG} cannot be used with {env}=1: that places the Engram tables elsewhere"
             )
