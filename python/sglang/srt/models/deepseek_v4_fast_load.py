@@ -30,11 +30,17 @@ from sglang.srt.layers.engram import EngramEmbedding
 from sglang.srt.layers.moe.fused_moe_triton.layer import (
     FusedMoE,
     FusedMoeWeightScaleSupported,
-    _weight_layout_method,
 )
 from sglang.srt.layers.utils import get_layer_id
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from sglang.srt.model_loader.fast_load import CheckpointOwner, RankSlice
+
+def _layout_method(moe) -> object:
+    """The method whose weight layout FusedMoE's loaders follow (upstream's private
+    ``_weight_layout_method``, restated: releases without paged experts have no
+    ``weight_load_method`` and no such function)."""
+    return getattr(moe, "weight_load_method", None) or moe.quant_method
+
 
 _EXPERT = re.compile(
     r"^(?P<prefix>.*\.)experts\.(?P<eid>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<rest>.+)$"
@@ -96,7 +102,7 @@ class _Experts:
             return None
         if getattr(param, "is_gguf_weight", False) or getattr(param, "is_gguf_weight_type", False):
             return None
-        method = moe.scheme if getattr(moe, "scheme", None) is not None else _weight_layout_method(moe)
+        method = moe.scheme if getattr(moe, "scheme", None) is not None else _layout_method(moe)
         if any(k in type(method).__name__ for k in ("WNA16", "ModelOpt")):
             return None
         if any(k in param_name for k in ("input_scale", "g_idx", "weight_shape", "bias")):
