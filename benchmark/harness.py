@@ -18,11 +18,16 @@ LAYERS = 43
 HBM_TBPS = 4.09  # measured read bandwidth of the H200 (shared/notes/gpu-h200.md); the floor's divisor
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def arg_parser(description: str, replays: int = 30) -> argparse.ArgumentParser:
+    """Every benchmark's command line: ``--out`` (the JSON's folder) and ``--replays``."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", type=Path, default=Path("benchmark/results"), help="folder for the JSON")
-    p.add_argument("--replays", type=int, default=30)
-    return p.parse_args()
+    p.add_argument("--replays", type=int, default=replays)
+    return p
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    return arg_parser(description).parse_args()
 
 
 def graph_us_per_call(calls: Sequence[Callable[[], object]], replays: int = 30) -> float:

@@ -87,11 +87,7 @@ def measure(configs: dict[int, tuple] | None, replays: int, rows=ROWS) -> list[d
 
 
 def main() -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("benchmark/results"))
-    p.add_argument("--replays", type=int, default=30)
+    p = harness.arg_parser(__doc__)
     p.add_argument("--configs", type=Path, default=None)
     args = p.parse_args()
     configs = None

@@ -9,7 +9,6 @@ bench_draft_head_fp8.py --configs reads).
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import sys
@@ -80,9 +79,7 @@ def precompile(jobs, workers: int) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("benchmark/results"))
-    p.add_argument("--replays", type=int, default=20)
+    p = harness.arg_parser(__doc__, replays=20)
     p.add_argument("--workers", type=int, default=14)
     p.add_argument("--rows", default="1,16:20,32:48:64")  # rows per m_tiles group, ':' separated
     p.add_argument("--time-limit", type=float, default=120.0, help="stop timing after this many s")

@@ -16,7 +16,6 @@ pinned host memory read through UVA, what a TP1 H200 needs for V4.1's ~100 GB ta
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -103,9 +102,7 @@ def measure(args) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("benchmark/results"))
-    p.add_argument("--replays", type=int, default=30)
+    p = harness.arg_parser(__doc__)
     p.add_argument("--layers", type=int, default=harness.LAYERS)
     p.add_argument("--engram-layers", type=lambda s: [int(v) for v in s.split(",")], default=[1, 14])
     p.add_argument("--cols", type=int, default=16, help="hash columns per token: (max n-gram - 1) x heads")

@@ -15,7 +15,6 @@ prefetched within 10 % of warm (``goal_met``: prefetched_us <= 1.10 x warm_us).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -99,9 +98,7 @@ def measure(args) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", type=Path, default=Path("benchmark/results"))
-    p.add_argument("--replays", type=int, default=30)
+    p = harness.arg_parser(__doc__)
     p.add_argument("--collective-us", type=float, default=10.0)
     p.add_argument("--weight-mb", type=lambda s: [int(v) for v in s.split(",")], default=[6, 24])
     p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
