@@ -110,7 +110,9 @@ def apply_thinking_aliases(request: Any, default_kwargs: Optional[dict]) -> None
     Raises ValueError (a 400) on disagreeing or malformed switches.
     """
     ctk = dict(request.chat_template_kwargs or {})
-    decision = _decide(_switches(ctk, request.thinking, request.reasoning_effort, ""))
+    # getattr: a release whose request model has no top-level ``thinking`` drops the field.
+    thinking = getattr(request, "thinking", None)
+    decision = _decide(_switches(ctk, thinking, request.reasoning_effort, ""))
     if decision is None and default_kwargs:
         defaults = default_kwargs
         decision = _decide(_switches(defaults, None, defaults.get("reasoning_effort"), "default "))
