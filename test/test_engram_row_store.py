@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -233,7 +234,10 @@ def test_engine_embedding_serves_from_the_store(tmp_path, monkeypatch):
     monkeypatch.setattr(eg, "get_parallel", lambda: par)
     monkeypatch.setattr(eg, "get_exec", lambda: SimpleNamespace(offload=off), raising=False)
     weight, scale = table(2048)
-    emb = eg.EngramEmbedding(2048, DIM, 7, column_bounds=(0, 1024, 2048))
+    # The hash columns' bounds, where the release's constructor takes them (0.5.22's does not).
+    bounds = ({"column_bounds": (0, 1024, 2048)}
+              if "column_bounds" in inspect.signature(eg.EngramEmbedding).parameters else {})
+    emb = eg.EngramEmbedding(2048, DIM, 7, **bounds)
     assert emb.row_store is not None and emb.weight.numel() == 0
     emb.weight.weight_loader(emb.weight, weight)
     emb.scale.weight_loader(emb.scale, scale)
@@ -241,7 +245,7 @@ def test_engine_embedding_serves_from_the_store(tmp_path, monkeypatch):
     idx = torch.randint(0, 2048, (33, 16))
     assert same_bits(emb(idx), upstream_rows(weight, scale, 0, 2048, idx))
     off.engram_row_store_dir = None
-    assert eg.EngramEmbedding(2048, DIM, 7, column_bounds=(0, 1024, 2048)).row_store is None
+    assert eg.EngramEmbedding(2048, DIM, 7, **bounds).row_store is None
 
 
 @pytest.mark.gpu
