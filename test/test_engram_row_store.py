@@ -6,8 +6,8 @@ engine's EngramEmbedding serving from the store."""
 from __future__ import annotations
 
 import argparse
-import os
 import inspect
+import os
 from types import SimpleNamespace
 
 import numpy as np
