@@ -164,6 +164,25 @@ def test_backward_all_clean_records_hashes(tmp_path, monkeypatch, capsys):
     assert load_pin(lay.pin_file).wheels.keys() == {TAG}
 
 
+def test_the_dockerfile_follows_the_release(tmp_path, monkeypatch, capsys):
+    """The serving image builds on upstream's image of the pinned release: a rebase rewrites it
+    with upstream.toml (the drill onto 0.5.22 found it left behind)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FORK_CACHE", str(cache))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(lay.root, cache, "2.0.0", BASE, SPECS[:1])
+    dockerfile = lay.root / "docker" / "Dockerfile"
+    dockerfile.parent.mkdir()
+    dockerfile.write_text("# docker build -t sglang-dsv4:2.0.0 .\nARG SGLANG_IMAGE=lmsysorg/sglang:v2.0.0\n")
+    git(lay.root, "add", "-A")
+    git(lay.root, "commit", "-qm", "docker")
+    make_wheel(cache, "1.0.0", BASE)
+    assert rebase.start("1.0.0", lay) == 0
+    assert dockerfile.read_text() == "# docker build -t sglang-dsv4:1.0.0 .\nARG SGLANG_IMAGE=lmsysorg/sglang:v1.0.0\n"
+    assert "docker/Dockerfile" in capsys.readouterr().out
+
+
 def test_clear_errors(fork):
     lay = fork
     with pytest.raises(ForkError, match="already pinned"):

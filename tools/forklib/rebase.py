@@ -46,7 +46,8 @@ from .tree import apply_problems, assemble, commit_patch, hunk_texts, import_rel
 
 # The tag the replay runs on; the other pinned tags only get their hashes recorded.
 PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
-WRITTEN = ("patches", "python/sglang", "upstream.toml")  # what a rebase may change in the repo
+DOCKERFILE = "docker/Dockerfile"  # its base image is upstream's image of the pinned release
+WRITTEN = ("patches", "python/sglang", "upstream.toml", DOCKERFILE)  # what a rebase may change in the repo
 STOPS = ("conflict", "upstream", "new-file clash")
 DONE = ("clean", "merged", "resolved", "dropped")
 VERSION_RE = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
@@ -239,9 +240,9 @@ def abort(lay: Layout = Layout()) -> None:
         changed = out(lay.root, "status", "--porcelain", "--", *WRITTEN).splitlines()
         raise ForkError(
             f"the rebase onto {done['package']} {done['to']} already finished: it wrote patches/, "
-            f"python/sglang/ and upstream.toml ({len(changed)} path(s) differ from HEAD now; "
+            f"python/sglang/, upstream.toml and {DOCKERFILE} ({len(changed)} path(s) differ from HEAD now; "
             "`git status` lists them). --abort does not undo a finished rebase and removed nothing. "
-            "To undo it before committing: `git checkout HEAD -- patches python/sglang upstream.toml "
+            f"To undo it before committing: `git checkout HEAD -- {' '.join(_tracked(lay.root, WRITTEN))} "
             "&& git clean -fd -- patches python/sglang`; once committed: `git revert <that commit>`. "
             f"{lay.dir} (range-diff.txt) is kept; `tools/fork rebase <release>` starts a new rebase."
         )
@@ -544,6 +545,9 @@ def _finish(lay: Layout, state: dict) -> None:
             + ", ".join(parse_patch(root / "patches" / f"{p['name']}.patch").trailers.get("Tests", [])) + ")"
             for p in dropped]))
     (staged / "upstream.toml").write_text(render_pin(pin))
+    if (root / DOCKERFILE).exists():  # the serving image builds on upstream's image of the release
+        (staged / DOCKERFILE).parent.mkdir(parents=True, exist_ok=True)
+        (staged / DOCKERFILE).write_text((root / DOCKERFILE).read_text().replace(state["from"], pin.version))
 
     # 2. Proof: the written series applies exactly on the target (the same check as `make`).
     new_patches = load_series(staged / "patches" / "series")
@@ -587,7 +591,8 @@ def _finish(lay: Layout, state: dict) -> None:
         print(f"warning: {w}")
     dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
-    print(f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml"
+    print(f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml, "
+          f"{DOCKERFILE}"
           + (f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)" if dropped else "")
           + (f"; review: {', '.join(review)}" if review else "")
           + ". Check `git diff`, run `make test`, then commit.")
@@ -607,10 +612,16 @@ def _move_in(src: Path, dst: Path) -> None:
     os.replace(src, dst)  # same filesystem: each file appears whole
 
 
+def _tracked(root: Path, paths: tuple[str, ...]) -> list[str]:
+    """The paths git tracks (a fork may have no Dockerfile; git checkout refuses unknown paths)."""
+    return [p for p in paths if out(root, "ls-files", "--", p)]
+
+
 def _restore_repo(lay: Layout) -> None:
     """Put the written paths back as committed (a rebase starts only when they are clean)."""
-    git(lay.root, "checkout", "-q", "HEAD", "--", *WRITTEN)
-    git(lay.root, "clean", "-qfd", "--", *WRITTEN)
+    written = _tracked(lay.root, WRITTEN)
+    git(lay.root, "checkout", "-q", "HEAD", "--", *written)
+    git(lay.root, "clean", "-qfd", "--", *written)
 
 
 # ---------------------------------------------------------------------------- drift record
