@@ -136,13 +136,6 @@ def prompt_end(resp, vocab):
 IDS = {"return_input_ids_in_sglext": True}
 
 
-@pytest.mark.parametrize("shape", [
-    dict(extra_body={"chat_template_kwargs": {"enable_thinking": True}, **IDS}),
-    dict(extra_body={"thinking": {"type": "enabled"}, **IDS}),
-    dict(reasoning_effort="high", extra_body=IDS),
-    dict(extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}, **IDS}),
-    dict(extra_body={"chat_template_kwargs": {"thinking": True}, **IDS}),
-], ids=["enable_thinking", "thinking.type", "reasoning_effort", "ctk.reasoning_effort", "thinking"])
 def _needs_thinking_field(body: dict) -> None:
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 
@@ -150,6 +143,13 @@ def _needs_thinking_field(body: dict) -> None:
         pytest.skip("this release's ChatCompletionRequest has no `thinking` field")
 
 
+@pytest.mark.parametrize("shape", [
+    dict(extra_body={"chat_template_kwargs": {"enable_thinking": True}, **IDS}),
+    dict(extra_body={"thinking": {"type": "enabled"}, **IDS}),
+    dict(reasoning_effort="high", extra_body=IDS),
+    dict(extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}, **IDS}),
+    dict(extra_body={"chat_template_kwargs": {"thinking": True}, **IDS}),
+], ids=["enable_thinking", "thinking.type", "reasoning_effort", "ctk.reasoning_effort", "thinking"])
 def test_client_switches_turn_thinking_on(client, vocab, shape):
     _needs_thinking_field(shape.get("extra_body", {}))
     out = chat(client, **shape)
