@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
-from e2e.matrix import P_MIN, chi2_same, rows
+from e2e.matrix import P_MIN, chi2_same, evaluate, feature_lines, rows
 from e2e.server import handled_fallbacks, log_errors
 
 
@@ -31,6 +31,33 @@ def test_two_sample_test_accepts_the_same_rule_and_refuses_a_broken_one():
     # What the H200's negative control does: the target sampled sharper (0.7 T) than the reference.
     broken = chi2_same(_draws(0.92, 2000, 3), _draws(0.82, 2000, 4))
     assert broken["min_p"] < P_MIN
+
+
+def _served(tokens, model="agree"):
+    return {"model": model, "fork_flags_line_ok": True, "log_errors": [],
+            "greedy": {"tokens": tokens, "completion_matches_generate": True}}
+
+
+def test_greedy_identity_is_checked_only_against_the_rows_a_row_names():
+    recs = {"random_off": _served([[1, 2, 3]], "random"), "random_nospec": _served([[1, 2, 3]], "random")}
+    for name in recs:
+        evaluate(name, recs[name], recs, ())
+    differs = _served([[1, 9, 3]], "random")
+    evaluate("random_all_on", differs, recs, ())  # a cap and `drop`: where it differs is recorded, not failed
+    assert differs["ok"] and differs["greedy_first_difference_from_off"] == {0: 1}
+    bitwise = _served([[1, 9, 3]], "random")
+    evaluate("random_wo_a_small", bitwise, recs, ("off",))
+    assert bitwise["ok"] is False and bitwise["greedy_identical_to_off"] is False
+    named = {r.name: r.identical_to for r in rows()}
+    assert named["random_wo_a_small"] == named["random_fence"] == ("off",) and named["random_all_on"] == ()
+    assert named["all_on"] == ("off", "nospec")
+
+
+def test_feature_lines_leave_out_the_command_and_the_argument_dump():
+    log = ("[t] $ python -m sglang.launch_server --speculative-dspark-fence-accept-results\n"
+           "[t] server_args={'speculative_dspark_fence_accept_results': True}\n"
+           "[t] DSpark verify cap on (3)\n")
+    assert feature_lines(log) == ["DSpark verify cap on (3)"]
 
 
 def test_matrix_rows_cover_every_fork_flag():
