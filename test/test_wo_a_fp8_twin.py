@@ -307,7 +307,7 @@ def _prmt_cvt(words: torch.Tensor, selectors=(0x9180, 0xB3A2), mask=0x87F087F0) 
     ((0x4140, 0x4342), 0x87F087F0, False),  # no sign replication: negatives lose their sign
 ])
 def test_prmt_conversion_places_every_e4m3_code(selectors, mask, exact):
-    """CVT_PRMT's bit moves: every e4m3 code (subnormals, zeros, both signs) comes out as
+    """The small kernel's PRMT conversion's bit moves: every e4m3 code (subnormals, zeros, both signs) comes out as
     q * 2**-120 in bf16, which the scale word 2**(e - 127 + 120) turns into q * 2**(e - 127); the
     test fails on a broken mask or selector. (The HMUL2 on bf16 subnormals is the GPU test's.)"""
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
@@ -318,7 +318,7 @@ def test_prmt_conversion_places_every_e4m3_code(selectors, mask, exact):
     words = torch.cat([words[:, 0] | words[:, 1] << 8 | words.roll(1, 0)[:, 0] << 16 | words.roll(3, 0)[:, 1] << 24,
                        words.roll(5, 0)[:, 1] | words[:, 0] << 8 | words[:, 1] << 16 | words.roll(2, 0)[:, 0] << 24])
     bits = _prmt_cvt(words, selectors, mask)
-    got = bits.to(torch.int16).view(torch.bfloat16).double() * 2.0 ** sm90._SCALE_BIAS[sm90.CVT_PRMT]
+    got = bits.to(torch.int16).view(torch.bfloat16).double() * 2.0 ** sm90.PRMT_SCALE_BIAS
     raw = torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], -1)
     want = raw.to(torch.uint8).view(torch.float8_e4m3fn).double()
     assert torch.equal(got, want) == exact
@@ -333,11 +333,11 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-rb, cvt, xn, stage, xring = map(int, sys.argv[1:6])
+rb, xn, stage, xring = map(int, sys.argv[1:5])
 sig = {"W": "*i32", "X": "*bf16", "E": "*u8", "Y": "*bf16", "P": "*fp32", "M": "i32", "SX": "i32"}
 consts = dict(G=2, R=1024, PARTIALS=False, LD_L=sm90._LD_LAYOUT, X_L=sm90._X_LAYOUTS[xn],
-              MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT_LAYOUT if rb == 8 else sm90._OUT16_LAYOUT,
-              XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, CVT=cvt, BIAS=sm90._SCALE_BIAS[cvt], XN=xn,
+              MMA=sm90._MMA, P_SMEM=sm90._P_SMEM, OUT_L=sm90._OUT16_LAYOUT,
+              XC_L=sm90._XC_LAYOUT, X_SMEM=sm90._X_SMEM, RB=rb, XN=xn,
               STAGE=stage, WC_L=sm90._WC_LAYOUT, WS_L=sm90._WS_LAYOUT, W_SMEM=sm90._W_SMEM, XRING=bool(xring),
               XB_L=sm90._XB_LAYOUT, XB_SMEM=sm90._XB_SMEM)
 # pointers and x's row stride SX specialised as multiples of 16, as the JIT does for real launches
@@ -354,7 +354,7 @@ print(json.dumps(dump))
 """
 
 
-def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0) -> tuple[list[str], str]:
+def _sm90_small_sass(rb: int, xn: int, stage: int, xring: int = 0) -> tuple[list[str], str]:
     """The small kernel's sm_90 opcodes and resource usage, compiled offline with triton's ptxas."""
     import triton
 
@@ -362,28 +362,11 @@ def _sm90_small_sass(rb: int, cvt: int, xn: int, stage: int, xring: int = 0) -> 
         pytest.skip("triton ships no cuobjdump here")
     # a fresh process: the Triton interpreter the CPU tests run under patches the language
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(cvt), str(xn), str(stage),
-                          str(xring)],
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", _SM90_COMPILE, str(rb), str(xn), str(stage), str(xring)],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     sass, usage = json.loads(run.stdout.strip().splitlines()[-1])
     return re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M), usage
-
-
-@pytest.mark.parametrize("rb,cvt,xn", [(8, 0, 8), (8, 1, 8), (16, 0, 8), (16, 1, 8), (16, 1, 16)])
-def test_hopper_small_kernel_sm90_structure(rb, cvt, xn):
-    """What the small kernel's docstring claims of its sm_90 code, checked on an offline compile
-    with triton's own ptxas, weights in registers (stage 0, served before): every weight load
-    (LDG.64, 16 per 8 rows) issues before the first MMA, no CTA barrier per x copy, nothing
-    spills, and the registers allow 3 CTAs per SM (8 rows: 64) or 2 (16 rows: <= 128)."""
-    ops, usage = _sm90_small_sass(rb, cvt, xn, 0)
-    loads = [i for i, op in enumerate(ops) if op.startswith("LDG.E.64")]
-    assert len(loads) == 16 * rb // 8 and max(loads) < ops.index(next(op for op in ops if op.startswith("HMMA")))
-    # barriers: one after the loads issue, one per x wait (4), one before the partials are added;
-    # not one per x copy, as when the copies went to slices of one shared buffer (+8)
-    assert ops.count("BAR.SYNC.DEFER_BLOCKING") == 6
-    regs, local = (int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "LOCAL"))
-    assert local == 0 and regs <= (64 if (rb, xn) == (8, 8) else 128), usage
 
 
 @pytest.mark.parametrize("rb,xn,stage", [(16, 16, 6), (16, 32, 6), (32, 8, 8), (32, 8, 4), (32, 16, 6), (32, 16, 4),
@@ -393,7 +376,7 @@ def test_hopper_small_kernel_sm90_structure_ring(rb, xn, stage):
     per block one 16-byte copy of x per 8 rows of x and one of weights per 16 weight rows, 16
     in-order waits, 2 MMAs per 16 weight rows and n8 tile of x, nothing spills, and the registers
     allow 2 CTAs per SM (G = 8 runs 2)."""
-    ops, usage = _sm90_small_sass(rb, 1, xn, stage, 1)
+    ops, usage = _sm90_small_sass(rb, xn, stage, 1)
     assert ops.count("LDGSTS.E.BYPASS.128") == 16 * (xn // 8 + rb // 16)
     assert len([op for op in ops if op.startswith("DEPBAR.LE")]) == 16
     assert len([op for op in ops if op.startswith("HMMA")]) == 16 * 2 * (rb // 16) * (xn // 8)
@@ -408,7 +391,7 @@ def test_hopper_small_kernel_sm90_structure_staged(stage, xring):
     of x (2 per 64-K chunk up front, or 1 per block in the ring) and the weights' 16 of 16 B, all
     with the L1 bypass, one commit group per weight block; block i is waited for by DEPBAR.LE SB0
     (15 - i, or stage - 1 in the ring), in order; no weight reaches a register by LDG."""
-    ops, usage = _sm90_small_sass(16, 1, 8, stage, xring)
+    ops, usage = _sm90_small_sass(16, 8, stage, xring)
     copies = [i for i, op in enumerate(ops) if op.startswith("LDGSTS")]
     assert len(copies) == 16 + 16 and all(ops[i] == "LDGSTS.E.BYPASS.128" for i in copies)
     exps = [i for i, op in enumerate(ops) if op == "LDG.E.U8"]
@@ -427,7 +410,7 @@ def test_hopper_small_config_follows_the_probe():
     132 SMs): G = 2 (128 CTAs of 16 weight rows, one wave) 10 blocks in flight; G = 4 32 weight
     rows per CTA, 8 in flight (one CTA per SM); G = 8 32 rows, 4 (two CTAs per SM); more rows of
     x: 6 (two CTAs per SM: 4), or what shared memory holds (64 rows: 5 / 4); x always in the
-    ring; 8 rows per CTA: the weights in registers."""
+    ring."""
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
     assert sm90.small_config(2, 2, 1024, 132) == (16, 10, True)
@@ -440,7 +423,6 @@ def test_hopper_small_config_follows_the_probe():
     assert sm90.small_config(16, 8, 1024, 132) == (32, 4, True)
     assert sm90.small_config(64, 2, 1024, 132) == (16, 5, True)
     assert sm90.small_config(64, 8, 1024, 132) == (32, 4, True)
-    assert sm90.small_config(4, 2, 1024, 132, rows_per_cta=8) == (8, 0, False)
 
 
 def test_hopper_mid_config_follows_the_probe():
@@ -532,7 +514,7 @@ def test_hopper_packing_only_for_exponents_the_conversion_can_scale(monkeypatch)
     row-major twin of the portable kernel; one at 134 is packed."""
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
 
-    assert sm90.MAX_BIASED_EXP == sm90.max_biased_exp(sm90.CVT_PRMT) == 134
+    assert sm90.MAX_BIASED_EXP == 134
     monkeypatch.setattr(sm90, "available", lambda device: True)
     monkeypatch.setattr(twin_mod, "_TWINS", {})
     q = (torch.randn(2, 64, 4096, generator=torch.Generator().manual_seed(3)) * 64).clamp(-448, 448)
@@ -851,17 +833,17 @@ def _all_codes_twin(g: int, seed: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cta,cvt,stage,x_ring", [
-    (8, 0, 0, False), (16, 0, 0, False), (8, 1, 0, False), (16, 1, 0, False), (16, 1, 16, False), (16, 1, 8, False),
-    (16, 1, 4, True), (16, 1, 8, True), (16, 1, 12, True), (32, 1, 8, False), (32, 1, 4, True), (32, 1, 6, True)])
-def test_gpu_hopper_small_candidates_bitwise_to_shipped(rows_per_cta, cvt, stage, x_ring):
-    """The small kernel's configurations (8 rows per CTA, the F16 conversion: served before; the
-    weights in registers, staged all at once or 4..12 blocks in flight in a ring, x up front or in
-    the ring; 32 weight rows per CTA) give the served kernel's bits at every M, output and
-    partials (rows 9..16: those of two calls of <= 8 rows); and every e4m3 code (subnormals,
-    zeros, both signs) comes back exactly through one-hot rows of x."""
+@pytest.mark.parametrize("rows_per_cta,stage,x_ring", [
+    (None, None, None), (16, 16, False), (16, 8, False), (16, 4, True), (16, 8, True), (16, 12, True), (32, 8, False),
+    (32, 4, True), (32, 6, True)])
+def test_gpu_hopper_small_configurations_bitwise(rows_per_cta, stage, x_ring):
+    """Every configuration of the small kernel (what serves; the weights staged all at once or
+    4..12 blocks in flight in a ring, x up front or in the ring; 16 or 32 weight rows per CTA)
+    gives the served kernel's bits at every M, output and partials (rows 9..16: those of two calls
+    of <= 8 rows); and every e4m3 code (subnormals, zeros, both signs) comes back exactly through
+    one-hot rows of x."""
     sm90 = _hopper()
-    kw = dict(rows_per_cta=rows_per_cta, cvt=cvt, stage=stage, x_ring=x_ring)
+    kw = {} if stage is None else dict(rows_per_cta=rows_per_cta, stage=stage, x_ring=x_ring)
     for g in (2, 8):
         w8, e, w = _all_codes_twin(g, 40 + g)
         packed = sm90.pack_twin(w8)

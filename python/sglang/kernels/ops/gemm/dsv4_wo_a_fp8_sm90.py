@@ -12,7 +12,7 @@ stored fragment-major (K permuted inside each 32-block, each warp's A fragment o
 and 8 rows contiguous), so a thread's 8 bytes are what its MMA takes. Weights, exponents and x
 reach shared memory by cp.async in block order (``stage``, ring depth from ``small_config``); each
 32-K block is waited for in order (cp.async.wait_group), converted e4m3 -> bf16 exactly
-(``CVT_PRMT``: byte permutes and the power-of-two scale in one HMUL2) and fed to swap-AB mma.sync
+(byte permutes and the power-of-two scale in one HMUL2) and fed to swap-AB mma.sync
 m16n8k16 (weight rows as M, up to 4 n8 tiles of x as N) while later blocks are in flight.
 
 SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
@@ -53,7 +53,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from sglang.kernels.ops.gemm.e4m3_to_bf16 import E4M3X4_TO_BF16_ASM as _ASM
 from sglang.kernels.ops.gemm.e4m3_to_bf16 import permute_k
 from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import bf16_pair, dequant_block, words_layout
 
@@ -66,14 +65,12 @@ MAX_ROWS = 16  # rows of x one small-kernel call takes with x up front (8 per n8
 _SM_SMEM = 227 * 1024  # shared memory one SM gives its CTAs (H100 / H200)
 MAX_RING_ROWS = 64  # with x in the ring (x up front would not fit shared memory): 8 n8 tiles
 
-# e4m3 -> bf16 conversions (exact: the twin's scale is a power of two). CVT_PRMT, served: each
+# The small kernel's e4m3 -> bf16 conversion (exact: the twin's scale is a power of two): each
 # byte sign-extended into a 16-bit half by PRMT, shifted so that e4m3's exponent and mantissa land
 # in bf16's low exponent bits and the sign copies between them are masked off (q * 2**-120; e4m3
 # subnormals become bf16 subnormals, which the HMUL2 by 2**(e - 127 + 120) takes exactly): 4
-# instructions per pair. CVT_F16 (the mid kernel's): cvt.e4m3x2 -> f16x2
-# (F2FP), the f16 bits moved into bf16's (q * 2**-112), then the scale 2**(e - 127 + 112): 5.
-CVT_F16, CVT_PRMT = 0, 1
-_SCALE_BIAS = {CVT_F16: 112, CVT_PRMT: 120}
+# instructions per pair. (The mid kernel converts through f16, q * 2**-112: e4m3_to_bf16_sm90.)
+PRMT_SCALE_BIAS = 120
 _E4M3X4_TO_BF16_PRMT_ASM = gl.constexpr("""{
 .reg .b32 t0, t1;
 prmt.b32 t0, $2, 0, 0x9180;
@@ -87,12 +84,9 @@ mul.rn.bf16x2 $1, t1, $4;
 }""")
 
 
-def max_biased_exp(cvt: int) -> int:
-    """Largest ue8m0 exponent the conversion's bf16 scale word 2**(e - 127 + bias) can carry."""
-    return 254 - _SCALE_BIAS[cvt]
-
-
-MAX_BIASED_EXP = max_biased_exp(CVT_PRMT)  # 134: the served conversion's
+# Largest ue8m0 exponent the small kernel's bf16 scale word 2**(e - 127 + 120) can carry: 134.
+MAX_BIASED_EXP = 254 - PRMT_SCALE_BIAS
+_PRMT_BIAS = gl.constexpr(PRMT_SCALE_BIAS)
 
 __all__ = ["available", "pack_twin", "small_config", "ring_fit", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
 
@@ -162,21 +156,16 @@ _XB_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank
 _MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8, 1, 1], instr_shape=[1, 16, 8])
 _P_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # [8, 8] fp32 (rows x x-rows) of one split's partial, one element per thread (4 warps)
-_OUT_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[2, 4], order=[1, 0])
 _OUT16_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 2], order=[1, 0])
 
 
 @gluon.jit
-def _dequant(w32, sb, CVT: gl.constexpr):
+def _dequant(w32, sb):
     """[S, 8, 8] words of a K-permuted e4m3 32-block of 8 rows + per-split bf16x2 scale words ->
     the logical [S, 8, 32] bf16 rows, the permutation undone by renaming."""
     sb = gl.expand_dims(gl.expand_dims(sb, 1), 2) + gl.zeros_like(w32)
-    if CVT == 0:
-        o0, o1 = gl.inline_asm_elementwise(_ASM, "=r,=r,r,r,r", [w32, sb, sb], dtype=(gl.int32, gl.int32),
-                                           is_pure=True, pack=1)
-    else:
-        o0, o1 = gl.inline_asm_elementwise(_E4M3X4_TO_BF16_PRMT_ASM, "=r,=r,r,r,r", [w32, sb, sb],
-                                           dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    o0, o1 = gl.inline_asm_elementwise(_E4M3X4_TO_BF16_PRMT_ASM, "=r,=r,r,r,r", [w32, sb, sb],
+                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     w = gl.join(bf16_pair(o0), bf16_pair(o1))  # [S, 8, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
     return gl.reshape(gl.permute(gl.reshape(w, [SPLITS, 8, 4, 2, 2, 2]), [0, 1, 3, 5, 2, 4]), [SPLITS, 8, 32])
 
@@ -204,42 +193,27 @@ def _x_tiles(L: gl.constexpr, XN: gl.constexpr, KW: gl.constexpr, group, SX, M):
 def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexpr,
                            PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
                            MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
-                           XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr, CVT: gl.constexpr,
-                           BIAS: gl.constexpr, XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
+                           XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr,
+                           XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
                            WS_L: gl.constexpr, W_SMEM: gl.constexpr, XRING: gl.constexpr, XB_L: gl.constexpr,
                            XB_SMEM: gl.constexpr):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
     NPC: gl.constexpr = RB // 8  # fragment-major pieces of 8 weight rows per CTA
-    NA: gl.constexpr = (RB + 8) // 16  # A operands (m16) per block: RB = 8 fills half of one
-    RH: gl.constexpr = 8 if RB == 8 else 16  # live rows of each A operand
+    NA: gl.constexpr = RB // 16  # A operands (m16) per block
     pid = gl.program_id(0)
     group = pid // (R // RB)
     r0 = (pid % (R // RB)) * RB
     ls = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, LD_L)))
-    ll = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, LD_L)))
-    lj = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, LD_L)))
-    w_off = (gl.expand_dims(gl.expand_dims(ls * 64, 1), 2) + gl.expand_dims(gl.expand_dims(ll * 2, 0), 2)
-             + gl.expand_dims(gl.expand_dims(lj, 0), 1))
     # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i
     es = ()
     e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
-    ws = ()
-    wh = ()  # RB = 16: rows 8..15, the next fragment-major piece
-    NBUF: gl.constexpr = STAGE + 1 if STAGE < NB else NB  # ring buffers (STAGE <= 16: the wrapper)
-    if STAGE > 0:
-        # the exponents first: issued behind the CTA's 64 KB of weights they would arrive last
-        for i in gl.static_range(NB):
-            es = es + (gl.load(e_base + i).to(gl.int32),)
-        gl.thread_barrier()  # ptxas would sink them
-    else:
-        # every weight byte of the CTA first: 16 LDG.64 per thread and 8 rows, 32 KB per 8 rows in flight
-        # (stage 0: the first scale waits on a scoreboard shared by most of them)
-        for i in gl.static_range(NB):
-            ws = ws + (gl.load(W + (pid * (RB // 8) * NB + i) * 512 + w_off),)
-            if RB == 16:
-                wh = wh + (gl.load(W + (pid * 2 * NB + NB + i) * 512 + w_off),)
+    NBUF: gl.constexpr = STAGE + 1 if STAGE < NB else NB  # ring buffers (1 <= STAGE <= 16: the wrapper)
+    # the exponents first: issued behind the CTA's 64 KB of weights they would arrive last
+    for i in gl.static_range(NB):
+        es = es + (gl.load(e_base + i).to(gl.int32),)
+    gl.thread_barrier()  # ptxas would sink them
     # x by cp.async into shared memory (rows past M are zero-filled, no traffic), one group per
     # 128-K chunk, read back by ldmatrix in the B fragment layout
     x_s = ()  # one allocation per chunk: copies into slices of one buffer get a barrier each
@@ -252,74 +226,55 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                 async_copy.commit_group()
     else:  # x's 32-K block i travels with the weights' block i, in their ring (less shared memory)
         b_off, b_mask = _x_tiles(XB_L, XN, 32, group, SX, M)
+    # the weights by cp.async, 16 B per thread, one group per 32-K block (after x's 4, or
+    # holding x's block under XRING): block i is waited for by cp.async.wait_group
+    # (DEPBAR.LE, in order), not a shared scoreboard;
+    # STAGE blocks in flight, in a ring of STAGE + 1 buffers (all 16 at once: no reuse)
     w_s = ()
-    if STAGE > 0:
-        # the weights by cp.async, 16 B per thread, one group per 32-K block (after x's 4, or
-        # holding x's block under XRING): block i is waited for by cp.async.wait_group
-        # (DEPBAR.LE, in order), not a shared scoreboard;
-        # STAGE blocks in flight, in a ring of STAGE + 1 buffers (all 16 at once: no reuse)
-        cp = gl.arange(0, NPC, layout=gl.SliceLayout(1, WC_L))
-        cw = gl.arange(0, 512, layout=gl.SliceLayout(0, WC_L))
-        cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(cw, 0)  # rows 0..7, 8..15, ..
-        for j in gl.static_range(NBUF):
-            w_s = w_s + (gl.allocate_shared_memory(gl.int32, [NPC, 512], W_SMEM),)  # one each, as for x
-            if XRING:
-                x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 32], XB_SMEM),)
-        for j in gl.static_range(STAGE):
-            if XRING:
-                async_copy.async_copy_global_to_shared(x_s[j], X + b_off + 32 * j, b_mask)
-            async_copy.async_copy_global_to_shared(w_s[j], W + (pid * NPC * NB + j) * 512 + cp_off)
-            async_copy.commit_group()
-    else:
-        # ptxas moves loads neither across a barrier nor the MMAs above the exponent loads they need:
-        # so every weight load of the CTA issues before the first MMA waits for its bytes
-        gl.thread_barrier()
-        for i in gl.static_range(NB):
-            es = es + (gl.load(e_base + i).to(gl.int32),)
+    cp = gl.arange(0, NPC, layout=gl.SliceLayout(1, WC_L))
+    cw = gl.arange(0, 512, layout=gl.SliceLayout(0, WC_L))
+    cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(cw, 0)  # rows 0..7, 8..15, ..
+    for j in gl.static_range(NBUF):
+        w_s = w_s + (gl.allocate_shared_memory(gl.int32, [NPC, 512], W_SMEM),)  # one each, as for x
+        if XRING:
+            x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 32], XB_SMEM),)
+    for j in gl.static_range(STAGE):
+        if XRING:
+            async_copy.async_copy_global_to_shared(x_s[j], X + b_off + 32 * j, b_mask)
+        async_copy.async_copy_global_to_shared(w_s[j], W + (pid * NPC * NB + j) * 512 + cp_off)
+        async_copy.commit_group()
     accs = ()
     for h in gl.static_range(NA):
         accs = accs + (gl.zeros([SPLITS, 16, XN], gl.float32, layout=MMA),)
     for i in gl.static_range(NB):
-        if STAGE > 0:
-            # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
-            async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
-            if STAGE < NB:
-                if i + STAGE < NB:  # into block i - 1's buffer
-                    if XRING:
-                        async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE),
-                                                               b_mask)
-                    async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
-                                                           W + (pid * NPC * NB + i + STAGE) * 512 + cp_off)
-                async_copy.commit_group()  # possibly empty: keeps the wait count uniform
-            wb = w_s[i % NBUF]
-            wp = ()
-            for q in gl.static_range(NPC):
-                wp = wp + (gl.convert_layout(gl.reshape(wb.slice(q, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L),)
-        else:
-            if i % 4 == 0:
-                async_copy.wait_group(3 - i // 4)
-                gl.thread_barrier()
-            if RB == 16:
-                wp = (ws[i], wh[i])
-            else:
-                wp = (ws[i],)
+        # x and blocks 0..i landed (Gluon adds the CTA barrier: every thread is past block i - 1)
+        async_copy.wait_group(NB - 1 - i if STAGE == NB else STAGE - 1)
+        if STAGE < NB:
+            if i + STAGE < NB:  # into block i - 1's buffer
+                if XRING:
+                    async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE),
+                                                           b_mask)
+                async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
+                                                       W + (pid * NPC * NB + i + STAGE) * 512 + cp_off)
+            async_copy.commit_group()  # possibly empty: keeps the wait count uniform
+        wb = w_s[i % NBUF]
+        wp = ()
+        for q in gl.static_range(NPC):
+            wp = wp + (gl.convert_layout(gl.reshape(wb.slice(q, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L),)
         if XRING:
             xb = x_s[i % NBUF].load(X_L)
         else:
             xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
         w32 = gl.reshape(wp[0], [SPLITS, 8, 8])
-        sb = (es[i] + BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**BIAS, the conversion's offset
+        sb = (es[i] + _PRMT_BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**120, the conversion's offset
         sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
-        lo = _dequant(w32, sb, CVT)
+        lo = _dequant(w32, sb)
         b = gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L)
         nxt = ()
         for h in gl.static_range(NA):  # 32 rows: both A operands take the same B fragment of x
-            if RB == 8:
-                a = _a_operand(lo, gl.zeros_like(lo), A_L)
-            else:
-                if h > 0:
-                    lo = _dequant(gl.reshape(wp[2 * h], [SPLITS, 8, 8]), sb, CVT)
-                a = _a_operand(lo, _dequant(gl.reshape(wp[2 * h + 1], [SPLITS, 8, 8]), sb, CVT), A_L)
+            if h > 0:
+                lo = _dequant(gl.reshape(wp[2 * h], [SPLITS, 8, 8]), sb)
+            a = _a_operand(lo, _dequant(gl.reshape(wp[2 * h + 1], [SPLITS, 8, 8]), sb), A_L)
             nxt = nxt + (mma_v2(a, b, accs[h]),)
         accs = nxt
     if PARTIALS:  # upstream's partial layout [8, M, G, R] for its MXFP8 epilogue
@@ -340,13 +295,13 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         gl.thread_barrier()
         otok = gl.arange(0, XN, layout=gl.SliceLayout(0, OUT_L))
         for h in gl.static_range(NA):
-            even = p_s.slice(h * SPLITS * 16, RH).load(OUT_L)
-            odd = p_s.slice(h * SPLITS * 16 + 16, RH).load(OUT_L)
+            even = p_s.slice(h * SPLITS * 16, 16).load(OUT_L)
+            odd = p_s.slice(h * SPLITS * 16 + 16, 16).load(OUT_L)
             for s in gl.static_range(1, SPLITS // 2):
-                even = even + p_s.slice(h * SPLITS * 16 + 32 * s, RH).load(OUT_L)
-                odd = odd + p_s.slice(h * SPLITS * 16 + 32 * s + 16, RH).load(OUT_L)
+                even = even + p_s.slice(h * SPLITS * 16 + 32 * s, 16).load(OUT_L)
+                odd = odd + p_s.slice(h * SPLITS * 16 + 32 * s + 16, 16).load(OUT_L)
             total = even + odd
-            orow = gl.arange(0, RH, layout=gl.SliceLayout(1, OUT_L))
+            orow = gl.arange(0, 16, layout=gl.SliceLayout(1, OUT_L))
             o_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + 16 * h + gl.expand_dims(orow, 1)
             gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
 
@@ -359,10 +314,8 @@ def small_config(m: int, g: int, r: int, sms: int, rows_per_cta: int | None = No
     L2 and shared-memory traffic per weight byte); x in the weights' ring; blocks in flight, about
     80..96 KB per SM at <= 8 rows of x: one CTA per SM 10 (16 rows per CTA, 8 KB a block) or 8
     (32 rows, 12 KB), two CTAs per SM 4; more rows of x 6 (two CTAs per SM: 4); fewer where shared
-    memory holds fewer. 8 rows per CTA: the weights in registers."""
+    memory holds fewer."""
     rows = rows_per_cta or (16 if g * r // 16 <= sms else 32)
-    if rows == 8:
-        return 8, 0, False
     one_per_sm = g * r // rows <= sms
     if m <= 8:
         stage = (10 if rows == 16 else 8) if one_per_sm else 4
@@ -384,17 +337,15 @@ def ring_fit(rows_per_cta: int, m: int) -> int:
 
 def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
                         partials: bool = False, *, rows_per_cta: int | None = None,
-                        cvt: int = CVT_PRMT, stage: int | None = None,
-                        x_ring: bool | None = None) -> torch.Tensor:
+                        stage: int | None = None, x_ring: bool | None = None) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..64 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
-    (rows past 8: each row's bits those of a call of <= 8 rows). ``rows_per_cta``: 8, 16 or 32
+    (rows past 8: each row's bits those of a call of <= 8 rows). ``rows_per_cta``: 16 or 32
     weight rows per CTA; ``stage``: 32-K blocks of the weights in flight through shared memory,
-    waited for block by block (16: all at once; 1..15: a ring of stage + 1 buffers; 0: the
-    weights by LDG into registers); ``x_ring``: x's blocks travel in that ring
-    instead of all of x up front (needed past 16 rows of x). The defaults are what serves
-    (``small_config``, the fastest measured). Every configuration gives the same bits;
-    ``rows_per_cta=8`` and ``cvt=CVT_F16`` are slower."""
+    waited for block by block (16: all at once; 1..15: a ring of stage + 1 buffers);
+    ``x_ring``: x's blocks travel in that ring instead of all of x up front (needed past 16 rows
+    of x). The defaults are what serves (``small_config``, the fastest measured); every
+    configuration gives the same bits."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert x.shape[1:] == (g, D) and x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == D
@@ -402,18 +353,17 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
         rows_per_cta, stage, x_ring = small_config(m, g, r, _sm_count(x.device), rows_per_cta)
     rows_per_cta = rows_per_cta or 16
     assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS), (m, x_ring)
-    assert rows_per_cta in (8, 16, 32) and r % rows_per_cta == 0 and cvt in _SCALE_BIAS, (rows_per_cta, r, cvt)
+    assert rows_per_cta in (16, 32) and r % rows_per_cta == 0, (rows_per_cta, r)
     xn = _x_rows(m)
-    assert 0 <= stage <= 16 and (stage == 0 or rows_per_cta >= 16), ("staging takes 16 or 32 weight rows per CTA", stage)
-    assert stage > 0 or rows_per_cta <= 16, ("32 weight rows per CTA are staged", stage)
+    assert 1 <= stage <= 16, ("1..16 weight blocks in flight", stage)
     x_ring = bool(x_ring)
     assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
     p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
         packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUTS[xn],
-        _MMA, _P_SMEM, _OUT_LAYOUT if rows_per_cta == 8 else _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        cvt, _SCALE_BIAS[cvt], xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
+        _MMA, _P_SMEM, _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
+        xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
         num_warps=N_SPLITS,
     )
     return p if partials else y
