@@ -28,13 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harness.py
+from harness import graph_us_per_call  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -87,30 +89,6 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-# ---------------------------------------------------------------- timing
-
-
-def graph_us(fn, replays: int) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
-
-
 # ---------------------------------------------------------------- features
 
 
@@ -151,9 +129,9 @@ def run_mxfp8(args, rows_out):
             ref = x.float() @ ref_w.T
             row = {"feature": "mxfp8", "shape": f"{name} N{n} K{k}", "rows": m,
                    "ours_rel_err": rel_err(ours, ref), "stock_rel_err": rel_err(stock, ref),
-                   "ours_us": graph_us(lambda: lin.apply(layer, x, None), args.replays),
-                   "stock_us": graph_us(lambda: triton_w8a8_block_fp8_linear(
-                       x, w, [32, 32], s, act_scale_ue8m0=True), args.replays)}
+                   "ours_us": graph_us_per_call([lambda: lin.apply(layer, x, None)], args.replays),
+                   "stock_us": graph_us_per_call([lambda: triton_w8a8_block_fp8_linear(
+                       x, w, [32, 32], s, act_scale_ue8m0=True)], args.replays)}
             row["speedup"] = row["stock_us"] / row["ours_us"]
             # MXFP8 activations on both sides: ours within 2x stock's error of the fp32 result
             row["ok"] = row["ours_rel_err"] <= max(2 * row["stock_rel_err"], 1e-2)
@@ -192,7 +170,7 @@ def run_moe(args, rows_out):
         ref = moe_reference(x, ref13, ref2, ids, w, LIMIT) if m <= 64 else None
         row = {"feature": "moe", "shape": f"E{E} N{N} K{K} top{TOPK}", "rows": m,
                "ours_rel_err": None if ref is None else rel_err(ours, ref),
-               "ours_us": graph_us(lambda: method.apply(None, d), args.replays), "stock_us": None,
+               "ours_us": graph_us_per_call([lambda: method.apply(None, d)], args.replays), "stock_us": None,
                "note": "stock cannot start on 576-wide experts on SM12x (FlashInfer CUTLASS needs % 128)"}
         row["ok"] = row["ours_rel_err"] is None or row["ours_rel_err"] < 5e-2  # MXFP8 activations
         rows_out.append(row)
@@ -201,7 +179,7 @@ def run_moe(args, rows_out):
 
 def timed_on_roce(gather, fn, replays):
     with gather.capture():  # the runtime's graph-capture context, as GroupCoordinator.graph_capture
-        return graph_us(fn, replays)
+        return graph_us_per_call([fn], replays)
 
 
 def run_roce(args, rows_out):
@@ -226,7 +204,7 @@ def run_roce(args, rows_out):
         row = {"feature": "roce", "shape": f"{rows}x{hidden} {dtype}", "rows": rows, "world": world,
                "on_roce": took, "bitwise": bool(torch.equal(ours, stock)) if took else None,
                "ours_us": timed_on_roce(gather, lambda: gather.gather_into(ours, x), args.replays) if took else None,
-               "stock_us": graph_us(lambda: dist.all_gather_into_tensor(stock, x), args.replays)}
+               "stock_us": graph_us_per_call([lambda: dist.all_gather_into_tensor(stock, x)], args.replays)}
         row["ok"] = row["bitwise"] is not False
         if row["ours_us"]:
             row["speedup"] = row["stock_us"] / row["ours_us"]
