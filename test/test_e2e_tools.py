@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
-from e2e.matrix import P_MIN, chi2_same, evaluate, feature_lines, rows
+from e2e.matrix import P_MIN, chi2_same, evaluate, feature_lines, merge_rows, rows
 from e2e.server import handled_fallbacks, log_errors
 
 
@@ -80,3 +82,14 @@ def test_deepseek_tokenizer_carries_the_chat_encoders_special_tokens(tmp_path):
     assert tok.convert_ids_to_tokens(MASK_TOKEN_ID).startswith("<extra_")  # the draft's mask is no special
     ids = tok("hi<｜User｜>!")["input_ids"]
     assert tok.decode(ids) == "hi<｜User｜>!"
+
+
+def test_merge_keeps_the_earlier_rows_this_run_did_not_serve_and_refuses_another_build():
+    earlier = {"fork_version": "v1", "device": "H200", "standins": True,
+               "rows": {"off": {"ok": True}, "real_off": {"ok": None, "skipped": "budget"}, "cap_3": {"ok": False}}}
+    report = {"fork_version": "v1", "device": "H200", "standins": True,
+              "rows": {"real_off": {"ok": True}, "cap_3": {"ok": None, "skipped": "budget"}}}
+    merge_rows(report, earlier)
+    assert report["rows"] == {"real_off": {"ok": True}, "cap_3": {"ok": False}, "off": {"ok": True}}
+    with pytest.raises(SystemExit, match="fork_version"):
+        merge_rows({**report, "fork_version": "v2"}, earlier)

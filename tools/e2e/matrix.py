@@ -372,6 +372,8 @@ def main(argv=None) -> int:
     p.add_argument("--standins", action="store_true", help="the H200 harness: functional stand-ins + switches")
     p.add_argument("--budget", type=float, default=1e9, help="start no row after this many seconds")
     p.add_argument("--parallel", type=int, default=4, help="servers at a time")
+    p.add_argument("--merge", type=Path, help="an earlier run's JSON (same build and device): its rows that "
+                   "this run does not serve are kept, so a matrix can be served in several sittings")
     args = p.parse_args(argv)
 
     t_start = time.monotonic()
@@ -445,12 +447,25 @@ def main(argv=None) -> int:
         report["rows"][row.name] = rec
         if rec.get("ok") is False:
             print(f"FAILED {row.name}: " + _failure_excerpt(rec, logs / f"{row.name}.log"), flush=True)
+    if args.merge:
+        merge_rows(report, json.loads(args.merge.read_text()))
     done = [r for r in report["rows"].values() if r.get("ok") is not None]
     report["passed"] = sum(bool(r["ok"]) for r in done)
     report["failed"] = len(done) - report["passed"]
     out_json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"{report['passed']} passed, {report['failed']} failed")
     return 0 if report["failed"] == 0 else 1
+
+
+def merge_rows(report: dict, earlier: dict) -> None:
+    """Keep ``earlier``'s rows that ``report`` did not serve; refuses another build or device (a
+    row's comparisons are only meaningful within one build on one device)."""
+    for key in ("fork_version", "device", "standins"):
+        if earlier.get(key) != report[key]:
+            raise SystemExit(f"--merge: the earlier run's {key} is {earlier.get(key)!r}, this run's {report[key]!r}")
+    for name, rec in earlier["rows"].items():
+        if name not in report["rows"] or report["rows"][name].get("ok") is None:
+            report["rows"][name] = rec
 
 
 def _failure_excerpt(rec: dict, log: Path, lines: int = 45) -> str:
