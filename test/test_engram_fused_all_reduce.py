@@ -177,6 +177,20 @@ def test_batches_the_prefetch_does_not_serve_keep_the_per_layer_lookup(monkeypat
     assert fused.issue(ids, stack.decode_batch(staged=[object()])) is None
 
 
+@pytest.mark.e2e
+def test_launch_server_refuses_it_at_tp1(tmp_path):
+    """A real launch_server start (tiny Llama on CPU, as tools/e2e's refusal rows on the GPU)."""
+    from e2e.checkpoints import write_tiny_llama
+    from e2e.server import refusal
+
+    args = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+            "--disable-cuda-graph", "--load-format", "dummy", "--engram-fused-all-reduce"]
+    env = {"SGLANG_USE_CPU_ENGINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tools" / "standins"), os.environ.get("PYTHONPATH", "")])}
+    r = refusal(write_tiny_llama(tmp_path), args, env=env, timeout=240)
+    assert r.returncode != 0 and "--engram-fused-all-reduce does nothing at --tp-size 1" in r.stdout, r.stdout[-3000:]
+
+
 # ----------------------------------------------------------------- TP ranks (gloo, CPU)
 
 
