@@ -157,7 +157,7 @@ def test_build_refuses_a_lookup_the_startup_check_did_not_approve(monkeypatch):
 
 def test_flag_off_keeps_the_prefetch_and_upstreams_lookup(monkeypatch):
     """Off: the model keeps the prefetch object it built (None without --engram-prefetch), so
-    Engram.forward runs 0.5.23's lookup or 0015's prefetch unchanged."""
+    Engram.forward runs the release's lookup or 0015's prefetch unchanged."""
     from sglang.srt.layers import engram_prefetch as ep
 
     p = ep.EngramPrefetch("on", _engrams(monkeypatch, tp_size=1), torch.device("cpu"))
