@@ -168,6 +168,8 @@ def rows() -> list[Row]:
         Row("refuse_hc_fused_v4", DSPARK + ["--dsv4-hc-fused-stats", "auto"],
             refused_with="hc_pre_from_prev_sublayer is false"),
         Row("refuse_engram_prefetch", DSPARK + ["--engram-prefetch", "on"], refused_with="has no Engram layers"),
+        Row("refuse_engram_fused_all_reduce", DSPARK + ["--engram-fused-all-reduce"],
+            refused_with="--engram-fused-all-reduce does nothing at --tp-size 1"),
         # The GB10 features refuse on this GPU and checkpoint, naming what they found.
         Row("refuse_b12x_moe", DSPARK + ["--moe-runner-backend", "b12x"],
             refused_with="b12x kernels need SM120/SM121"),
