@@ -4,7 +4,9 @@ then ``make`` and the CPU tests on 0.5.22; records the transcript (issue 19, "Do
 Runs in a fresh clone of this repository's HEAD (nothing here is touched), with the shared
 wheel cache. Each stop is settled the way the tool's printout says: a conflict region
 resolved in ``build/rebase/repo`` and ``git add``-ed, then ``tools/fork rebase --continue``,
-or the patch dropped with ``--drop``. The resolutions are below, one per stop, with the
+or the patch dropped with ``--drop``; a patch that applies but whose contract does not hold on
+0.5.22 is ported after the rebase with the patch workflow (``make tree``, a fixup, ``make refresh``).
+The resolutions are below, one per stop, with the
 reason read from the region the tool named. The transcript (every command and its output,
 machine paths removed) goes to ``benchmark/results/rebase-drill-0.5.22.log``.
 
