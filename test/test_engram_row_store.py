@@ -234,7 +234,7 @@ def test_engine_embedding_serves_from_the_store(tmp_path, monkeypatch):
     monkeypatch.setattr(eg, "get_parallel", lambda: par)
     monkeypatch.setattr(eg, "get_exec", lambda: SimpleNamespace(offload=off), raising=False)
     weight, scale = table(2048)
-    # The hash columns' bounds, where the release's constructor takes them (0.5.22's does not).
+    # The hash columns' bounds, where the release's constructor takes them (older releases' do not).
     bounds = ({"column_bounds": (0, 1024, 2048)}
               if "column_bounds" in inspect.signature(eg.EngramEmbedding).parameters else {})
     emb = eg.EngramEmbedding(2048, DIM, 7, **bounds)

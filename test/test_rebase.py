@@ -166,7 +166,7 @@ def test_backward_all_clean_records_hashes(tmp_path, monkeypatch, capsys):
 
 def test_the_dockerfile_follows_the_release(tmp_path, monkeypatch, capsys):
     """The serving image builds on upstream's image of the pinned release: a rebase rewrites it
-    with upstream.toml (the drill onto 0.5.22 found it left behind)."""
+    with upstream.toml (the drill onto an older release found it left behind)."""
     cache = tmp_path / "cache"
     monkeypatch.setenv("FORK_CACHE", str(cache))
     monkeypatch.setenv("PIP_NO_INDEX", "1")

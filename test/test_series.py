@@ -445,6 +445,21 @@ def test_refresh_writes_nothing_until_the_series_checks(fake):
     assert snapshot(root) == before
 
 
+def test_refresh_keeps_the_series_comments_on_dropped_patches(fake):
+    """A rebase that dropped a patch leaves a comment in patches/series naming it and its tests
+    (conftest skips them); a later `make refresh` (porting a patch after the rebase) keeps it."""
+    from forklib.series import dropped_tests
+    from forklib.tree import refresh
+
+    root, tree = fake
+    series = root / "patches" / "series"
+    note = "# dropped in the rebase from 2.0.0 to 1.0.0: 0009-gone (tests: test/test_gone.py)\n"
+    series.write_text(series.read_text() + note)
+    _commit(tree, "third: a port\n\nBody.\n\n" + HEADER, {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")})
+    refresh(tree, root)
+    assert series.read_text().endswith(note) and dropped_tests(series) == {"test/test_gone.py": ["0009-gone"]}
+
+
 def test_no_test_hard_codes_the_pinned_release():
     """After `make rebase TO=<release>` the tests must pass unedited: they read the release
     from upstream.toml (issue 19, item 6)."""

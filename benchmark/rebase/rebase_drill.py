@@ -4,7 +4,9 @@ then ``make`` and the CPU tests on 0.5.22; records the transcript (issue 19, "Do
 Runs in a fresh clone of this repository's HEAD (nothing here is touched), with the shared
 wheel cache. Each stop is settled the way the tool's printout says: a conflict region
 resolved in ``build/rebase/repo`` and ``git add``-ed, then ``tools/fork rebase --continue``,
-or the patch dropped with ``--drop``. The resolutions are below, one per stop, with the
+or the patch dropped with ``--drop``; a patch that applies but whose contract does not hold on
+0.5.22 is ported after the rebase with the patch workflow (``make tree``, a fixup, ``make refresh``).
+The resolutions are below, one per stop, with the
 reason read from the region the tool named. The transcript (every command and its output,
 machine paths removed) goes to ``benchmark/results/rebase-drill-0.5.22.log``.
 
@@ -78,6 +80,15 @@ class Drill:
         text[at[0]:at[0]] = [lines]
         f.write_text("".join(text))
 
+    def replace(self, path: str, old: str, new: str) -> None:
+        """Replace the one occurrence of ``old`` in ``path`` of ``build/tree`` (a patch's port)."""
+        f = self.clone / "build" / "tree" / path
+        text = f.read_text()
+        if text.count(old) != 1:
+            self.save()
+            sys.exit(f"drill: {path}: {text.count(old)} occurrences of {old.splitlines()[0]!r}, expected one")
+        f.write_text(text.replace(old, new))
+
     def save(self) -> None:
         LOG.write_text("\n".join(self.lines) + "\n")
 
@@ -89,6 +100,80 @@ def expect_stop(out: str, patch: str, *regions: str) -> None:
     named = re.findall(r"^  - (\S+?):? ", out, re.M)
     if sorted(named) != sorted(regions):
         sys.exit(f"drill: {patch}: the tool named {named}, the drill resolves {list(regions)}")
+
+
+DISPATCHER = "python/sglang/srt/layers/moe/token_dispatcher/standard.py"
+
+
+def port_b12x_dispatch(d: Drill) -> None:
+    """0018 applies to 0.5.22 without a stop, but its contract at EP > 1 (upstream's dispatcher
+    hands b12x local expert ids, -1 for other ranks' experts and for padding) does not hold there:
+    0.5.22 inlines the keeps-global-ids list and indexes the mapping with the raw ids, so a -1 id
+    aliases the mapping's last entry (test_b12x_moe's EP2 test). Port it with the patch workflow:
+    0.5.23's two helpers in 0.5.22's dispatcher, the -1-keeping map only for b12x (every other
+    runner maps exactly as 0.5.22 does, flags off = upstream)."""
+    d.note("0018 (b12x MoE) applies cleanly, but at EP > 1 it relies on upstream's dispatcher keeping "
+           "-1 ids (b12x's skip sentinel) when it maps global expert ids to local ones; 0.5.22 indexes "
+           "its mapping with the raw ids, so a -1 aliases the last entry, and has no "
+           "_keeps_global_expert_ids / _map_topk_ids_to_local_experts (0.5.23's helpers, which the "
+           "EP2 test drives). Port it in build/tree with a fixup of 0018: the two helpers (the "
+           "keeps-global list as 0.5.22 has it), the -1-keeping map only when the runner is b12x.")
+    d.run("make tree")
+    d.replace(DISPATCHER, "from sglang.srt.layers.moe.utils import (\n",
+              "from sglang.srt.layers.moe.utils import (\n    MoeRunnerBackend,\n")
+    d.replace(DISPATCHER, "class StandardDispatcher(BaseDispatcher):\n", '''def _map_topk_ids_to_local_experts(
+    topk_ids: torch.Tensor, local_expert_mapping: torch.Tensor
+) -> torch.Tensor:
+    """Map global expert ids while preserving the ``-1`` drop sentinel."""
+    return torch.where(
+        topk_ids < 0,
+        -1,
+        local_expert_mapping[topk_ids.clamp_min(0)],
+    )
+
+
+def _keeps_global_expert_ids(backend: MoeRunnerBackend) -> bool:
+    return (
+        backend.is_flashinfer_cutlass()
+        or backend.is_flashinfer_cutedsl()
+        or backend.is_flashinfer_trtllm()
+        or backend.is_experimental_sgl_trtllm()
+        or backend.is_flashinfer_trtllm_routed()
+        or backend.is_hpc_ops()
+        or backend.is_flashinfer_megamoe()
+        or backend.is_flashinfer_mxfp4()
+    )
+
+
+class StandardDispatcher(BaseDispatcher):
+''')
+    d.replace(DISPATCHER, """        self.skip_local_expert_mapping = (
+            backend.is_flashinfer_cutlass()
+            or backend.is_flashinfer_cutedsl()
+            or backend.is_flashinfer_trtllm()
+            or backend.is_experimental_sgl_trtllm()
+            or backend.is_flashinfer_trtllm_routed()
+            or backend.is_hpc_ops()
+            or backend.is_flashinfer_megamoe()
+            or self.enable_flashinfer_mxfp4_moe
+        )
+""", """        self.skip_local_expert_mapping = _keeps_global_expert_ids(backend)
+        # b12x skips -1 ids (padding): they must stay -1, not alias the mapping's last entry
+        self.keep_drop_sentinel = backend is MoeRunnerBackend.B12X
+""")
+    d.replace(DISPATCHER, "                    topk_ids_local = self.local_expert_mapping[topk_output.topk_ids]\n",
+              """                    topk_ids_local = (
+                        _map_topk_ids_to_local_experts(
+                            topk_output.topk_ids, self.local_expert_mapping
+                        )
+                        if self.keep_drop_sentinel
+                        else self.local_expert_mapping[topk_output.topk_ids]
+                    )
+""")
+    d.run("cd build/tree && git commit -q -a --fixup \"$(git log --format=%H -1 --grep='^moe: DeepSeek-V4 MXFP4 "
+          "experts on b12x')\" && GIT_SEQUENCE_EDITOR=true git rebase -q -i --autosquash upstream/0.5.22 "
+          "&& git log --oneline -3")
+    d.run("make refresh")
 
 
 def main() -> None:
@@ -134,20 +219,21 @@ def main() -> None:
     d.note("deepseek_v4_dspark.py:1091: 0.5.22's DSpark draft has no post_load_weights (its side is "
            "empty; the base is 0.5.23's method, which our hunk extends with the twin build). 0.5.22's "
            "loader calls model.post_load_weights() when a model has one: re-home the edit into a "
-           "draft post_load_weights that holds only the twin build.")
-    d.region("python/sglang/srt/models/deepseek_v4_dspark.py", lambda head, ours: [
-        "\n",
-        "    def post_load_weights(self, is_nextn=False, weight_names=None):\n",
-        "        # the draft's wo_a reaches the twin only through _apply_wo_a_bf16_matmul\n",
-        "        _wo_a_twin.build_wo_a_fp8_twins(\n",
-        '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n',
-        "        )\n",
-    ])
+           "draft post_load_weights that holds only the twin build. Put it before load_weights, not at "
+           "the region (before _assert_confidence_head_loaded): 0012 adds checkpoint_owner there, and "
+           "two insertions at one point would make 0012 conflict when exported alone (test_export).")
+    dspark = "python/sglang/srt/models/deepseek_v4_dspark.py"
+    d.region(dspark, lambda head, ours: head)
+    d.insert(dspark, "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
+             "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
+             "        # the draft's wo_a reaches the twin only through _apply_wo_a_bf16_matmul\n"
+             "        _wo_a_twin.build_wo_a_fp8_twins(\n"
+             '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
+             "        )\n\n")
     d.run("git -C build/rebase/repo add python/sglang/srt/models/deepseek_v4_dspark.py")
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
     expect_stop(out, "0005-dspark-fence-the-folded-accept-results",
-                "python/sglang/srt/arg_groups/speculative_hook.py:183",
                 "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
                 "python/sglang/srt/speculative/dspark_components/dspark_verify.py:166",
                 "python/sglang/srt/speculative/dspark_components/dspark_verify.py:548",
@@ -163,16 +249,12 @@ def main() -> None:
     out = d.run("python3 tools/fork rebase --drop 0005-dspark-fence-the-folded-accept-results "
                 "--drop 0006-dspark-scale-the-draft-s-sampling", expect=1)
     expect_stop(out, "0007-dspark-draft-block-logits-from-an",
-                "python/sglang/srt/arg_groups/fields/spec.py:109",
                 "python/sglang/srt/arg_groups/speculative_hook.py:238")
-    d.note("fields/spec.py:109: 0007 declares its field after 0005's, which is dropped; keep only "
-           "ours. speculative_hook.py:238: 0.5.22 has its --speculative-skip-dp-mlp-sync check "
-           "where our call sits; keep both, ours first.")
-    d.region("python/sglang/srt/arg_groups/fields/spec.py",
-             lambda head, ours: ours[ours.index("    speculative_dspark_draft_head_fp8: A[\n"):])
+    d.note("speculative_hook.py:238: 0.5.22 has its --speculative-skip-dp-mlp-sync check where our "
+           "validate_draft_head_fp8 call sits (the base is empty: both sides add lines there); keep "
+           "both, ours first.")
     d.region("python/sglang/srt/arg_groups/speculative_hook.py", lambda head, ours: ours + ["\n"] + head)
-    d.run("git -C build/rebase/repo add python/sglang/srt/arg_groups/fields/spec.py "
-          "python/sglang/srt/arg_groups/speculative_hook.py")
+    d.run("git -C build/rebase/repo add python/sglang/srt/arg_groups/speculative_hook.py")
     out = d.run("python3 tools/fork rebase --continue", expect=1)
     expect_stop(out, "0008-scheduler-finish-a-request-whose-output",
                 "python/sglang/srt/managers/scheduler.py:2821")
@@ -238,6 +320,7 @@ def main() -> None:
     d.region(engram, lambda head, ours: head + ours[-2:])
     d.run(f"git -C build/rebase/repo add {engram}")
     d.run("python3 tools/fork rebase --continue")
+    port_b12x_dispatch(d)
     d.run("git status --short && cat patches/series && python3 tools/fork check")
     d.run("make")
     if not args.no_test:

@@ -336,7 +336,7 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
     ``check``. Everything is staged first and checked there; then moved in.
     """
     from .pin import load_pin
-    from .series import check_series, load_series, parse_patch, read_series
+    from .series import DROPPED_RE, check_series, load_series, parse_patch, read_series
 
     series_file = root / "patches" / "series"
     version = upstream_version or load_pin(root / "upstream.toml").version
@@ -399,7 +399,10 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
             (staged / own).parent.mkdir(parents=True, exist_ok=True)
             (staged / own).write_bytes(_show(tree, commit, own))
         (staged / "patches" / name).write_text(commit_patch(tree, commit, owns))
-    (staged / "patches" / "series").write_text("".join(n + "\n" for n in names))
+    # A rebase's comments on the patches it dropped stay (conftest skips their tests by them).
+    dropped = [line for line in series_file.read_text().splitlines()
+               if DROPPED_RE.match(line.strip())] if series_file.exists() else []
+    (staged / "patches" / "series").write_text("".join(n + "\n" for n in names + dropped))
     for extra in ("test",):  # what a header names besides our files
         if (root / extra).exists():
             (staged / extra).symlink_to(root / extra)
