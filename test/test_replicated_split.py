@@ -76,6 +76,18 @@ def test_canonical_value():
     assert rs.replicated_linear_split_arg("off") == "off"
 
 
+def test_flag_on_command_line():
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(["--model-path", "x"]).replicated_linear_split == "off"
+    args = parser.parse_args(["--model-path", "x", FLAG, "wqkv_a, main_proj:32"])
+    assert args.replicated_linear_split == "wqkv_a,main_proj:32"
+    with pytest.raises(argparse.ArgumentError, match="expected off, or SUFFIX"):
+        parser.parse_args(["--model-path", "x", FLAG, "wqkv_a:0"])
+
+
 def _cfg(**kw):
     base = dict(replicated_linear_split="wqkv_a", tp_size=2, attn_dp_size=1, enable_dp_attention=False,
                 device="cuda")
