@@ -145,6 +145,10 @@ def check_matched(parsed, speculative_algorithm: Optional[str], is_draft_worker:
             f"prefix ending in {', '.join(missing)} (matched: "
             f"{', '.join(f'{s} x{n}' for s, n in sorted(matched.items())) or 'none'})"
         )
+    logger.info(
+        "%s: %s split at up to %d rows where the first call at a row count finds it bitwise and faster",
+        FLAG, ", ".join(f"{s} x{matched[s]}" for s in parsed[0]), parsed[1],
+    )
 
 
 def prefix_matches(prefix: str, suffixes: Sequence[str]) -> Optional[str]:
