@@ -159,7 +159,7 @@ def test_flag_off_leaves_the_upstream_layer():
     assert torch.equal(out, torch.nn.functional.linear(x, layer.weight))
 
 
-def test_the_real_layer_calls_its_split(tmp_path):
+def test_the_real_layer_calls_its_split(tmp_path, monkeypatch):
     """ReplicatedLinear.forward as patched, with a split attached (one gloo rank, in process)."""
     import torch.distributed as dist
     from sglang.srt.layers import replicated_split as pkg
@@ -174,6 +174,11 @@ def test_the_real_layer_calls_its_split(tmp_path):
         layer.replicated_split = pkg.ReplicatedSplit(layer, "x.main_proj", 16, GlooGroup(),
                                                      timer=fixed_timer({"stock": 2.0, "split": 1.0}))
         x = torch.randn(5, 256).to(torch.bfloat16)
+        monkeypatch.setattr(pkg, "flashinfer_tuning", lambda: True)  # FlashInfer's autotune pass
+        out, _ = layer(x)
+        assert layer.replicated_split.decisions == {}  # stock, nothing decided with tactics unsettled
+        assert same_bits(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+        monkeypatch.setattr(pkg, "flashinfer_tuning", lambda: False)
         out, _ = layer(x)
         assert layer.replicated_split.decisions == {5: True}
         assert same_bits(out, torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -24,7 +24,8 @@ logged with both times. Figures: docs/replicated-split.md.
 
 CUDA GRAPHS. Decisions are made on eager calls only (the warm-up runs before capture); a capture
 replays the decided path, and a row count first seen inside a capture is captured stock on every
-rank (no collective can run inside a capture to agree on anything else). The slices are views
+rank (no collective can run inside a capture to agree on anything else). FlashInfer's autotune
+pass decides nothing (it runs stock): a check is only as good as the tactics it ran with. The slices are views
 taken on the deciding call: a later weight update that rebinds a parameter's storage is not seen.
 """
 
@@ -172,10 +173,10 @@ def maybe_replicated_split(layer: nn.Module, prefix: str) -> Optional["Replicate
     suffix = prefix_matches(prefix, parsed[0])
     if suffix is None:
         return None
-    from sglang.srt.distributed import get_tp_group
+    from sglang.srt.runtime_context import get_parallel
 
     _matched[suffix] = _matched.get(suffix, 0) + 1
-    return ReplicatedSplit(layer, prefix, parsed[1], get_tp_group())
+    return ReplicatedSplit(layer, prefix, parsed[1], get_parallel().tp_group)
 
 
 # --------------------------------------------------------------------------- the split
@@ -247,6 +248,15 @@ def slice_layer(layer: nn.Module, lo: int, hi: int, what: str = "layer") -> nn.M
     return sub
 
 
+def flashinfer_tuning() -> bool:
+    """Whether FlashInfer's autotuner is choosing tactics now (the pre-capture dummy forward)."""
+    try:
+        from flashinfer.autotuner import AutoTuner
+    except ImportError:
+        return False
+    return bool(AutoTuner.get().is_tuning_mode)
+
+
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -305,6 +315,8 @@ class ReplicatedSplit:
         if use is None:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return self._stock(x, bias)  # undecided: captured stock on every rank
+            if flashinfer_tuning():
+                return self._stock(x, bias)  # tactics not settled yet: decide after the tuning pass
             use = self.decisions[m] = self._decide(x, bias, m)
         return self._split(x, bias) if use else self._stock(x, bias)
 
