@@ -177,6 +177,8 @@ def rows() -> list[Row]:
             refused_with="--block-fp8-mxfp8-backend b12x"),
         Row("refuse_b12x_roce", DSPARK + ["--enable-b12x-roce-all-gather"],
             refused_with="--enable-b12x-roce-all-gather does nothing with --tp 1"),
+        Row("refuse_replicated_split_tp1", DSPARK + ["--replicated-linear-split", "wqkv_a,main_proj"],
+            refused_with="--replicated-linear-split=wqkv_a,main_proj:96 does nothing with --tp 1"),
         Row("refuse_engram_store", DSPARK + ["--engram-row-store-dir", "/tmp", "--engram-row-store-cache-gib", "1"],
             refused_with="the model has no Engram tables"),
         # DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing with the kernels on.
