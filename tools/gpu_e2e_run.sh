@@ -10,7 +10,7 @@ results=$(mkdir -p "${1:-${OUT:-$here/results}}" && cd "${1:-${OUT:-$here/result
 shift || true
 work=$(mktemp -d)
 echo "==> unpacking sglang $(cat "$here/VERSION") into $work"
-tar -xzf "$here/sglang-tree.tar.gz" -C "$work" || exit 1
+tar -xJf "$here/sglang-tree.tar.xz" -C "$work" || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/site" \
     "$here"/wheels/*.whl "$here"/serve-wheels/*.whl || exit 1
 export PYTHONPATH="$here/tools:$here/standins:$work/python:$work/site"
