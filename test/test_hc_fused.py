@@ -1,10 +1,10 @@
 """--dsv4-hc-fused-stats: hyper-connection mix statistics in one pass over K.
 
 CPU (TRITON_INTERPRET=1, reduced K): the flag's values and refusals, the threshold rule (auto
-refuses an unmeasured GPU, explicit rows serve both routes), the one-pass kernels through the
-served hooks bit for bit equal to upstream's functions (bf16x3 16-slice with SM90's row tiles,
-tf32x3 split-K mixes and its fused sinkhorn), the self-check (a kernel that differs by one bit
-goes back to stock for good and the call returns upstream's result; nothing unchecked is
+refuses an unmeasured GPU, explicit rows serve both routes), the one-pass kernels bit for bit
+equal to upstream's (the bf16x3 16-slice kernel at its 128-row tile, SM90's 64-row tiles left
+stock; tf32x3 split-K mixes and its fused sinkhorn through the hooks), the self-check (a kernel
+that differs by one bit goes back to stock for good and the call returns upstream's result; nothing unchecked is
 captured in a CUDA graph), the wiring (upstream's three functions ask the hook first) and off =
 upstream (nothing of ours runs or is imported). GPU (-m gpu): both routes at DeepSeek-V4.1's
 K = 4 x 5120, row counts on both sides of upstream's row-tile changes, eager and replayed from a
@@ -180,16 +180,36 @@ def _bf16x3_call(m, k, seed):
     return lambda: mhc.hc_mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6)
 
 
-@pytest.mark.parametrize("m", [33])
-def test_bf16x3_one_pass_is_upstream_bit_for_bit(active, sm90, m):
-    call = _bf16x3_call(m, 1024, seed=m)  # 16 slices of one 64-wide block each
-    hcf._ACTIVE = None
-    stock = call()
-    hcf._ACTIVE = active
-    ours = call()  # first call: the self-check runs upstream's beside it
-    assert active.state == {("bf16x3", 64): "verified"}
-    assert _same(ours, stock)
-    assert _same(call(), stock)  # verified: ours alone
+def test_bf16x3_one_pass_is_upstream_bit_for_bit():
+    """The one-pass kernel against upstream's partial kernel plus its reduce's slice order
+    (0 + p0 + p1 + ...), at the 128-row tile the hook serves (masked rows included)."""
+    import triton
+
+    from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass_bf16x3
+
+    m, k, block = 33, 1024, mhc._HC_MIX_BF16X3_BLOCK_M  # 16 slices of one 64-wide block each
+    x, fn, _, _ = _inputs(m, k, seed=m)
+    parts = mhc.split_bf16_hc_weight(fn.contiguous())
+    slices = mhc._HC_MIX_COMPENSATED_SLICES
+    part = torch.empty((slices, m, MIX), device=x.device, dtype=torch.float32)
+    sq = torch.empty((slices, m), device=x.device, dtype=torch.float32)
+    mhc._hc_mix_stats_bf16x3_kernel[(1, slices)](
+        x, *parts, part, sq, m, K=k, K_PER_SLICE=k // slices, MIX_COLS=MIX, MIX_PAD=triton.next_power_of_2(MIX),
+        BLOCK_K=mhc._HC_MIX_BLOCK_K, BLOCK_M=block, num_warps=4, num_stages=3,
+    )
+    want_mix, want_sq = torch.zeros_like(part[0]), torch.zeros_like(sq[0])
+    for s in range(slices):
+        want_mix, want_sq = want_mix + part[s], want_sq + sq[s]
+    got_mix, got_sq = hc_mix_one_pass_bf16x3(x, parts, block)
+    assert _same((got_mix[0], got_sq[0]), (want_mix, want_sq))
+
+
+def test_bf16x3_hopper_64_row_tiles_stay_stock(active, sm90):
+    """SM90 at 32..4095 rows (upstream's 64-row tile): the hook leaves the call to upstream."""
+    x, fn, scale, base = _inputs(33, 1024)
+    parts = mhc.split_bf16_hc_weight(fn.contiguous())
+    assert hcf.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC) is None
+    assert active.state == {}
 
 
 def test_tf32x3_mixes_and_sinkhorn_are_upstream_bit_for_bit(active):
@@ -280,14 +300,15 @@ K41 = 4 * 5120
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [32, 100, 4095, 4096, 5000, 8192])
 def test_gpu_bf16x3_bitwise_eager_and_graph(active, m):
-    """SM90's default route (64-row tiles below 4096 rows, 128 above), at V4.1's K."""
+    """SM90's default route: upstream's 64-row tiles (below 4096 rows) stay stock, 128-row tiles
+    serve the one-pass kernel, bit for bit, eager and replayed from a CUDA graph."""
     call = _bf16x3_call(m, K41, seed=m)
     hcf._ACTIVE = None
     stock = call()
     hcf._ACTIVE = active
-    assert _same(call(), stock)  # the self-check
-    block = 64 if (torch.cuda.get_device_capability() == (9, 0) and m < 4096) else 128
-    assert active.state == {("bf16x3", block): "verified"}
+    assert _same(call(), stock)  # the self-check (or stock)
+    hopper_64 = torch.cuda.get_device_capability() == (9, 0) and m < 4096
+    assert active.state == ({} if hopper_64 else {("bf16x3", 128): "verified"})
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = call()

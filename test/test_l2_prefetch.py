@@ -92,6 +92,18 @@ def test_chunk_table():
         chunk_table([(0x10008, 64)], "cpu")
 
 
+def test_prefetcher_defaults_to_the_current_cuda_device(monkeypatch):
+    """No device given: the current CUDA device (a regression: a (type, index) tuple is not a
+    torch.device argument, which only the GPU test caught)."""
+    from sglang.srt.distributed.l2_prefetch import L2Prefetcher
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("stream", device))
+    pf = L2Prefetcher(L2PrefetchPlanner(budget_bytes=4 * MB))
+    assert pf.device == torch.device("cuda", 3) and pf.stream == ("stream", torch.device("cuda", 3))
+    assert L2Prefetcher(L2PrefetchPlanner(budget_bytes=MB), "cuda:1").device == torch.device("cuda", 1)
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 

@@ -129,7 +129,9 @@ class L2Prefetcher:
         from sglang.kernels.ops.memory.l2_prefetch import chunk_table
 
         self.planner = planner
-        self.device = torch.device(device or ("cuda", torch.cuda.current_device()))
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
         self._chunk_table = chunk_table
         self._tables: dict = {}
