@@ -48,10 +48,11 @@ def test_greedy_identity_is_checked_only_against_the_rows_a_row_names():
     evaluate("random_all_on", differs, recs, ())  # a cap and `drop`: where it differs is recorded, not failed
     assert differs["ok"] and differs["greedy_first_difference_from_off"] == {0: 1}
     bitwise = _served([[1, 9, 3]], "random")
-    evaluate("random_wo_a_small", bitwise, recs, ("off",))
+    evaluate("random_fence", bitwise, recs, ("off",))
     assert bitwise["ok"] is False and bitwise["greedy_identical_to_off"] is False
     named = {r.name: r.identical_to for r in rows()}
-    assert named["random_wo_a_small"] == named["random_fence"] == ("off",) and named["random_all_on"] == ()
+    # the wo_a twin on Hopper: rounding-level against upstream's cuBLAS route (docs/wo-a-fp8-twin.md)
+    assert named["random_fence"] == ("off",) and named["random_wo_a_small"] == named["random_all_on"] == ()
     assert named["all_on"] == ("off", "nospec")
 
 

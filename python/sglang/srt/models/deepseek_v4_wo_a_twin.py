@@ -7,7 +7,9 @@ per 32x32 block), kept only when dequantizing it gives the bf16 weight back bit 
 ``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_twin`` first. On Hopper
 (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
 - ``small``: decode / target-verify / draft calls with 2..8 rows on the small kernel, also those
-  that want upstream's fused MXFP8 epilogue (bitwise upstream's ``wo_a_bf16_small_batch``);
+  that want upstream's fused MXFP8 epilogue (the bits of upstream's ``wo_a_bf16_small_batch``,
+  which upstream runs on Blackwell only: Hopper's stock route is cuBLAS, so against stock the
+  result is rounding-level, not bitwise; docs/wo-a-fp8-twin.md);
 - ``mid``: also the row counts where the twin was measured faster (``MID_FASTER_MAX``): the small
   kernel up to ``SMALL_KERNEL_MAX`` rows, the wgmma kernel above; more rows stay stock;
 - ``drop``: every decode / verify call of 1..192 rows reads the twin, and the bf16 weight is
@@ -376,7 +378,7 @@ def apply_wo_a_fp8_twin(
     """The twin's result for this call (bf16, or upstream's MXFP8 pair when the call asks for the
     fused epilogue), or None for the stock path (which ``stock_weight`` then feeds). Hopper: 2..8
     rows on the small Gluon kernel, bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
-    variant; mid rows on the wgmma kernel where it is faster (drop: all of them, and one row).
+    variant (not to Hopper's stock einsum); mid rows on the wgmma kernel where it is faster (drop: all of them, and one row).
     Elsewhere the portable Triton kernel serves the bf16 calls (its partials are not bitwise, so
     MXFP8 calls stay stock)."""
     twin = _TWINS.get(wo_a.data_ptr())
