@@ -7,7 +7,7 @@ import random
 import pytest
 
 from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
-from e2e.matrix import P_MIN, chi2_same, evaluate, feature_lines, merge_rows, rows
+from e2e.matrix import P_MIN, chi2_same, evaluate, feature_lines, kernel_summary, merge_rows, rows
 from e2e.server import handled_fallbacks, log_errors
 
 
@@ -54,6 +54,23 @@ def test_greedy_identity_is_checked_only_against_the_rows_a_row_names():
     # the wo_a twin on Hopper: rounding-level against upstream's cuBLAS route (docs/wo-a-fp8-twin.md)
     assert named["random_fence"] == ("off",) and named["random_wo_a_small"] == named["random_all_on"] == ()
     assert named["all_on"] == ("off", "nospec")
+
+
+def test_kernel_summary_sums_gpu_kernels_by_name(tmp_path):
+    import gzip
+    import json
+
+    events = [{"ph": "X", "cat": "kernel", "name": "gemv", "dur": 30.0},
+              {"ph": "X", "cat": "kernel", "name": "gemv", "dur": 10.0},
+              {"ph": "X", "cat": "kernel", "name": "softmax", "dur": 10.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 500.0},  # not a GPU kernel
+              {"ph": "i", "cat": "kernel", "name": "marker"}]
+    trace = tmp_path / "row-TP-0.trace.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    s = kernel_summary(trace, top=1)
+    assert s["kernel_us"] == 50.0 and s["kernels"] == 3
+    assert s["top"] == [{"name": "gemv", "us": 40.0, "calls": 2, "share": 0.8}]
 
 
 def test_feature_lines_leave_out_the_command_and_the_argument_dump():

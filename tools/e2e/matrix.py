@@ -260,6 +260,50 @@ def timing(server: Server) -> dict:
     return out
 
 
+PROFILE_TOKENS = 64
+PROFILE_TOP = 25
+
+
+def profile(server: Server, out_dir: Path) -> dict:
+    """The GPU kernels of one batch-1 request of PROFILE_TOKENS greedy tokens, through upstream's
+    ``/start_profile`` (torch profiler, GPU activity only; CUDA-graph replays included): time per
+    kernel name summed, the top PROFILE_TOP kept. The trace itself is deleted (megabytes)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    server.post_text("/start_profile", {"output_dir": str(out_dir), "activities": ["GPU"],
+                                        "with_stack": False, "record_shapes": False, "profile_id": "row"})
+    outs = [server.post("/generate", {"text": GREEDY_PROMPTS[0], "sampling_params": {
+        "temperature": 0, "max_new_tokens": PROFILE_TOKENS, "ignore_eos": True}})]
+    server.post_text("/stop_profile", {})
+    traces = sorted(out_dir.glob("*.trace.json.gz"))
+    if not traces:
+        raise RuntimeError(f"/stop_profile wrote no trace under {out_dir}")
+    summary = kernel_summary(traces[0])
+    summary["spec"] = spec_stats(outs)
+    for t in traces:
+        t.unlink()
+    return summary
+
+
+def kernel_summary(trace: Path, top: int = PROFILE_TOP) -> dict:
+    """Sum a chrome trace's GPU kernel events (``cat`` kernel) by name: total microseconds, the
+    kernel count and the ``top`` names by time (share of the total)."""
+    import gzip
+
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "kernel":
+            t = by_name.setdefault(e.get("name", "?"), [0.0, 0])
+            t[0] += float(e.get("dur", 0.0))
+            t[1] += 1
+    total = sum(t[0] for t in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"kernel_us": round(total, 1), "kernels": sum(t[1] for t in by_name.values()),
+            "top": [{"name": n[:160], "us": round(t[0], 1), "calls": t[1],
+                     "share": round(t[0] / total, 4) if total else 0.0} for n, t in ranked]}
+
+
 def chi2_same(a: list[list[int]], b: list[list[int]]) -> dict:
     """Chi-square two-sample test per compared position; categories with < 5 expected merged."""
     from collections import Counter
@@ -294,8 +338,9 @@ def feature_lines(log: str, limit: int = 12) -> list[str]:
     return [line[:400] for line in lines if not line.startswith(("$ ", "server_args="))][:limit]
 
 
-def serve_row(row: Row, model: Path, env: dict, logs: Path) -> dict:
-    """Start the row's server, send its requests, stop it: the raw record (tokens included)."""
+def serve_row(row: Row, model: Path, env: dict, logs: Path, profiled: bool = False) -> dict:
+    """Start the row's server, send its requests, stop it: the raw record (tokens included).
+    ``profiled``: a timing row also records its GPU kernels (``profile``) after timing."""
     rec: dict = {"args": row.args, "model": row.model}
     if row.refused_with:
         r = refusal(model, SERVE_ARGS + row.args, env=env)
@@ -314,6 +359,8 @@ def serve_row(row: Row, model: Path, env: dict, logs: Path) -> dict:
         rec["fork_flags_line"] = line.split("fork flags: ", 1)[-1]
         if row.timing:
             rec["timing"] = timing(server)
+            if profiled:
+                rec["profile"] = profile(server, logs / f"{row.name}-profile")
         else:
             rec["greedy"] = greedy(server, one_at_a_time=row.model == "random")
         if row.sampled:
@@ -381,6 +428,8 @@ def main(argv=None) -> int:
     p.add_argument("--standins", action="store_true", help="the H200 harness: functional stand-ins + switches")
     p.add_argument("--budget", type=float, default=1e9, help="start no row after this many seconds")
     p.add_argument("--parallel", type=int, default=4, help="servers at a time")
+    p.add_argument("--profile", default="", help="comma-separated timing rows that also record their GPU "
+                   "kernels for one batch-1 request (torch profiler through /start_profile)")
     p.add_argument("--merge", type=Path, help="an earlier run's JSON (same build and device): its rows that "
                    "this run does not serve are kept, so a matrix can be served in several sittings")
     args = p.parse_args(argv)
@@ -417,7 +466,7 @@ def main(argv=None) -> int:
         print(f"==> {row.name}: {' '.join(row.args)}", flush=True)
         t0 = time.monotonic()
         try:
-            rec = serve_row(row, models[row.model], env, logs)
+            rec = serve_row(row, models[row.model], env, logs, profiled=row.name in args.profile.split(","))
         except (ServerDied, RuntimeError, OSError, KeyError, ValueError) as e:
             rec = {"model": row.model, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
         rec["seconds"] = round(time.monotonic() - t0, 1)

@@ -168,6 +168,16 @@ class Server:
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
 
+    def post_text(self, path: str, body: Any, timeout: float | None = None) -> str:
+        """POST for endpoints that answer plain text (``/start_profile``, ``/stop_profile``)."""
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
+                return r.read().decode()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
+
     def get(self, path: str, timeout: float | None = None) -> Any:
         with urllib.request.urlopen(self.url + path, timeout=timeout or self.request_timeout) as r:
             body = r.read()
