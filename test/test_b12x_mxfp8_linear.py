@@ -19,7 +19,7 @@ from sglang.srt.utils import b12x_pin
 
 def test_flag_values():
     assert bf.parse_block_fp8_mxfp8_backend(" B12X") == "b12x"
-    with pytest.raises(ValueError, match="accepted: b12x"):
+    with pytest.raises(argparse.ArgumentTypeError, match="--block-fp8-mxfp8-backend 'flashinfer': accepted: b12x"):
         bf.parse_block_fp8_mxfp8_backend("flashinfer")
     from sglang.srt.server_args import ServerArgs
 

@@ -80,8 +80,9 @@ def test_flag_parser_and_hook():
     dspark_draft_tau.validate_draft_temperature_scale(1.0, None)
     with pytest.raises(ValueError, match="DSPARK only"):
         dspark_draft_tau.validate_draft_temperature_scale(0.8, "EAGLE")
-    with pytest.raises(ValueError, match="finite float > 0"):
-        dspark_draft_tau.validate_draft_temperature_scale(0.0, "DSPARK")
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match="--speculative-dspark-draft-temperature-scale: .*finite float > 0"):
+        dspark_draft_tau.validate_draft_temperature_scale(0.0, "DSPARK")  # Engine(...) skips argparse
     from sglang.srt.arg_groups.fields.spec import Spec
 
     i = Spec.__struct_fields__.index("speculative_dspark_draft_temperature_scale")

@@ -184,15 +184,15 @@ def test_validate(tmp_path, monkeypatch):
         rs.validate_engram_row_store(cfg(engram_row_store_dir=str(tmp_path), enable_torch_compile=True))
     with pytest.raises(ValueError, match="cannot be used with --engram-prefetch=on"):
         rs.validate_engram_row_store(cfg(engram_row_store_dir=str(tmp_path), engram_prefetch="on"))
-    with pytest.raises(ValueError, match="accepted: a finite number"):
+    with pytest.raises(argparse.ArgumentTypeError, match="accepted: a finite number"):  # Engine(...)
         rs.validate_engram_row_store(cfg(engram_row_store_dir=str(tmp_path), engram_row_store_cache_gib=-1.0))
     monkeypatch.setenv("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "1")
     with pytest.raises(ValueError, match="SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1"):
         rs.validate_engram_row_store(ok, has_engram=lambda: True)
-    assert rs.parse_cache_gib("2.5") == 2.5
-    for bad in ("-1", "inf", "nan", "lots"):
-        with pytest.raises(ValueError, match="accepted"):
-            rs.parse_cache_gib(bad)
+    assert rs.parse_engram_row_store_cache_gib("2.5") == 2.5
+    for bad in ("-1", "inf", "nan", "lots", None):
+        with pytest.raises(argparse.ArgumentTypeError, match="--engram-row-store-cache-gib .*accepted"):
+            rs.parse_engram_row_store_cache_gib(bad)
 
 
 def test_validate_on_a_release_without_peer_shards(tmp_path, monkeypatch):

@@ -550,12 +550,14 @@ def test_validation_refuses_what_would_do_nothing(ckpt, tmp_path):
         "overlap": _cfg(weight_loader_fast_load=True, startup_weight_load_mode="overlap"),
         "enable_multithread_load": _cfg(weight_loader_fast_load=True,
                                         model_loader_extra_config='{"enable_multithread_load": true}'),
-        "integer in 1..256": _cfg(weight_loader_fast_load=True, weight_loader_fast_load_num_threads=0),
         "pytorch_model.bin and no .safetensors": _cfg(weight_loader_fast_load=True, model_path=str(tmp_path)),
     }
     for msg, cfg in refusals.items():
         with pytest.raises(ValueError, match=msg.replace(".", r"\.")):
             fl.validate_fast_load(cfg)
+    with pytest.raises(argparse.ArgumentTypeError,  # Engine(...) skips argparse: parsed by the hook
+                       match=r"--weight-loader-fast-load-num-threads: .*integer in 1\.\.256"):
+        fl.validate_fast_load(_cfg(weight_loader_fast_load=True, weight_loader_fast_load_num_threads=0))
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4's owner

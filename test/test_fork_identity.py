@@ -71,7 +71,7 @@ def test_wrong_fork_build_refuses_to_start():
 
     with pytest.raises(ValueError, match="refusing to start"):
         handle_fork(_view(fork_expect_version=f"{UPSTREAM}+fork.1.0000000"))
-    with pytest.raises(ValueError, match="accepted form"):  # Engine(...) skips argparse
+    with pytest.raises(argparse.ArgumentTypeError, match="accepted form"):  # Engine(...) skips argparse
         handle_fork(_view(fork_expect_version="latest"))
 
 

@@ -199,10 +199,14 @@ def test_flag_off_leaves_req_as_upstream():
 
 
 def test_flag_syntax():
-    assert la.parse_max_period("64") == 64 and la.parse_min_tokens(500) == 500
+    from sglang.srt.arg_groups import loop_abort_args as la_args
+
+    assert la_args.parse_loop_abort_max_period("64") == 64 and la_args.parse_loop_abort_min_tokens(500) == 500
     for bad in ("0", "-3", "1.5", "x", "4097"):
-        with pytest.raises(argparse.ArgumentTypeError, match="an integer"):
-            la.max_period_arg(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match="--loop-abort-max-period .* an integer 1..4096"):
+            la_args.parse_loop_abort_max_period(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="--loop-abort-min-tokens '0' .* an integer >= 1"):
+        la_args.parse_loop_abort_min_tokens("0")
     assert la.resolve_limits(None, None) == (128, 512)
     assert la.resolve_limits(16, None) == (16, 64)
     with pytest.raises(ValueError, match=r"--loop-abort-min-tokens 100 < 3 x --loop-abort-max-period 64.*>= 192"):

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import types
@@ -35,15 +36,18 @@ GAMMA = 5
 
 
 def test_parse_accepts_the_documented_forms():
-    assert vc.parse_verify_cap("3").fixed == 3
-    assert vc.parse_verify_cap("conf:0.1").thresholds == (0.1,)
-    assert vc.parse_verify_cap("conf:0.25,0.25,0.03,0.06").thresholds == (0.25, 0.25, 0.03, 0.06)
+    assert vc.verify_cap_spec("3").fixed == 3
+    assert vc.verify_cap_spec("conf:0.1").thresholds == (0.1,)
+    assert vc.verify_cap_spec("conf:0.25,0.25,0.03,0.06").thresholds == (0.25, 0.25, 0.03, 0.06)
+    assert vc.parse_verify_cap("conf:0.1") == "conf:0.1"  # the type_parser keeps the text
 
 
 @pytest.mark.parametrize("bad", ["0", "x", "conf:", "conf:1.5", "conf:-0.1", "conf:a,b", "2.5"])
 def test_parse_rejects_malformed_values_listing_the_forms(bad):
-    with pytest.raises(ValueError, match="accepted forms"):
+    with pytest.raises(argparse.ArgumentTypeError, match="accepted forms"):
         vc.parse_verify_cap(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="accepted forms"):  # Engine(...) skips argparse
+        _validate(bad)
 
 
 def _validate(cap, **kw):
@@ -107,17 +111,17 @@ def test_bad_flag_value_is_an_argparse_error():
 def test_stopping_rule_reads_earlier_positions_only():
     conf = torch.tensor([[0.9, 0.9, 0.2, 0.9, 0.9], [0.05, 0.9, 0.9, 0.9, 0.9],
                          [1.0, 1.0, 1.0, 1.0, 1.0]])
-    thr = vc.threshold_vector(vc.parse_verify_cap("conf:0.5"), GAMMA)
+    thr = vc.threshold_vector(vc.verify_cap_spec("conf:0.5"), GAMMA)
     k = vc.drafts_from_confidence(conf, thr, k_min=1)
     assert k.tolist() == [2, 1, 5]
     # Per-position thresholds: draft 1 always verified, then t2..t5.
-    thr = vc.threshold_vector(vc.parse_verify_cap("conf:0.9,0.0,0.0,0.0"), GAMMA)
+    thr = vc.threshold_vector(vc.verify_cap_spec("conf:0.9,0.0,0.0,0.0"), GAMMA)
     assert vc.drafts_from_confidence(conf, thr, k_min=1).tolist() == [1, 1, 5]
     assert vc.drafts_from_confidence(conf, thr, k_min=3).tolist() == [3, 3, 5]
     # Changing the confidence of draft i+1.. never changes whether draft i is verified.
     conf2 = conf.clone()
     conf2[:, 3:] = 0.0
-    thr = vc.threshold_vector(vc.parse_verify_cap("conf:0.5"), GAMMA)
+    thr = vc.threshold_vector(vc.verify_cap_spec("conf:0.5"), GAMMA)
     assert vc.drafts_from_confidence(conf2, thr, 1).tolist() == [2, 1, 3]
 
 
@@ -438,9 +442,9 @@ def test_live_lengths_are_broadcast_over_the_parallel_contexts_tp_group():
 
     group = types.SimpleNamespace(world_size=2)
     with get_parallel().override(tp_group=group):
-        cap = vc.VerifyCap(spec=vc.parse_verify_cap("conf:0.5"), gamma=GAMMA, device="cpu")
+        cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.5"), gamma=GAMMA, device="cpu")
         assert cap._group() is group
-    cap = vc.VerifyCap(spec=vc.parse_verify_cap("conf:0.5"), gamma=GAMMA, device="cpu")
+    cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.5"), gamma=GAMMA, device="cpu")
     assert cap._group() is None  # no parallel state in this process: one rank, no broadcast
 
 

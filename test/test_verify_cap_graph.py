@@ -46,7 +46,7 @@ def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: in
     )
 
     g = torch.Generator(device="cpu").manual_seed(bs)
-    cap = vc.VerifyCap(spec=vc.parse_verify_cap("conf:0.3"), gamma=GAMMA, k_min=1,
+    cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.3"), gamma=GAMMA, k_min=1,
                        device=device)  # before capture, as the worker builds it
     vc.configure(cap)
     m = bs * STRIDE
@@ -128,7 +128,7 @@ def _hash_route(logits, input_ids, tid2eid):
 
 def _run_hash(device: str, bs: int, graph: bool):
     g = torch.Generator(device="cpu").manual_seed(100 + bs)
-    cap = vc.VerifyCap(spec=vc.parse_verify_cap("conf:0.3"), gamma=GAMMA, device=device)
+    cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.3"), gamma=GAMMA, device=device)
     vc.configure(cap)
     m, n_experts, vocab = bs * STRIDE, 64, 50
     tid2eid = torch.randint(0, n_experts, (vocab, 6), generator=g, dtype=torch.int32).to(device)
@@ -183,7 +183,7 @@ def test_hash_layer_anchor_rows_in_a_cuda_graph(bs):
 def test_routes_without_the_live_length_refuse_a_capped_verify():
     from sglang.srt.layers.moe.topk import TopKConfig, select_experts
 
-    vc.configure(vc.VerifyCap(spec=vc.parse_verify_cap("2"), gamma=GAMMA, device="cpu"))
+    vc.configure(vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu"))
     logits = torch.randn((STRIDE, 16))
     config = TopKConfig(top_k=2, scoring_func="sqrtsoftplus", torch_native=True,
                         correction_bias=torch.zeros(16))
@@ -213,7 +213,7 @@ def test_mega_gate_predicate_answers_and_the_gate_itself_refuses(monkeypatch):
     topk = types.SimpleNamespace(routing_inputs=lambda: (None, None))
     moe = types.SimpleNamespace(mega_gate_supported=True, layer_id=3, is_hash=False, topk=topk)
     hidden = torch.zeros((4, 8), dtype=torch.bfloat16)
-    vc.configure(vc.VerifyCap(spec=vc.parse_verify_cap("2"), gamma=GAMMA, device="cpu"))
+    vc.configure(vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu"))
     try:
         with vc.verify_cap_router_scope(batch):
             assert mg.should_use_mega_gate(moe, hidden, batch) is True

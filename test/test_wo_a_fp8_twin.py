@@ -71,7 +71,7 @@ def test_flag_values_and_errors():
     assert [twin_mod.parse_wo_a_fp8_twin(v) for v in ("off", "small", "mid", "drop")] == [
         "off", "small", "mid", "drop"]
     for bad in ("on", "MID"):  # exact, as argparse's choices (Engine(...) bypasses argparse)
-        with pytest.raises(ValueError, match="accepted: off .* small .* mid .* drop"):
+        with pytest.raises(argparse.ArgumentTypeError, match="accepted: off .* small .* mid .* drop"):
             twin_mod.parse_wo_a_fp8_twin(bad)
     from sglang.srt.arg_groups.fields.exec_ import ExecKernel
 
@@ -220,7 +220,7 @@ def test_validate_refuses_what_the_twin_cannot_serve_under():
     for a, flag, _ in twin_mod._DROP_REFUSED_WITH:
         with pytest.raises(ValueError, match=f"drop cannot be used with {flag}"):
             twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}), V4)
-    with pytest.raises(ValueError, match="accepted"):
+    with pytest.raises(argparse.ArgumentTypeError, match="accepted"):  # Engine(...) skips argparse
         twin_mod.validate_wo_a_fp8_twin(cfg("yes"), V4)
     with pytest.raises(ValueError, match="mid cannot be used with --enable-torch-compile: a traced"):
         twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_torch_compile=1), V4)

@@ -9,11 +9,12 @@ says which patches it carries and which fork flags are set.
 How a fork flag is declared (every patch follows it): the field lives in the upstream
 namespace of its area (``fields/spec.py`` for DSpark, ``fields/exec_.py`` for kernels,
 ``fields/serving.py`` for this one), named as an upstream pull request would name it, off by
-default, help text ending in ``(default: ...)``; its syntax is checked by a ``type_parser``
-that lists the accepted forms and again, with every rule involving other flags, by one
-``validate_<feature>`` of ours called from that namespace's resolution hook (``Engine(...)``
-bypasses argparse). The patch's ``Server-Args:`` trailer lists it; that is how this module
-finds the fork flags.
+default, help text ending in ``(default: ...)``; a value with a syntax has one public
+``parse_<flag>`` of ours as its ``type_parser`` (the typed value, or ``ArgumentTypeError`` naming
+the flag and listing the accepted forms), and one ``validate_<feature>`` of ours, called from that
+namespace's resolution hook, checks every rule involving other flags (``Engine(...)`` bypasses
+argparse, so it calls the same ``parse_<flag>`` once on a value that may be unparsed). The
+patch's ``Server-Args:`` trailer lists it; that is how this module finds the fork flags.
 """
 
 from __future__ import annotations
@@ -110,22 +111,14 @@ def startup_line(view: Any) -> str:
 
 
 def parse_expected_version(value: str) -> str:
-    """``--fork-expect-version`` syntax: a fork version as ``--version`` prints it."""
-    if not VERSION_RE.match(value):
-        raise ValueError(
+    """``type_parser`` of ``--fork-expect-version``: a fork version as ``--version`` prints it."""
+    if not VERSION_RE.match(str(value)):
+        raise argparse.ArgumentTypeError(
             f"--fork-expect-version {value!r} is not a fork version; accepted form: "
             "<upstream release>+fork.<patches>.<7 hex digits>, as printed by "
             "`python -m sglang.launch_server --version` (e.g. 0.5.23+fork.1.3f9a1c2)"
         )
     return value
-
-
-def expected_version_arg(value: str) -> str:
-    """``type_parser`` of ``--fork-expect-version``: a bad value is an argparse error."""
-    try:
-        return parse_expected_version(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 if __name__ == "__main__":

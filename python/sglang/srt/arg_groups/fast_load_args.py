@@ -17,35 +17,34 @@ DEFAULT_NUM_THREADS = 16
 DEFAULT_SLAB_MB = 16
 
 
-def _int_in(value, lo: int, hi: int, what: str) -> int:
+def _int_in(value, lo: int, hi: int, flag: str, what: str) -> int:
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if type(value) is not int or not lo <= value <= hi:
-        raise argparse.ArgumentTypeError(f"invalid {what} {value!r}: expected an integer in {lo}..{hi}")
+        raise argparse.ArgumentTypeError(
+            f"{flag}: invalid {what} {value!r}: expected an integer in {lo}..{hi}"
+        )
     return value
 
 
 def parse_fast_load_num_threads(value) -> int:
     """type_parser of --weight-loader-fast-load-num-threads: an integer in 1..256."""
-    return _int_in(value, 1, 256, "thread count")
+    return _int_in(value, 1, 256, "--weight-loader-fast-load-num-threads", "thread count")
 
 
 def parse_fast_load_slab_mb(value) -> int:
     """type_parser of --weight-loader-fast-load-slab-mb: an integer in 1..4096 (MiB)."""
-    return _int_in(value, 1, 4096, "slab size")
+    return _int_in(value, 1, 4096, "--weight-loader-fast-load-slab-mb", "slab size")
 
 
 def validate_fast_load(cfg) -> None:
     """The model namespace's check (Engine(...) bypasses argparse): refuses every
     combination where a fast-load flag would do nothing or read the checkpoint twice."""
     threads, slab = cfg.weight_loader_fast_load_num_threads, cfg.weight_loader_fast_load_slab_mb
-    try:
-        if threads is not None:
-            parse_fast_load_num_threads(threads)
-        if slab is not None:
-            parse_fast_load_slab_mb(slab)
-    except argparse.ArgumentTypeError as e:
-        raise ValueError(f"--weight-loader-fast-load-*: {e}") from None
+    if threads is not None:  # Engine(...) bypasses argparse: the values are parsed here
+        parse_fast_load_num_threads(threads)
+    if slab is not None:
+        parse_fast_load_slab_mb(slab)
     if not cfg.weight_loader_fast_load:
         for flag, value in (("num-threads", threads), ("slab-mb", slab)):
             if value is not None:

@@ -25,6 +25,7 @@ prefetched ones; the count is logged at most once a minute from an eager forward
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from contextlib import nullcontext
@@ -48,20 +49,11 @@ REPORT_EVERY_S = 60.0
 
 
 def parse_engram_prefetch(value) -> str:
+    """type_parser of the flag: one of MODES, or ArgumentTypeError listing the accepted forms."""
     v = str(value).strip().lower()
     if v not in MODES:
-        raise ValueError(f"--engram-prefetch={value!r}: {_USAGE}")
+        raise argparse.ArgumentTypeError(f"--engram-prefetch={value!r}: {_USAGE}")
     return v
-
-
-def engram_prefetch_arg(value: str) -> str:
-    """argparse ``type_parser``: the parsed value, or ArgumentTypeError listing the forms."""
-    import argparse
-
-    try:
-        return parse_engram_prefetch(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def validate_engram_prefetch(cfg, model_arch: str, hf_config) -> str:

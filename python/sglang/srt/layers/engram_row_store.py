@@ -27,6 +27,7 @@ the lookup refuses, naming the flag. Figures: docs/engram-row-store.md.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import mmap
 import os
@@ -58,11 +59,8 @@ def validate_engram_row_store(cfg, *, has_engram=None) -> None:
                 f"--engram-row-store-cache-gib={gib} does nothing without {FLAG}; set both or neither"
             )
         return
-    if gib is not None and not (gib >= 0 and gib == gib and gib != float("inf")):
-        raise ValueError(
-            f"--engram-row-store-cache-gib={gib}: accepted: a finite number of GiB >= 0 "
-            "(0 reads every row from storage)"
-        )
+    if gib is not None:  # Engine(...) bypasses argparse: the value is parsed here
+        parse_engram_row_store_cache_gib(gib)
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(
             f"{FLAG}={directory!r}: not a writable directory (each rank writes its Engram shard there at load)"
@@ -89,13 +87,15 @@ def validate_engram_row_store(cfg, *, has_engram=None) -> None:
         raise ValueError(f"{FLAG} does nothing here: the model has no Engram tables")
 
 
-def parse_cache_gib(value: str) -> float:
+def parse_engram_row_store_cache_gib(value) -> float:
+    """type_parser of --engram-row-store-cache-gib: a finite number of GiB >= 0, or
+    ArgumentTypeError listing the accepted form."""
     try:
         gib = float(value)
-    except ValueError:
+    except (TypeError, ValueError):
         gib = float("nan")
     if not (gib >= 0 and gib != float("inf")):
-        raise ValueError(
+        raise argparse.ArgumentTypeError(
             f"--engram-row-store-cache-gib {value!r}: accepted: a finite number of GiB >= 0 "
             "(0 reads every row from storage)"
         )

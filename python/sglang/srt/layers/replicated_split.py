@@ -31,6 +31,7 @@ taken on the deciding call: a later weight update that rebinds a parameter's sto
 
 from __future__ import annotations
 
+import argparse
 import logging
 import re
 import statistics
@@ -61,36 +62,32 @@ _matched: Dict[str, int] = {}
 # --------------------------------------------------------------------------- the flag
 
 
-def parse_replicated_linear_split(value) -> Optional[Tuple[Tuple[str, ...], int]]:
-    """``(suffixes, max_rows)``, or None for off; ValueError listing the accepted forms."""
+def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]:
+    """``(suffixes, max_rows)`` the flag's text names, or None for off; ArgumentTypeError listing
+    the accepted forms."""
     text = "off" if value is None else str(value).strip()
     if text.lower() in ("", "off"):
         return None
     names, _, rows = text.partition(":")
     suffixes = tuple(s.strip() for s in names.split(","))
-    bad = f"invalid {FLAG} value {value!r}: expected {ACCEPTED}"
+    bad = argparse.ArgumentTypeError(f"invalid {FLAG} value {value!r}: expected {ACCEPTED}")
     if not suffixes or any(not _SUFFIX.match(s) for s in suffixes) or len(set(suffixes)) != len(suffixes):
-        raise ValueError(bad)
+        raise bad
     max_rows = DEFAULT_MAX_ROWS
     if rows:
         try:
             max_rows = int(rows)
         except ValueError:
-            raise ValueError(bad) from None
+            raise bad from None
         if not 1 <= max_rows <= 4096:
-            raise ValueError(bad)
+            raise bad
     return suffixes, max_rows
 
 
-def replicated_linear_split_arg(value: str) -> str:
-    """argparse ``type_parser``: the canonical value, or ArgumentTypeError listing the forms."""
-    import argparse
-
-    try:
-        parsed = parse_replicated_linear_split(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return _canonical(parsed)
+def parse_replicated_linear_split(value) -> str:
+    """type_parser of the flag: its canonical text (the server argument stays text; the layers
+    read it with ``replicated_linear_split_rule``)."""
+    return _canonical(replicated_linear_split_rule(value))
 
 
 def _canonical(parsed) -> str:
@@ -100,10 +97,7 @@ def _canonical(parsed) -> str:
 def validate_replicated_linear_split(cfg) -> None:
     """Resolution-hook check (``Engine(...)`` bypasses argparse): refused where it does nothing
     or where the ranks could disagree on the row count."""
-    try:
-        parsed = parse_replicated_linear_split(cfg.replicated_linear_split)
-    except ValueError as e:
-        raise ValueError(str(e)) from None
+    parsed = replicated_linear_split_rule(cfg.replicated_linear_split)  # Engine(...) skips argparse
     if parsed is None:
         return
     value = _canonical(parsed)
@@ -127,7 +121,7 @@ def check_replicated_split_layers(is_draft_worker: bool) -> None:
 
     if not get_context().is_config_namespace_published("exec"):
         return
-    parsed = parse_replicated_linear_split(get_exec().comm.replicated_linear_split)
+    parsed = replicated_linear_split_rule(get_exec().comm.replicated_linear_split)
     if parsed is None:
         return
     check_matched(parsed, get_spec().speculative_algorithm, is_draft_worker, _matched)
@@ -167,7 +161,7 @@ def maybe_replicated_split(layer: nn.Module, prefix: str) -> Optional["Replicate
     # Layers built outside a server (tools, tests) have no published flags: the flag is off.
     if not get_context().is_config_namespace_published("exec"):
         return None
-    parsed = parse_replicated_linear_split(get_exec().comm.replicated_linear_split)
+    parsed = replicated_linear_split_rule(get_exec().comm.replicated_linear_split)
     if parsed is None:
         return None
     suffix = prefix_matches(prefix, parsed[0])

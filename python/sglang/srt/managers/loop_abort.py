@@ -23,10 +23,16 @@ loop. ``validate_loop_abort`` refuses ``N < 3P``; the tests compare against the 
 
 from __future__ import annotations
 
-import argparse
 import logging
 from typing import Any, Optional
 
+from sglang.srt.arg_groups.loop_abort_args import (
+    FLAG_NAMES,
+    MAX_PERIOD_LIMIT,
+    parse_loop_abort_max_period,
+    parse_loop_abort_min_tokens,
+    positive_int,
+)
 from sglang.srt.managers.schedule_batch import BaseFinishReason
 
 logger = logging.getLogger(__name__)
@@ -34,9 +40,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_PERIOD = 128
 MIN_TOKENS_PER_PERIOD = 3  # N >= 3P: the exactness invariant above
 DEFAULT_TOKENS_PER_PERIOD = 4
-MAX_PERIOD_LIMIT = 4096
 CUSTOM_PARAMS_KEY = "loop_abort"
-FLAG_NAMES = ("--loop-abort-max-period", "--loop-abort-min-tokens")
 
 
 class FINISH_LOOP(BaseFinishReason):
@@ -63,47 +67,14 @@ class FINISH_LOOP(BaseFinishReason):
 # ---------------------------------------------------------------- flags
 
 
-def _positive_int(flag: str, value: Any, limit: Optional[int] = None) -> int:
-    try:
-        ok = not isinstance(value, bool) and int(value) == float(value)
-    except (TypeError, ValueError):
-        ok = False
-    if not ok or int(value) < 1 or (limit is not None and int(value) > limit):
-        bound = f"1..{limit}" if limit else ">= 1"
-        raise ValueError(f"{flag} {value!r} is not an accepted value: an integer {bound}")
-    return int(value)
-
-
-def parse_max_period(value: Any) -> int:
-    return _positive_int(FLAG_NAMES[0], value, MAX_PERIOD_LIMIT)
-
-
-def parse_min_tokens(value: Any) -> int:
-    return _positive_int(FLAG_NAMES[1], value)
-
-
-def max_period_arg(value: str) -> int:
-    try:
-        return parse_max_period(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def min_tokens_arg(value: str) -> int:
-    try:
-        return parse_min_tokens(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 REQUEST_NAMES = (f'custom_params["{CUSTOM_PARAMS_KEY}"]["max_period"]',
                  f'custom_params["{CUSTOM_PARAMS_KEY}"]["min_tokens"]')
 
 
 def resolve_limits(max_period: Optional[int], min_tokens: Optional[int], names=FLAG_NAMES) -> tuple[int, int]:
     """(P, N) with their defaults (P = 128, N = 4P); a bad value or N < 3P raises, naming ``names``."""
-    p = DEFAULT_MAX_PERIOD if max_period is None else _positive_int(names[0], max_period, MAX_PERIOD_LIMIT)
-    n = DEFAULT_TOKENS_PER_PERIOD * p if min_tokens is None else _positive_int(names[1], min_tokens)
+    p = DEFAULT_MAX_PERIOD if max_period is None else positive_int(names[0], max_period, MAX_PERIOD_LIMIT)
+    n = DEFAULT_TOKENS_PER_PERIOD * p if min_tokens is None else positive_int(names[1], min_tokens)
     if n < MIN_TOKENS_PER_PERIOD * p:
         raise ValueError(
             f"{names[1]} {n} < {MIN_TOKENS_PER_PERIOD} x {names[0]} {p}: the detector needs N >= 3P "
@@ -130,7 +101,11 @@ def validate_loop_abort(cfg: Any) -> None:
                 "add --enable-loop-abort or drop them"
             )
         return
-    resolve_limits(cfg.loop_abort_max_period, cfg.loop_abort_min_tokens)
+    max_period, min_tokens = cfg.loop_abort_max_period, cfg.loop_abort_min_tokens
+    resolve_limits(  # Engine(...) bypasses argparse: the values are parsed here
+        None if max_period is None else parse_loop_abort_max_period(max_period),
+        None if min_tokens is None else parse_loop_abort_min_tokens(min_tokens),
+    )
     if cfg.is_embedding:
         raise ValueError("--enable-loop-abort: an embedding server decodes no tokens; drop the flag")
     if cfg.disaggregation_mode == "prefill":

@@ -23,6 +23,7 @@ captured), so no graph ever holds an unchecked kernel.
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Callable, Optional
 
@@ -44,24 +45,14 @@ MEASURED_MIN_ROWS: dict[tuple[str, str], int] = {}
 
 
 def parse_hc_fused_stats(value) -> str:
-    """The flag's value ("off", "auto" or a row count as a string), or ValueError listing the
-    accepted forms."""
+    """type_parser of the flag: "off", "auto" or a row count as a string, or ArgumentTypeError
+    listing the accepted forms."""
     v = str(value).strip().lower()
     if v in ("off", "auto"):
         return v
     if v.isdigit() and int(v) >= 1:
         return str(int(v))
-    raise ValueError(f"--dsv4-hc-fused-stats={value!r}: {_USAGE}")
-
-
-def hc_fused_stats_arg(value: str) -> str:
-    """argparse ``type_parser``: the parsed value, or ArgumentTypeError listing the forms."""
-    import argparse
-
-    try:
-        return parse_hc_fused_stats(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    raise argparse.ArgumentTypeError(f"--dsv4-hc-fused-stats={value!r}: {_USAGE}")
 
 
 def validate_hc_fused_stats(cfg, model_arch: str, hf_config) -> str:

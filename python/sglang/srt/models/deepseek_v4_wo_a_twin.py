@@ -37,6 +37,7 @@ weight export (upstream's ``_weight_export_error``).
 
 from __future__ import annotations
 
+import argparse
 import logging
 from typing import Optional
 
@@ -78,9 +79,10 @@ TWIN_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
 def parse_wo_a_fp8_twin(value) -> str:
-    """The flag's value, or ValueError listing the accepted forms (exact, as argparse's choices)."""
+    """type_parser of the flag: its value, or ArgumentTypeError listing the accepted forms (exact,
+    as argparse's choices)."""
     if value not in MODES:
-        raise ValueError(f"--dsv4-wo-a-fp8-twin={value!r}: {_USAGE}")
+        raise argparse.ArgumentTypeError(f"--dsv4-wo-a-fp8-twin={value!r}: {_USAGE}")
     return value
 
 

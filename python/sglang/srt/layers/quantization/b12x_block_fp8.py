@@ -29,20 +29,10 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.arg_groups.b12x_block_fp8_args import FLAG, parse_block_fp8_mxfp8_backend
 from sglang.srt.utils.b12x_pin import require_b12x
 
 logger = logging.getLogger(__name__)
-
-FLAG = "--block-fp8-mxfp8-backend"
-CHOICES = ("b12x",)
-
-
-def parse_block_fp8_mxfp8_backend(value: str) -> str:
-    v = value.strip().lower()
-    if v not in CHOICES:
-        raise ValueError(f"{FLAG} {value!r}: accepted: b12x (unset: upstream's resolver)")
-    return v
-
 
 def serves_block_fp8_as_mxfp8(block_size, scale_fmt) -> bool:
     """A 32x32 ue8m0 block-fp8 weight is an MXFP8 operand b12x's linear takes."""
@@ -55,7 +45,7 @@ def validate_block_fp8_mxfp8_backend(cfg, *, quant_config=None) -> None:
     value = cfg.block_fp8_mxfp8_backend
     if value is None:
         return
-    parse_block_fp8_mxfp8_backend(value)
+    parse_block_fp8_mxfp8_backend(value)  # Engine(...) bypasses argparse
     if quant_config is not None:
         q = quant_config() or {}
         block, fmt = q.get("weight_block_size"), q.get("scale_fmt")

@@ -32,26 +32,22 @@ _ACCEPTED = "a finite float > 0, e.g. 0.8 (1.0 = the request's own temperature)"
 
 
 def parse_draft_temperature_scale(value) -> float:
-    """type_parser of the flag: a finite float > 0."""
+    """type_parser of the flag: a finite float > 0, or ArgumentTypeError listing the form."""
     try:
         tau = float(value)
     except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"invalid draft temperature scale {value!r}: expected {_ACCEPTED}"
-        ) from None
+        tau = math.nan
     if not math.isfinite(tau) or tau <= 0.0:
         raise argparse.ArgumentTypeError(
-            f"invalid draft temperature scale {value!r}: expected {_ACCEPTED}"
+            f"--speculative-dspark-draft-temperature-scale: invalid draft temperature scale "
+            f"{value!r}: expected {_ACCEPTED}"
         )
     return tau
 
 
 def validate_draft_temperature_scale(tau, speculative_algorithm) -> None:
-    """The resolution hook's check (Engine(...) bypasses argparse)."""
-    try:
-        tau = parse_draft_temperature_scale(tau)
-    except argparse.ArgumentTypeError as e:
-        raise ValueError(f"--speculative-dspark-draft-temperature-scale: {e}") from None
+    """The resolution hook's check (Engine(...) bypasses argparse: the value is parsed here)."""
+    tau = parse_draft_temperature_scale(tau)
     if tau != 1.0 and (speculative_algorithm or "").upper() != "DSPARK":
         raise ValueError(
             "--speculative-dspark-draft-temperature-scale applies to "

@@ -66,8 +66,8 @@ class VerifyCapSpec(msgspec.Struct, frozen=True):
     thresholds: Optional[tuple[float, ...]] = None  # one value, or one per draft 2..gamma
 
 
-def parse_verify_cap(value: str) -> VerifyCapSpec:
-    """Syntax of --speculative-dspark-verify-cap; raises ValueError listing the forms."""
+def verify_cap_spec(value) -> VerifyCapSpec:
+    """The cap --speculative-dspark-verify-cap's text names; ArgumentTypeError listing the forms."""
     text = str(value).strip()
     try:
         if text.startswith("conf:"):
@@ -80,18 +80,16 @@ def parse_verify_cap(value: str) -> VerifyCapSpec:
             raise ValueError("K must be >= 1")
         return VerifyCapSpec(fixed=k)
     except ValueError as e:
-        raise ValueError(
+        raise argparse.ArgumentTypeError(
             f"invalid --speculative-dspark-verify-cap {value!r} ({e}); accepted forms: "
             f"{ACCEPTED_FORMS}"
         ) from None
 
 
-def verify_cap_arg(value: str) -> str:
-    """argparse type_parser: syntax only (gamma is known after resolution)."""
-    try:
-        parse_verify_cap(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def parse_verify_cap(value: str) -> str:
+    """type_parser of the flag: its text, once ``verify_cap_spec`` reads it (the server argument
+    stays the text the startup line shows; gamma is known after resolution)."""
+    verify_cap_spec(value)
     return value
 
 
@@ -123,7 +121,7 @@ def validate_verify_cap(
             "--speculative-dspark-verify-cap needs --speculative-algorithm DSPARK "
             f"(got {algorithm!r})."
         )
-    spec = parse_verify_cap(cap)
+    spec = verify_cap_spec(cap)
     if gamma is None:
         return spec
     if spec.fixed is not None and not (1 <= spec.fixed <= gamma):
@@ -365,7 +363,7 @@ def get_verify_cap() -> Optional[VerifyCap]:
         return None
     gamma = int(spec_ns.speculative_num_draft_tokens) - 1
     cap = VerifyCap(
-        spec=parse_verify_cap(value),
+        spec=verify_cap_spec(value),
         gamma=gamma,
         k_min=int(spec_ns.speculative_dspark_verify_cap_min or 1),
         log_path=spec_ns.speculative_dspark_verify_cap_log,
