@@ -160,21 +160,18 @@ class Server:
 
     # ------------------------------------------------------------------ HTTP
     def post(self, path: str, body: Any, timeout: float | None = None) -> Any:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
+        return json.loads(self._post(path, body, timeout))
 
     def post_text(self, path: str, body: Any, timeout: float | None = None) -> str:
         """POST for endpoints that answer plain text (``/start_profile``, ``/stop_profile``)."""
+        return self._post(path, body, timeout).decode()
+
+    def _post(self, path: str, body: Any, timeout: float | None) -> bytes:
         req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
-                return r.read().decode()
+                return r.read()
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
 
