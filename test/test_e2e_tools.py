@@ -7,7 +7,7 @@ import random
 import pytest
 
 from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
-from e2e.matrix import P_MIN, chi2_same, evaluate, feature_lines, kernel_summary, merge_rows, rows
+from e2e.matrix import P_MIN, chi2_same, evaluate, feature_lines, kernel_summary, main, merge_rows, rows
 from e2e.server import handled_fallbacks, log_errors
 
 
@@ -71,6 +71,13 @@ def test_kernel_summary_sums_gpu_kernels_by_name(tmp_path):
     s = kernel_summary(trace, top=1)
     assert s["kernel_us"] == 50.0 and s["kernels"] == 3
     assert s["top"] == [{"name": "gemv", "us": 40.0, "calls": 2, "share": 0.8}]
+
+
+def test_profile_names_only_timing_rows_of_the_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--rows", "real_off", "--profile", "real_off,off"])
+    assert "--profile: off is not a timing row of this run" in capsys.readouterr().err
+    assert not (tmp_path / "e2e-logs").exists()  # refused before anything was served or written
 
 
 def test_feature_lines_leave_out_the_command_and_the_argument_dump():

@@ -436,6 +436,11 @@ def main(argv=None) -> int:
 
     t_start = time.monotonic()
     selected = [r for r in rows() if not args.rows or r.name in args.rows.split(",")]
+    profiled = {name for name in args.profile.split(",") if name}
+    unknown = sorted(profiled - {r.name for r in selected if r.timing})
+    if unknown:
+        p.error(f"--profile: {', '.join(unknown)} is not a timing row of this run "
+                f"(timing rows: {', '.join(r.name for r in rows() if r.timing)})")
     logs = args.out / "e2e-logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONUNBUFFERED": "1"}
@@ -466,7 +471,7 @@ def main(argv=None) -> int:
         print(f"==> {row.name}: {' '.join(row.args)}", flush=True)
         t0 = time.monotonic()
         try:
-            rec = serve_row(row, models[row.model], env, logs, profiled=row.name in args.profile.split(","))
+            rec = serve_row(row, models[row.model], env, logs, profiled=row.name in profiled)
         except (ServerDied, RuntimeError, OSError, KeyError, ValueError) as e:
             rec = {"model": row.model, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
         rec["seconds"] = round(time.monotonic() - t0, 1)
