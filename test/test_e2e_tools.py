@@ -60,9 +60,9 @@ def test_kernel_summary_sums_gpu_kernels_by_name(tmp_path):
     import gzip
     import json
 
-    events = [{"ph": "X", "cat": "kernel", "name": "gemv", "dur": 30.0},
-              {"ph": "X", "cat": "kernel", "name": "gemv", "dur": 10.0},
-              {"ph": "X", "cat": "kernel", "name": "softmax", "dur": 10.0},
+    events = [{"ph": "X", "cat": "kernel", "name": "gemv", "ts": 0.0, "dur": 30.0},
+              {"ph": "X", "cat": "kernel", "name": "gemv", "ts": 90.0, "dur": 10.0},
+              {"ph": "X", "cat": "kernel", "name": "softmax", "ts": 20.0, "dur": 10.0},  # another stream
               {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 500.0},  # not a GPU kernel
               {"ph": "i", "cat": "kernel", "name": "marker"}]
     trace = tmp_path / "row-TP-0.trace.json.gz"
@@ -70,6 +70,7 @@ def test_kernel_summary_sums_gpu_kernels_by_name(tmp_path):
         json.dump({"traceEvents": events}, f)
     s = kernel_summary(trace, top=1)
     assert s["kernel_us"] == 50.0 and s["kernels"] == 3
+    assert s["span_us"] == 100.0 and s["gpu_busy"] == 0.4  # 0..30 and 90..100; the overlap once
     assert s["top"] == [{"name": "gemv", "us": 40.0, "calls": 2, "share": 0.8}]
 
 

@@ -50,7 +50,8 @@ def spin(out, ns):
 def spans_us(weights, x, spin_ns, replays, prefetcher=None, key=None) -> float:
     """Median graph time of one span (spin + linear), LAYERS spans per graph."""
     scratch = torch.zeros(1, dtype=torch.int64, device="cuda")
-    outs = [torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16) for w in weights]
+    outs = [None if w is None else torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
+            for w in weights]  # None: a span of the spin alone
 
     def span(i):
         if prefetcher is not None:
