@@ -11,8 +11,10 @@ split-K grid is faster, so each device needs its measured threshold.
 
 THE THRESHOLD IS MEASURED, NEVER GUESSED. ``auto`` serves the one-pass kernel from the row count
 ``MEASURED_MIN_ROWS`` lists for this GPU and route (docs/hc_fused.md says how it is measured
-and links the result file); a route not measured on this GPU stays stock, and a GPU
-with no measured route refuses to load. An explicit row count serves both routes from there.
+and links the result file); a route not measured on this GPU, or measured never to win, stays
+stock, and a GPU with no route that wins refuses to load. An explicit row count serves both
+routes from there. Either way, a threshold above the most rows one prefill forward can hold
+(the chunked prefill size) refuses to load: the flag would never run.
 
 SELF-CHECK. The first eager call of each kernel variant (route x row tile) at or above the
 threshold also runs upstream's function and compares every bit of its outputs; a single differing
@@ -38,10 +40,13 @@ _USAGE = (
 
 ROUTES = ("bf16x3", "tf32x3")
 
-# (torch.cuda.get_device_name(), route) -> rows from which the one-pass kernel beat upstream's at
-# every larger measured row count ("min_rows" in benchmark/results/hc_fused-<device>.json,
-# docs/hc_fused.md). Not yet measured on any GPU.
-MEASURED_MIN_ROWS: dict[tuple[str, str], int] = {}
+# (torch.cuda.get_device_name(), route) -> rows from which the one-pass kernel beat upstream's by
+# 3 % at every larger measured row count, None where it never did ("min_rows" in
+# benchmark/results/hc_fused-<device>.json, docs/hc_fused.md). A GPU not listed is not measured.
+MEASURED_MIN_ROWS: dict[tuple[str, str], Optional[int]] = {
+    ("NVIDIA H200", "bf16x3"): 65536,
+    ("NVIDIA H200", "tf32x3"): None,
+}
 
 
 def parse_hc_fused_stats(value) -> str:
@@ -91,7 +96,11 @@ class HcFusedStats:
         if mode == "auto":
             self.min_rows = {r: MEASURED_MIN_ROWS.get((device_name, r)) for r in ROUTES}
             if all(v is None for v in self.min_rows.values()):
+                measured = any((device_name, r) in MEASURED_MIN_ROWS for r in ROUTES)
                 raise RuntimeError(
+                    f"--dsv4-hc-fused-stats auto: on {device_name} the one-pass kernel never beat "
+                    "upstream's at any measured row count, so it would never serve; leave the flag off"
+                    if measured else
                     f"--dsv4-hc-fused-stats auto: the one-pass kernel's row threshold is not "
                     f"measured on {device_name} (run benchmark/hc/bench_hc_fused.py there and add its "
                     "min_rows to MEASURED_MIN_ROWS in sglang/srt/models/deepseek_v4_hc_fused.py), "
@@ -103,11 +112,15 @@ class HcFusedStats:
         self.in_stock_call = False
 
     def describe(self) -> str:
-        parts = [
-            f"{r} from {n} rows" if n is not None else f"{r} stock (not measured on {self.device_name})"
-            for r, n in self.min_rows.items()
-        ]
-        return ", ".join(parts)
+        def one(route: str) -> str:
+            n = self.min_rows[route]
+            if n is not None:
+                return f"{route} from {n} rows"
+            if (self.device_name, route) in MEASURED_MIN_ROWS:
+                return f"{route} stock (never faster on {self.device_name})"
+            return f"{route} stock (not measured on {self.device_name})"
+
+        return ", ".join(one(r) for r in ROUTES)
 
     def wants(self, route: str, rows: int) -> bool:
         n = self.min_rows[route]
@@ -177,13 +190,35 @@ def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:
         return _ACTIVE  # post_load_weights again (weight update): keep the checks
     if not torch.cuda.is_available():
         raise RuntimeError(f"--dsv4-hc-fused-stats={mode}: needs a CUDA GPU")
-    _ACTIVE = HcFusedStats(mode, torch.cuda.get_device_name())
+    feature = HcFusedStats(mode, torch.cuda.get_device_name())
+    ceiling = _prefill_rows_ceiling()
+    if ceiling is not None and all(n is None or n > ceiling for n in feature.min_rows.values()):
+        raise RuntimeError(
+            f"--dsv4-hc-fused-stats={mode}: the one-pass kernel would serve {feature.describe()}, "
+            f"but no prefill forward of this server holds more than {ceiling} rows "
+            f"(--chunked-prefill-size), so it would never run; leave the flag off or raise "
+            f"--chunked-prefill-size to the threshold"
+        )
+    _ACTIVE = feature
     logger.info(
         "dsv4 hc fused stats (--dsv4-hc-fused-stats=%s): one pass over K for %s; each kernel "
         "self-checks against upstream's on its first call",
         mode, _ACTIVE.describe(),
     )
     return _ACTIVE
+
+
+def _prefill_rows_ceiling() -> Optional[int]:
+    """The most rows (tokens) one prefill forward can hold: upstream's prefill buffer ceiling
+    (the chunked prefill size). None without one (chunked prefill off) or without a server's
+    configuration (a bare process: tests, benchmarks)."""
+    from sglang.srt.runtime_context import max_prefill_buffer_tokens
+
+    try:
+        rows = max_prefill_buffer_tokens()
+    except ValueError:  # "config namespace 'schedule' not published": no server configured
+        return None
+    return rows or None
 
 
 # ---- the hooks upstream's mix-statistics functions call first (kernels/ops/layernorm/mhc.py):
@@ -200,9 +235,9 @@ def mix_stats_sinkhorn_bf16x3(x, weight_parts, scale, base, sinkhorn_iters, rms_
 
     m, k = x.shape
     if get_platform().is_sm90 and 32 <= m < 4096:
-        # Upstream's 64-row tile (SM90 below 4096 rows) stays stock: on the H200 its one-pass build
-        # matched upstream at 32 and 100 rows yet differed in 90 of 98280 values at 4095, so one
-        # equal self-check call cannot vouch for it (docs/hc_fused.md, "Measurement").
+        # Upstream's 64-row tile (SM90 below 4096 rows) stays stock: there upstream's own kernel
+        # gives different bits from one call to the next on the same input (on the H200, a few
+        # rows in a thousand), so no bitwise check can vouch for a replacement (docs/hc_fused.md).
         return None
     block_m = mhc._HC_MIX_BF16X3_BLOCK_M
 
