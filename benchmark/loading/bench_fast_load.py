@@ -13,7 +13,9 @@ each rank copies its rows of every w1/w3 and all of w2) loads it with each itera
                   shards in the background while the single-threaded iterator runs
   stock-no-mmap   --weight-loader-disable-mmap (whole shards read into memory; only where
                   the RAM holds 2 shards per rank)
-  fast            FastLoader (this patch)
+  fast            FastLoader (this patch): pinned slabs where CUDA exists
+  fast-pageable   FastLoader with pageable slabs (only where CUDA exists; on a CPU it is
+                  ``fast``): what pinning costs or buys
 
 Each rank consumes as DeepSeek-V4's load_weights does: a tensor it copies is submitted to a
 ThreadPoolExecutor() (the model's async copies), narrowed to the rank's slice first, and
@@ -63,7 +65,7 @@ import torch  # noqa: E402
 # DeepSeek-V4-like dimensions: hidden, expert intermediate, routed experts, vocab
 H, I, EXPERTS, VOCAB = 7168, 2048, 256, 129280
 SHARD_BYTES = int(4.3e9)
-ITERATORS = ["stock-default", "stock-single", "stock-prefetch", "stock-no-mmap", "fast"]
+ITERATORS = ["stock-default", "stock-single", "stock-prefetch", "stock-no-mmap", "fast", "fast-pageable"]
 NOT_RUN = {
     "fastsafetensors": "package not installed (no network on the GPU host); its iterator "
     "also needs a CUDA device (it loads to cuda:<rank>)",
@@ -239,12 +241,12 @@ class _Sampler(threading.Thread):
 def _weights(kind, files, owner, rank, n, threads, slab_mb):
     from sglang.srt.model_loader import weight_utils as wu
 
-    if kind == "fast":
+    if kind in ("fast", "fast-pageable"):
         from sglang.srt.model_loader.fast_load import FastLoader
 
         loader = FastLoader(files, owner, num_threads=threads, slab_bytes=slab_mb << 20,
                             index_path=os.path.join(os.path.dirname(files[0]), "model.safetensors.index.json"),
-                            log_progress=False)
+                            log_progress=False, pin_memory=False if kind == "fast-pageable" else None)
         return iter(loader), loader
     if kind == "stock-default":
         return wu.buffered_multi_thread_safetensors_weights_iterator(files, max_workers=8), None
@@ -361,7 +363,7 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
         "peak_rss_file_gb_max_rank": round(max(r["peak_rss_file"] for r in results) / 1e9, 3),
         "page_cache_resident_after_drop": round(resident, 4),
     }
-    if kind == "fast":
+    if kind.startswith("fast"):
         row.update(threads=threads, slab_mb=slab_mb,
                    read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in sorted(results, key=lambda r: r["rank"])],
                    peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3))
@@ -474,12 +476,61 @@ def main():
             f"{safetensors.__version__} has no F8_E8M0, so that upstream path cannot load a checkpoint with "
             "e8m0 scales (DeepSeek-V4's) at all"
         )
-    rows, notes = [], dict(NOT_RUN)
+    rows, notes, sweep = [], dict(NOT_RUN), []
+    ceiling = []
     load_start = os.getloadavg()[0]
     try:
-        ceiling = [storage_ceiling(files, 1, 16), storage_ceiling(files, threads, slab_mb),
-                   storage_ceiling(files, 32, 4)]
+        from sglang.fork import fork_version
+
+        version = fork_version()
+    except Exception:  # a tree without the fork's manifest
+        version = "unknown"
+
+    def report(complete: bool) -> None:
+        """The JSON so far: written after every run, so a run cut short (a device call's time
+        limit) keeps what it measured; ``complete`` says whether every row ran."""
+        goal = {}
+        for split in [s for s in a.splits.split(",") if s]:
+            d = next((r for r in rows if r["iterator"] == "stock-default" and r["ranks"] == 4 and r["split"] == split), None)
+            f = next((r for r in rows if r["iterator"] == "fast" and r["ranks"] == 4 and r["split"] == split), None)
+            if d and f and ceiling:
+                goal[split] = {
+                    "speedup_vs_stock_default": round(f["checkpoint_gbps"] / d["checkpoint_gbps"], 2),
+                    "peak_rss_ratio_vs_stock_default": round(f["peak_rss_gb_max_rank"] / d["peak_rss_gb_max_rank"], 2),
+                    "fast_gbps_over_storage_ceiling": round(f["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
+                    "stock_default_gbps_over_storage_ceiling": round(d["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
+                }
+        payload = {
+            "benchmark": a.name, "fork_version": version, "device": device_label(), "cpus": os.cpu_count(),
+            "complete": complete,
+            "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
+            "python": platform.python_version(), "torch": torch.__version__, "dest": a.dest,
+            "loadavg_1m_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+            "checkpoint": {"gb": round(total / 1e9, 2), "shards": len(files), "largest_shard_gb": round(largest_shard / 1e9, 2),
+                           "dims": {"hidden": H, "expert_intermediate": I, "experts": EXPERTS, "vocab": VOCAB}},
+            "storage": storage_info(a.dir if a.dir.exists() else a.dir.parent),
+            "fadvise_dontneed": {"works": residency_before < 0.01, "max_resident_fraction_after_drop": round(residency_before, 4)},
+            "storage_ceiling": ceiling, "fast_defaults": {"threads": threads, "slab_mb": slab_mb},
+            "goal_4_ranks": goal, "rows": rows, "sweep": sweep, "not_run": notes,
+        }
+        if a.tiny:
+            if complete:
+                print(json.dumps(payload, indent=1))
+            return
+        a.out.mkdir(parents=True, exist_ok=True)
+        path = a.out / f"{a.name}-{device_label()}.json"
+        path.write_text(json.dumps(payload, indent=1) + "\n")
+        if complete:
+            print(json.dumps(goal, indent=1))
+            print(f"wrote {path}")
+
+    try:
+        ceiling += [storage_ceiling(files, 1, 16), storage_ceiling(files, threads, slab_mb),
+                    storage_ceiling(files, 32, 4)]
         kinds = [k for k in a.iterators.split(",") if k]
+        if "fast-pageable" in kinds and a.dest == "cpu":
+            kinds.remove("fast-pageable")
+            notes["fast-pageable"] = "not run: without CUDA the fast loader's slabs are pageable already (fast)"
         for n in [int(x) for x in a.ranks.split(",")]:
             for split in (["none"] if n == 1 else [s for s in a.splits.split(",") if s]):
                 for kind in kinds:
@@ -493,7 +544,7 @@ def main():
                         )
                         continue
                     rows.append(run(kind, files, split, n, threads, slab_mb, a.dest, total))
-        sweep = []
+                    report(complete=False)
         if a.sweep:
             ts, ss = a.sweep.split("x")
             for t in [int(x) for x in ts.split(",")]:
@@ -501,47 +552,12 @@ def main():
                     r = run("fast", files, "none", 1, t, s, a.dest, total)
                     sweep.append({k: r[k] for k in ("threads", "slab_mb", "wall_s", "checkpoint_gbps",
                                                     "peak_rss_gb_max_rank", "peak_slab_gb_max_rank")})
+                    report(complete=False)
     finally:
         if created and not a.keep:
             shutil.rmtree(a.dir)
             print(f"==> deleted {a.dir}")
-    goal = {}
-    for split in [s for s in a.splits.split(",") if s]:
-        d = next((r for r in rows if r["iterator"] == "stock-default" and r["ranks"] == 4 and r["split"] == split), None)
-        f = next((r for r in rows if r["iterator"] == "fast" and r["ranks"] == 4 and r["split"] == split), None)
-        if d and f:
-            goal[split] = {
-                "speedup_vs_stock_default": round(f["checkpoint_gbps"] / d["checkpoint_gbps"], 2),
-                "peak_rss_ratio_vs_stock_default": round(f["peak_rss_gb_max_rank"] / d["peak_rss_gb_max_rank"], 2),
-                "fast_gbps_over_storage_ceiling": round(f["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
-                "stock_default_gbps_over_storage_ceiling": round(d["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
-            }
-    try:
-        from sglang.fork import fork_version
-
-        version = fork_version()
-    except Exception:  # a tree without the fork's manifest
-        version = "unknown"
-    payload = {
-        "benchmark": a.name, "fork_version": version, "device": device_label(), "cpus": os.cpu_count(),
-        "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-        "python": platform.python_version(), "torch": torch.__version__, "dest": a.dest,
-        "loadavg_1m_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-        "checkpoint": {"gb": round(total / 1e9, 2), "shards": len(files), "largest_shard_gb": round(largest_shard / 1e9, 2),
-                       "dims": {"hidden": H, "expert_intermediate": I, "experts": EXPERTS, "vocab": VOCAB}},
-        "storage": storage_info(a.dir if a.dir.exists() else a.dir.parent),
-        "fadvise_dontneed": {"works": residency_before < 0.01, "max_resident_fraction_after_drop": round(residency_before, 4)},
-        "storage_ceiling": ceiling, "fast_defaults": {"threads": threads, "slab_mb": slab_mb},
-        "goal_4_ranks": goal, "rows": rows, "sweep": sweep, "not_run": notes,
-    }
-    if a.tiny:
-        print(json.dumps(payload, indent=1))
-        return
-    a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{a.name}-{device_label()}.json"
-    path.write_text(json.dumps(payload, indent=1) + "\n")
-    print(json.dumps(goal, indent=1))
-    print(f"wrote {path}")
+    report(complete=True)
 
 
 if __name__ == "__main__":
