@@ -368,7 +368,7 @@ def test_gpu_upstream_128_row_tile_repeats_bit_for_bit(m):
 def test_gpu_upstream_sm90_64_row_tile_does_not_repeat():
     """Why SM90's 64-row tile stays stock: the pinned upstream's own kernel there (Triton 3.6) gives
     different bits on the same input from one call to the next (on the H200, 6 to 14 of 1000 rows
-    in every one of 7 repeats). If this starts failing, upstream made it reproducible and the tile
+    in each of 7 repeats). If this starts failing, upstream made it reproducible and the tile
     can be reconsidered."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the 64-row tile is SM90's")
