@@ -388,6 +388,9 @@ def test_a_model_holding_every_tensor_is_never_starved(ckpt, caplog):
     assert set(got) == set(ckpt.stock)
     assert loader.stats.peak_live_bytes > loader.budget
     assert "without pacing" in caplog.text
+    # the stall is accounted to the pacing (it waited for slabs the model never released)
+    s = loader.stats
+    assert s.wait_budget_s >= 0.05 and s.wait_budget_s + s.wait_read_s + s.alloc_s <= s.seconds
     del got
     gc.collect()
     assert loader.wait_released(10)

@@ -332,7 +332,8 @@ def _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier)
     if loader is not None:
         s = loader.stats
         out.update(bytes_read=s.bytes_read, peak_slab_bytes=s.peak_live_bytes, files_opened=s.files_opened,
-                   tensors_sliced=s.tensors_sliced)
+                   tensors_sliced=s.tensors_sliced, loader_s=s.seconds, wait_read_s=s.wait_read_s,
+                   wait_budget_s=s.wait_budget_s, alloc_s=s.alloc_s)
     return out
 
 
@@ -366,10 +367,15 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
     if kind.startswith("fast"):
         row.update(threads=threads, slab_mb=slab_mb,
                    read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in sorted(results, key=lambda r: r["rank"])],
-                   peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3))
+                   peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3),
+                   # where each rank's load went (FastLoadStats): storage, pacing, slab allocation
+                   seconds_per_rank={k: [round(r[k], 2) for r in sorted(results, key=lambda r: r["rank"])]
+                                     for k in ("loader_s", "wait_read_s", "wait_budget_s", "alloc_s")})
     print(f"  {kind:15s} ranks={n} split={split:4s} {row['wall_s']:7.1f} s  {row['checkpoint_gbps']:6.2f} GB/s  "
           f"peak RSS {row['peak_rss_gb_max_rank']:6.2f} GB (anon {row['peak_rss_anon_gb_max_rank']:.2f}, file "
           f"{row['peak_rss_file_gb_max_rank']:.2f})  resident after drop {resident:.1%}", flush=True)
+    if kind.startswith("fast"):
+        print("    rank 0: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in row["seconds_per_rank"].items()), flush=True)
     return row
 
 

@@ -372,7 +372,11 @@ class _Slab:
 
 @dataclasses.dataclass
 class FastLoadStats:
-    """What a load read; ``bytes_read`` counts tensor data, ``header_bytes`` the headers."""
+    """What a load read; ``bytes_read`` counts tensor data, ``header_bytes`` the headers.
+    Where the load's ``seconds`` went, in the loading thread: ``wait_read_s`` waiting for the
+    reads of the slab the model needs next (the storage), ``wait_budget_s`` waiting for the model
+    to release slabs before that slab could be issued (the pacing), ``alloc_s`` allocating slabs
+    (pinned ones page-lock as they allocate); the rest is the model consuming the tensors."""
 
     files: int = 0
     files_opened: int = 0
@@ -386,6 +390,9 @@ class FastLoadStats:
     peak_live_bytes: int = 0
     live_bytes: int = 0
     seconds: float = 0.0
+    wait_read_s: float = 0.0
+    wait_budget_s: float = 0.0
+    alloc_s: float = 0.0
 
 
 def _kept_range(entry: TensorEntry, s: Optional[RankSlice]) -> Tuple[int, int, Tuple[int, ...], Optional[RankSlice]]:
@@ -579,7 +586,9 @@ class FastLoader:
     def _issue(self, slab: _Slab, pool: concurrent.futures.ThreadPoolExecutor) -> None:
         with self._lock:
             pooled = len(self._pool)
+            t0 = time.perf_counter()
             slab.base = self._alloc(slab.nbytes)
+            self.stats.alloc_s += time.perf_counter() - t0
             if len(self._pool) == pooled:  # newly allocated (a pooled one is counted already)
                 self.stats.live_bytes += slab.base.numel()
             self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
@@ -682,10 +691,13 @@ class FastLoader:
                         self._issue(slabs[next_issue], pool)
                         self._ahead += slabs[next_issue].base.numel()
                         next_issue += 1
-                    if not slab.futures:
+                    waited = time.perf_counter()
+                    if not slab.futures:  # not issued: over the budget until the model releases slabs
                         time.sleep(0.005)
+                        self.stats.wait_budget_s += time.perf_counter() - waited
                         continue
                     finished, _ = concurrent.futures.wait(slab.futures, timeout=0.02)
+                    self.stats.wait_read_s += time.perf_counter() - waited
                     if len(finished) == len(slab.futures):
                         break
                 for f in slab.futures:
@@ -732,11 +744,12 @@ class FastLoader:
         logger.info(
             "fast_load: read %.2f GiB of a %.2f GiB checkpoint (%d of %d tensors kept, %d as a rank "
             "slice; %d of %d files opened) in %.1f s: %.2f GB/s, %d threads, %d MiB slabs%s, peak slab "
-            "memory %.2f GiB",
+            "memory %.2f GiB; waited %.1f s for reads, %.1f s for the model to release slabs, %.1f s "
+            "allocating",
             s.bytes_read / 2**30, s.checkpoint_bytes / 2**30, s.tensors_kept, s.tensors, s.tensors_sliced,
             s.files_opened, s.files, s.seconds, s.bytes_read / max(s.seconds, 1e-9) / 1e9,
             self.num_threads, self.slab_bytes >> 20, " pinned" if self.pin_memory else "",
-            s.peak_live_bytes / 2**30,
+            s.peak_live_bytes / 2**30, s.wait_read_s, s.wait_budget_s, s.alloc_s,
         )
 
     def _release_when_unused(self) -> None:
