@@ -301,9 +301,16 @@ def main() -> None:
            "is 0.5.23's lookup (staged rows, embed_rows) that our prefetch mirrors. "
            "layers/engram_prefetch.py gathers through 0.5.23's EngramEmbedding internals that "
            "0.5.22 lacks (peer shards, new_rows, _sort_host_reads, Engram.embed_rows): carrying it "
-           "is a port, not a merge. Drop it (no patch depends on it; 0017 reads its flag with "
-           "getattr).")
+           "is a port, not a merge. Drop it, as the printout offers (0017 reads its flag with getattr).")
     out = d.run("python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s", expect=1)
+    if "0021-engram-one-TP-all-reduce-for depends on 0015-engram-gather-every-Engram-layer-s" not in out:
+        d.save()
+        sys.exit("drill: dropping 0015 alone was not refused for 0021 (its Depends: trailer)")
+    d.note("Refused, nothing dropped: 0021 (--engram-fused-all-reduce) Depends: on 0015. It copies the "
+           "rows 0015's prefetch gathers on the side stream into one buffer and is refused without "
+           "--engram-prefetch, so without 0015 it has nothing to fuse. Drop both, as the refusal says.")
+    out = d.run("python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s "
+                "--drop 0021-engram-one-TP-all-reduce-for", expect=1)
     engram = "python/sglang/srt/layers/engram.py"
     expect_stop(out, "0017-engram-rows-on-local-storage-behind",
                 "python/sglang/srt/layers/engram.py:56", "python/sglang/srt/layers/engram.py:791",
