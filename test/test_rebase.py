@@ -331,10 +331,13 @@ DEP_SPECS = [
 ]
 
 
-def test_drop_refuses_while_another_patch_depends_on_it(tmp_path, monkeypatch):
+def test_drop_refuses_while_another_patch_depends_on_it(tmp_path, monkeypatch, capsys):
     lay = _fork(tmp_path, monkeypatch, DEP_SPECS, BASE | {"sglang/a.py": set_line(lines("a"), 5, "a5 = 'up'")})
     depends_on(lay.root, "0002-user", "0001-helper")
     assert rebase.start("1.1.0", lay) == 1
+    # the stop offers the drop that the tool accepts: the patch with what depends on it
+    assert ("`tools/fork rebase --drop 0001-helper --drop 0002-user` (it and 0002-user, which depend on it "
+            "(their Depends: trailer), will be removed from the series)") in capsys.readouterr().out
     with pytest.raises(ForkError, match=r"0002-user depends on 0001-helper.*--drop 0001-helper --drop 0002-user"):
         rebase.resume(lay, drop=["1"])
     assert rebase.resume(lay, drop=["1", "2"]) == 0

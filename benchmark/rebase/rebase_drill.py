@@ -301,14 +301,18 @@ def main() -> None:
            "is 0.5.23's lookup (staged rows, embed_rows) that our prefetch mirrors. "
            "layers/engram_prefetch.py gathers through 0.5.23's EngramEmbedding internals that "
            "0.5.22 lacks (peer shards, new_rows, _sort_host_reads, Engram.embed_rows): carrying it "
-           "is a port, not a merge. Drop it, as the printout offers (0017 reads its flag with getattr).")
+           "is a port, not a merge. Drop it (0017 reads its flag with getattr). The printout offers "
+           "dropping 0021 with it: 0021 Depends: on 0015.")
+    if "--drop 0015-engram-gather-every-Engram-layer-s --drop 0021-engram-one-TP-all-reduce-for" not in out:
+        d.save()
+        sys.exit("drill: the stop at 0015 does not offer dropping 0021 with it (its Depends: trailer)")
     out = d.run("python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s", expect=1)
     if "0021-engram-one-TP-all-reduce-for depends on 0015-engram-gather-every-Engram-layer-s" not in out:
         d.save()
         sys.exit("drill: dropping 0015 alone was not refused for 0021 (its Depends: trailer)")
-    d.note("Refused, nothing dropped: 0021 (--engram-fused-all-reduce) Depends: on 0015. It copies the "
+    d.note("Dropping 0015 alone is refused, nothing dropped: 0021 (--engram-fused-all-reduce) copies the "
            "rows 0015's prefetch gathers on the side stream into one buffer and is refused without "
-           "--engram-prefetch, so without 0015 it has nothing to fuse. Drop both, as the refusal says.")
+           "--engram-prefetch, so without 0015 it has nothing to fuse. Drop both, as offered.")
     out = d.run("python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s "
                 "--drop 0021-engram-one-TP-all-reduce-for", expect=1)
     engram = "python/sglang/srt/layers/engram.py"

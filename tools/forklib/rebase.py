@@ -480,11 +480,31 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
     print(f"\nstopped at {entry['name']} ({entry['status']}); the replay is in {lay.repo}")
     for d in entry["detail"]:
         print(f"  - {d}")
+    dependents = _dependents(state, entry["name"])
+    drop = " ".join(f"--drop {n}" for n in [entry["name"], *dependents])
+    what = (f"it and {', '.join(dependents)}, which depend on it (their Depends: trailer), will be removed"
+            if dependents else "it will be removed")
     print(
         "then either resolve there, `git add` the files and run `tools/fork rebase --continue`,\n"
-        f"or drop the patch: `tools/fork rebase --drop {entry['name']}` (it will be removed from the series),\n"
+        f"or drop the patch: `tools/fork rebase {drop}` ({what} from the series),\n"
         "or give up: `tools/fork rebase --abort`. Nothing has been written to the repository yet."
     )
+
+
+def _dependents(state: dict, name: str) -> list[str]:
+    """The patches not dropped that depend on ``name``, directly or through another one."""
+    found: list[str] = []
+    names = {name}
+    changed = True
+    while changed:
+        changed = False
+        for p in state["patches"]:
+            if (p["status"] != "dropped" and p["name"] not in names
+                    and set(p.get("depends", [])) & names):
+                names.add(p["name"])
+                found.append(p["name"])
+                changed = True
+    return found
 
 
 def table(state: dict) -> str:
