@@ -347,6 +347,20 @@ def test_drop_refuses_while_another_patch_depends_on_it(tmp_path, monkeypatch, c
     assert "# dropped in the rebase from 1.0.0 to 1.1.0: 0001-helper (tests: test/test_x.py)" in lay.series_file.read_text()
 
 
+def test_the_refusal_offers_a_drop_the_tool_accepts_after_earlier_drops():
+    """A refused --drop names the command to run now: the patches named plus their dependent,
+    not the ones dropped earlier in the rebase (naming those again is refused)."""
+    state = {"next": 1, "patches": [
+        {"name": "0001-old", "status": "dropped", "depends": []},
+        {"name": "0002-helper", "status": "conflict", "depends": []},
+        {"name": "0003-user", "status": "pending", "depends": ["0002-helper"]},
+    ]}
+    with pytest.raises(ForkError) as refused:
+        rebase._drops(state, ["2"])
+    assert "(`tools/fork rebase --drop 0002-helper --drop 0003-user`)" in str(refused.value)
+    assert rebase._drops(state, ["2", "3"]) == [1, 2]
+
+
 def depends_on(root, name, dep):
     """Add a Depends: trailer to a patch of a fake fork and commit it."""
     path = root / "patches" / f"{name}.patch"

@@ -213,12 +213,14 @@ def _drops(state: dict, refs: list[str]) -> list[int]:
     for j in idx:
         if j < state["next"] or state["patches"][j]["status"] in DONE:
             raise ForkError(f"{state['patches'][j]['name']} is already replayed; --abort and start again to drop it")
-    gone = {state["patches"][j]["name"] for j in idx} | {
-        p["name"] for p in state["patches"] if p["status"] == "dropped"}
+    named = {state["patches"][j]["name"] for j in idx}
+    gone = named | {p["name"] for p in state["patches"] if p["status"] == "dropped"}
     for p in state["patches"]:
         needs = sorted(set(p.get("depends", [])) & gone)
         if p["name"] not in gone and needs:
-            both = " ".join(f"--drop {n}" for n in sorted(gone | {p["name"]}))
+            # the command to run now: what was named plus the dependent (not the earlier drops,
+            # which --drop refuses to name again)
+            both = " ".join(f"--drop {n}" for n in sorted(named | {p["name"]}))
             raise ForkError(
                 f"{p['name']} depends on {', '.join(needs)} (its Depends: trailer): dropping "
                 f"{', '.join(needs)} alone would leave it broken. Drop it too "
