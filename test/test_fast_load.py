@@ -959,3 +959,30 @@ def test_pinned_slabs_feed_async_copies_and_are_released(ckpt):
         assert _same(g.cpu(), ckpt.stock[name]), name
     gc.collect()
     assert loader.wait_released(10) and loader.stats.live_bytes == 0
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def test_the_benchmark_runs_end_to_end_at_tiny_size(tmp_path):
+    """bench_fast_load.py --tiny at 1 rank, stock and fast: the rows, the storage ceilings in
+    both read patterns and where the fast load's time went (a GPU-host run is too dear to find
+    a broken benchmark)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    run = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "loading" / "bench_fast_load.py"), "--tiny",
+         "--dir", str(tmp_path / "ckpt"), "--gb", "0.05", "--ranks", "1", "--iterators", "stock-default,fast"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    payload = json.loads(run.stdout[run.stdout.index("\n{") + 1:])
+    assert payload["complete"] and [r["iterator"] for r in payload["rows"]] == ["stock-default", "fast"]
+    assert {c["pattern"] for c in payload["storage_ceiling"]} == {"shared chunks", "one stream per shard"}
+    fast = payload["rows"][1]
+    assert set(fast["seconds_per_rank"]) == {"loader_s", "wait_read_s", "wait_budget_s", "alloc_s"}
+    assert fast["read_gb_per_rank"][0] > 0
+    assert not (tmp_path / "ckpt").exists()  # the checkpoint it wrote is deleted
