@@ -359,6 +359,12 @@ def test_the_refusal_offers_a_drop_the_tool_accepts_after_earlier_drops():
         rebase._drops(state, ["2"])
     assert "(`tools/fork rebase --drop 0002-helper --drop 0003-user`)" in str(refused.value)
     assert rebase._drops(state, ["2", "3"]) == [1, 2]
+    # a chain: what depends on the dependent goes in the offer too (else it is refused again)
+    state["patches"].append({"name": "0004-user-of-user", "status": "pending", "depends": ["0003-user"]})
+    with pytest.raises(ForkError) as refused:
+        rebase._drops(state, ["2"])
+    assert "(`tools/fork rebase --drop 0002-helper --drop 0003-user --drop 0004-user-of-user`)" in str(refused.value)
+    assert rebase._drops(state, ["2", "3", "4"]) == [1, 2, 3]
 
 
 def depends_on(root, name, dep):

@@ -65,7 +65,8 @@ import torch  # noqa: E402
 # DeepSeek-V4-like dimensions: hidden, expert intermediate, routed experts, vocab
 H, I, EXPERTS, VOCAB = 7168, 2048, 256, 129280
 SHARD_BYTES = int(4.3e9)
-ITERATORS = ["stock-default", "stock-single", "stock-prefetch", "stock-no-mmap", "fast", "fast-pageable"]
+FAST_KINDS = ("fast", "fast-pageable")
+ITERATORS = ["stock-default", "stock-single", "stock-prefetch", "stock-no-mmap", *FAST_KINDS]
 NOT_RUN = {
     "fastsafetensors": "package not installed (no network on the GPU host); its iterator "
     "also needs a CUDA device (it loads to cuda:<rank>)",
@@ -241,7 +242,7 @@ class _Sampler(threading.Thread):
 def _weights(kind, files, owner, rank, n, threads, slab_mb):
     from sglang.srt.model_loader import weight_utils as wu
 
-    if kind in ("fast", "fast-pageable"):
+    if kind in FAST_KINDS:
         from sglang.srt.model_loader.fast_load import FastLoader
 
         loader = FastLoader(files, owner, num_threads=threads, slab_bytes=slab_mb << 20,
@@ -364,7 +365,7 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
         "peak_rss_file_gb_max_rank": round(max(r["peak_rss_file"] for r in results) / 1e9, 3),
         "page_cache_resident_after_drop": round(resident, 4),
     }
-    if kind.startswith("fast"):
+    if kind in FAST_KINDS:
         row.update(threads=threads, slab_mb=slab_mb,
                    read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in sorted(results, key=lambda r: r["rank"])],
                    peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3),
@@ -374,7 +375,7 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
     print(f"  {kind:15s} ranks={n} split={split:4s} {row['wall_s']:7.1f} s  {row['checkpoint_gbps']:6.2f} GB/s  "
           f"peak RSS {row['peak_rss_gb_max_rank']:6.2f} GB (anon {row['peak_rss_anon_gb_max_rank']:.2f}, file "
           f"{row['peak_rss_file_gb_max_rank']:.2f})  resident after drop {resident:.1%}", flush=True)
-    if kind.startswith("fast"):
+    if kind in FAST_KINDS:
         print("    rank 0: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in row["seconds_per_rank"].items()), flush=True)
     return row
 
@@ -383,7 +384,8 @@ def storage_ceiling(files, threads, chunk_mb, streams=False):
     """Plain preads of every shard by a thread pool (no consumer, no allocation): the storage.
     Default pattern: the chunks of all shards in file order, shared by the threads (neighbouring
     offsets of one file at a time, as fast load reads). ``streams``: one thread per shard reading
-    it front to back, every shard at once (upstream's prefetch pattern); some storage serves
+    it front to back, every shard at once (upstream's prefetch pattern; ``threads`` must be the
+    shard count); some storage serves
     several sequential streams better than one file read by many threads."""
     drop_page_cache(files)
     chunk = chunk_mb << 20
@@ -401,7 +403,7 @@ def storage_ceiling(files, threads, chunk_mb, streams=False):
 
     t0 = time.time()
     if streams:
-        threads = len(files)
+        assert threads == len(files), (threads, len(files))
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             total = sum(ex.map(stream, files))
     else:
@@ -546,7 +548,7 @@ def main():
 
     try:
         ceiling += [storage_ceiling(files, 1, 16), storage_ceiling(files, threads, slab_mb),
-                    storage_ceiling(files, 32, 4), storage_ceiling(files, 0, 16, streams=True)]
+                    storage_ceiling(files, 32, 4), storage_ceiling(files, len(files), 16, streams=True)]
         kinds = [k for k in a.iterators.split(",") if k]
         if "fast-pageable" in kinds and a.dest == "cpu":
             kinds.remove("fast-pageable")

@@ -218,9 +218,10 @@ def _drops(state: dict, refs: list[str]) -> list[int]:
     for p in state["patches"]:
         needs = sorted(set(p.get("depends", [])) & gone)
         if p["name"] not in gone and needs:
-            # the command to run now: what was named plus the dependent (not the earlier drops,
-            # which --drop refuses to name again)
-            both = " ".join(f"--drop {n}" for n in sorted(named | {p["name"]}))
+            # the command to run now: what was named plus everything that depends on it (not the
+            # earlier drops, which --drop refuses to name again); the same set a stop offers
+            with_dependents = named.union(*(_dependents(state, n) for n in named))
+            both = " ".join(f"--drop {n}" for n in sorted(with_dependents))
             raise ForkError(
                 f"{p['name']} depends on {', '.join(needs)} (its Depends: trailer): dropping "
                 f"{', '.join(needs)} alone would leave it broken. Drop it too "
