@@ -235,29 +235,6 @@ def test_order_is_file_then_offset(ckpt):
     assert names == expected
 
 
-@pytest.mark.parametrize("streams", [2, 3, 99])
-def test_file_streams_interleave_files_and_keep_the_bits(ckpt, streams):
-    loader, got = _load(ckpt.files, num_threads=4, slab_bytes=1000, file_streams=streams)
-    assert set(got) == set(ckpt.stock) and all(_same(t, ckpt.stock[n]) for n, t in got.items())
-    assert loader.stats.bytes_read == loader.stats.checkpoint_bytes
-    # each file still in offset order; the first slabs alternate between the first files
-    names = [n for n, _ in FastLoader(ckpt.files, pin_memory=False, slab_bytes=1000, file_streams=streams)]
-    file_of = {e.name: i for i, f in enumerate(ckpt.files) for e in fl.read_header(f)[0]}
-    for i, f in enumerate(ckpt.files):
-        assert [n for n in names if file_of[n] == i] == [e.name for e in fl.read_header(f)[0]]
-    first = []
-    for n in names:
-        if not first or first[-1] != file_of[n]:
-            first.append(file_of[n])
-    k = min(streams, len(ckpt.files))
-    assert first[:k] == list(range(k))
-
-
-def test_file_streams_must_be_positive(ckpt):
-    with pytest.raises(ValueError, match="file_streams"):
-        FastLoader(ckpt.files, file_streams=0)
-
-
 # --------------------------------------------------------------------------- ownership
 
 

@@ -16,8 +16,6 @@ each rank copies its rows of every w1/w3 and all of w2) loads it with each itera
   fast            FastLoader (this patch): pinned slabs where CUDA exists
   fast-pageable   FastLoader with pageable slabs (only where CUDA exists; on a CPU it is
                   ``fast``): what pinning costs or buys
-  fast-streams    FastLoader reading --file-streams shards at once (round-robin over their
-                  slabs) instead of file by file: what several sequential streams buy
 
 Each rank consumes as DeepSeek-V4's load_weights does: a tensor it copies is submitted to a
 ThreadPoolExecutor() (the model's async copies), narrowed to the rank's slice first, and
@@ -67,8 +65,7 @@ import torch  # noqa: E402
 # DeepSeek-V4-like dimensions: hidden, expert intermediate, routed experts, vocab
 H, I, EXPERTS, VOCAB = 7168, 2048, 256, 129280
 SHARD_BYTES = int(4.3e9)
-FILE_STREAMS = 4  # --file-streams: shards the fast-streams row reads at once
-FAST_KINDS = ("fast", "fast-pageable", "fast-streams")
+FAST_KINDS = ("fast", "fast-pageable")
 ITERATORS = ["stock-default", "stock-single", "stock-prefetch", "stock-no-mmap", *FAST_KINDS]
 NOT_RUN = {
     "fastsafetensors": "package not installed (no network on the GPU host); its iterator "
@@ -242,7 +239,7 @@ class _Sampler(threading.Thread):
             self.stop.wait(0.02)
 
 
-def _weights(kind, files, owner, rank, n, threads, slab_mb, file_streams):
+def _weights(kind, files, owner, rank, n, threads, slab_mb):
     from sglang.srt.model_loader import weight_utils as wu
 
     if kind in FAST_KINDS:
@@ -250,8 +247,7 @@ def _weights(kind, files, owner, rank, n, threads, slab_mb, file_streams):
 
         loader = FastLoader(files, owner, num_threads=threads, slab_bytes=slab_mb << 20,
                             index_path=os.path.join(os.path.dirname(files[0]), "model.safetensors.index.json"),
-                            log_progress=False, pin_memory=False if kind == "fast-pageable" else None,
-                            file_streams=file_streams if kind == "fast-streams" else 1)
+                            log_progress=False, pin_memory=False if kind == "fast-pageable" else None)
         return iter(loader), loader
     if kind == "stock-default":
         return wu.buffered_multi_thread_safetensors_weights_iterator(files, max_workers=8), None
@@ -271,9 +267,9 @@ def _weights(kind, files, owner, rank, n, threads, slab_mb, file_streams):
     raise ValueError(kind)
 
 
-def rank_main(kind, files, split, rank, n, threads, slab_mb, file_streams, dest, experts, barrier, queue):
+def rank_main(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier, queue):
     try:
-        queue.put(_rank(kind, files, split, rank, n, threads, slab_mb, file_streams, dest, experts, barrier))
+        queue.put(_rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier))
     except BaseException:
         import traceback
 
@@ -281,7 +277,7 @@ def rank_main(kind, files, split, rank, n, threads, slab_mb, file_streams, dest,
         queue.put({"rank": rank, "error": traceback.format_exc()})
 
 
-def _rank(kind, files, split, rank, n, threads, slab_mb, file_streams, dest, experts, barrier):
+def _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier):
     torch.set_num_threads(1)
     owner = RankOwner(split, rank, n, experts)
     device = torch.device(dest)
@@ -306,7 +302,7 @@ def _rank(kind, files, split, rank, n, threads, slab_mb, file_streams, dest, exp
             buf[:piece.numel()].copy_(piece)
         return flat.numel()
 
-    weights, loader = _weights(kind, files, owner, rank, n, threads, slab_mb, file_streams)
+    weights, loader = _weights(kind, files, owner, rank, n, threads, slab_mb)
     sampler = _Sampler()
     sampler.start()
     base_rss = int(open("/proc/self/statm").read().split()[1]) * mmap.PAGESIZE
@@ -346,7 +342,7 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(n), ctx.Queue()
     resident = drop_page_cache(files)
-    procs = [ctx.Process(target=rank_main, args=(kind, files, split, r, n, threads, slab_mb, FILE_STREAMS, dest, EXPERTS, barrier, queue))
+    procs = [ctx.Process(target=rank_main, args=(kind, files, split, r, n, threads, slab_mb, dest, EXPERTS, barrier, queue))
              for r in range(n)]
     for p in procs:
         p.start()
@@ -370,7 +366,7 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
         "page_cache_resident_after_drop": round(resident, 4),
     }
     if kind in FAST_KINDS:
-        row.update(threads=threads, slab_mb=slab_mb, file_streams=FILE_STREAMS if kind == "fast-streams" else 1,
+        row.update(threads=threads, slab_mb=slab_mb,
                    read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in sorted(results, key=lambda r: r["rank"])],
                    peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3),
                    # where each rank's load went (FastLoadStats): storage, pacing, slab allocation
@@ -455,7 +451,6 @@ def main():
     p.add_argument("--iterators", default=",".join(ITERATORS))
     p.add_argument("--threads", type=int, default=None, help="fast loader threads (default: the flag's)")
     p.add_argument("--slab-mb", type=int, default=None, help="fast loader slab MiB (default: the flag's)")
-    p.add_argument("--file-streams", type=int, default=4, help="shards read at once by the fast-streams row")
     p.add_argument("--sweep", default="", help="thread x slab sweep of the fast loader at 1 rank, e.g. '4,16,32x4,16,64'")
     p.add_argument("--dest", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint")
@@ -464,8 +459,6 @@ def main():
     p.add_argument("--tiny", action="store_true", help="smoke run: small dimensions, nothing written to --out")
     # the GPU bundle's run.sh passes only --out: FAST_LOAD_BENCH_ARGS adds the rest
     a = p.parse_args(sys.argv[1:] + shlex.split(os.environ.get("FAST_LOAD_BENCH_ARGS", "")))
-    global FILE_STREAMS
-    FILE_STREAMS = a.file_streams
     if a.tiny:
         global H, I, EXPERTS, VOCAB, SHARD_BYTES
         H, I, EXPERTS, VOCAB, SHARD_BYTES = 1024, 512, 32, 4096, 20_000_000
@@ -539,7 +532,7 @@ def main():
                            "dims": {"hidden": H, "expert_intermediate": I, "experts": EXPERTS, "vocab": VOCAB}},
             "storage": storage_info(a.dir if a.dir.exists() else a.dir.parent),
             "fadvise_dontneed": {"works": residency_before < 0.01, "max_resident_fraction_after_drop": round(residency_before, 4)},
-            "storage_ceiling": ceiling, "fast_defaults": {"threads": threads, "slab_mb": slab_mb}, "fast_streams_file_streams": a.file_streams,
+            "storage_ceiling": ceiling, "fast_defaults": {"threads": threads, "slab_mb": slab_mb},
             "goal_4_ranks": goal, "rows": rows, "sweep": sweep, "not_run": notes,
         }
         if a.tiny:

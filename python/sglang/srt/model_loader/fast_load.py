@@ -415,23 +415,6 @@ def _kept_range(entry: TensorEntry, s: Optional[RankSlice]) -> Tuple[int, int, T
     return entry.begin + s.start * inner, s.length * inner, kept_shape, RankSlice(dim, s.start, s.length)
 
 
-def _interleave(per_file: List[List[_Slab]], streams: int) -> List[_Slab]:
-    """The read (and yield) order: round-robin over the slabs of up to ``streams`` files at
-    a time, the next file joining as one ends. ``streams=1`` is file by file; more keeps
-    several sequential streams in flight, which some storage serves faster than one file
-    read by many threads (docs/fast-load.md). The budget is the same either way."""
-    pending = list(reversed(per_file))
-    active: List[List[_Slab]] = []
-    order: List[_Slab] = []
-    while pending or active:
-        while pending and len(active) < streams:
-            active.append(list(reversed(pending.pop())))
-        for queue in active:
-            order.append(queue.pop())
-        active = [queue for queue in active if queue]
-    return order
-
-
 def _align(pos: int, to: int = 64) -> int:
     return (pos + to - 1) // to * to
 
@@ -459,10 +442,9 @@ class FastLoader:
         log_progress: Optional[bool] = None,
         progress_interval_s: float = 10.0,
         head_wait_s: float = _HEAD_WAIT_S,
-        file_streams: int = 1,
     ):
-        if num_threads < 1 or slab_bytes < 1 or file_streams < 1:
-            raise ValueError("fast_load: num_threads, slab_bytes and file_streams must be >= 1")
+        if num_threads < 1 or slab_bytes < 1:
+            raise ValueError("fast_load: num_threads and slab_bytes must be >= 1")
         self.files = list(files)
         self.owner = owner
         self.num_threads = num_threads
@@ -476,7 +458,6 @@ class FastLoader:
         self.log_progress = log_progress
         self.progress_interval_s = progress_interval_s
         self.head_wait_s = head_wait_s
-        self.file_streams = file_streams
         self.stats = FastLoadStats(files=len(self.files))
         self._lock = threading.Lock()
         self._held: List[_Slab] = []  # yielded slabs not yet released (polled by use count)
@@ -517,7 +498,7 @@ class FastLoader:
 
     def _plan(self) -> List[_Slab]:
         wanted, placed = self._files_to_open()
-        per_file: Dict[int, List[_Slab]] = {}
+        slabs: List[_Slab] = []
         found = set()
         for i, path in enumerate(self.files):
             if not wanted[i]:
@@ -549,7 +530,7 @@ class FastLoader:
                 pad = (off - data_start) % 64
                 if cur is None or (cur.nbytes and _align(cur.nbytes) + pad + nbytes > self.slab_bytes):
                     cur = _Slab(i, 0, [], [])
-                    per_file.setdefault(i, []).append(cur)
+                    slabs.append(cur)
                 pos = _align(cur.nbytes) + pad
                 cur.pieces.append(_Piece(e, pos, s, kept_shape))
                 if cur.reads and cur.reads[-1][0] + cur.reads[-1][1] == off and cur.reads[-1][2] + cur.reads[-1][1] == pos:
@@ -558,14 +539,14 @@ class FastLoader:
                 else:
                     cur.reads.append((off, nbytes, pos))
                 cur.nbytes = pos + nbytes
-            if i in per_file:
-                per_file[i][-1].last_of_file = True
+            if slabs and slabs[-1].file_idx == i:
+                slabs[-1].last_of_file = True
         if placed:
             opened = {os.path.normpath(f) for f, w in zip(self.files, wanted) if w}
             for name, p in placed.items():
                 if name not in found and p in opened:
                     raise CheckpointError(p, name, "the index places this tensor in the file, its header does not list it")
-        return _interleave([per_file[i] for i in sorted(per_file)], self.file_streams)
+        return slabs
 
     # ---- reading
     def _alloc(self, nbytes: int) -> torch.Tensor:
