@@ -13,9 +13,9 @@ each rank copies its rows of every w1/w3 and all of w2) loads it with each itera
                   shards in the background while the single-threaded iterator runs
   stock-no-mmap   --weight-loader-disable-mmap (whole shards read into memory; only where
                   the RAM holds 2 shards per rank)
-  fast            FastLoader (this patch): pinned slabs where CUDA exists
-  fast-pageable   FastLoader with pageable slabs (only where CUDA exists; on a CPU it is
-                  ``fast``): what pinning costs or buys
+  fast            FastLoader (this patch): pageable slabs
+  fast-pinned     FastLoader with pinned slabs (only where CUDA exists): what pinning costs
+                  or buys (it lost on the GPU host, so the engine reads pageable)
 
 Each rank consumes as DeepSeek-V4's load_weights does: a tensor it copies is submitted to a
 ThreadPoolExecutor() (the model's async copies), narrowed to the rank's slice first, and
@@ -65,7 +65,7 @@ import torch  # noqa: E402
 # DeepSeek-V4-like dimensions: hidden, expert intermediate, routed experts, vocab
 H, I, EXPERTS, VOCAB = 7168, 2048, 256, 129280
 SHARD_BYTES = int(4.3e9)
-FAST_KINDS = ("fast", "fast-pageable")
+FAST_KINDS = ("fast", "fast-pinned")
 ITERATORS = ["stock-default", "stock-single", "stock-prefetch", "stock-no-mmap", *FAST_KINDS]
 NOT_RUN = {
     "fastsafetensors": "package not installed (no network on the GPU host); its iterator "
@@ -247,7 +247,7 @@ def _weights(kind, files, owner, rank, n, threads, slab_mb):
 
         loader = FastLoader(files, owner, num_threads=threads, slab_bytes=slab_mb << 20,
                             index_path=os.path.join(os.path.dirname(files[0]), "model.safetensors.index.json"),
-                            log_progress=False, pin_memory=False if kind == "fast-pageable" else None)
+                            log_progress=False, pin_memory=kind == "fast-pinned")
         return iter(loader), loader
     if kind == "stock-default":
         return wu.buffered_multi_thread_safetensors_weights_iterator(files, max_workers=8), None
@@ -331,6 +331,9 @@ def _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier)
         "rss_before": base_rss, "peak_rss_anon": sampler.anon, "peak_rss_file": sampler.file,
     }
     if loader is not None:
+        # the release watcher must be done before the process exits: a daemon thread still
+        # polling at interpreter shutdown aborts the process ("terminate called ...")
+        out["slabs_released"] = loader.wait_released(60)
         s = loader.stats
         out.update(bytes_read=s.bytes_read, peak_slab_bytes=s.peak_live_bytes, files_opened=s.files_opened,
                    tensors_sliced=s.tensors_sliced, loader_s=s.seconds, wait_read_s=s.wait_read_s,
@@ -369,6 +372,7 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
         row.update(threads=threads, slab_mb=slab_mb,
                    read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in sorted(results, key=lambda r: r["rank"])],
                    peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3),
+                   slabs_released_after_load=all(r["slabs_released"] for r in results),
                    # where each rank's load went (FastLoadStats): storage, pacing, slab allocation
                    seconds_per_rank={k: [round(r[k], 2) for r in sorted(results, key=lambda r: r["rank"])]
                                      for k in ("loader_s", "wait_read_s", "wait_budget_s", "alloc_s")})
@@ -550,9 +554,9 @@ def main():
         ceiling += [storage_ceiling(files, 1, 16), storage_ceiling(files, threads, slab_mb),
                     storage_ceiling(files, 32, 4), storage_ceiling(files, len(files), 16, streams=True)]
         kinds = [k for k in a.iterators.split(",") if k]
-        if "fast-pageable" in kinds and a.dest == "cpu":
-            kinds.remove("fast-pageable")
-            notes["fast-pageable"] = "not run: without CUDA the fast loader's slabs are pageable already (fast)"
+        if "fast-pinned" in kinds and a.dest == "cpu":
+            kinds.remove("fast-pinned")
+            notes["fast-pinned"] = "not run: pinned memory needs CUDA"
         for n in [int(x) for x in a.ranks.split(",")]:
             for split in (["none"] if n == 1 else [s for s in a.splits.split(",") if s]):
                 for kind in kinds:

@@ -4,8 +4,9 @@
 iterators hand the model lazy mmap views: the bytes arrive by page faults, one
 readahead window at a time, in whichever thread copies the tensor. Here a pool of
 ``pread`` threads reads the byte ranges of the tensors this rank will copy into
-slabs (pinned where CUDA exists, so the copies to the GPU are DMA), and the model
-gets views of them, file by file in offset order. Which tensors a rank copies is
+pageable slabs, and the model gets views of them, file by file in offset order.
+(Pageable, not pinned: pinned slabs loaded slower and held more memory on the GPU
+host, docs/fast-load.md.) Which tensors a rank copies is
 the model's to say (``checkpoint_owner()``, a :class:`CheckpointOwner`): the
 experts of other EP ranks and the tensors a draft never loads are not read at
 all; where the model copies only a contiguous slice of a tensor (a TP rank's rows
@@ -27,9 +28,9 @@ INVARIANTS
   that keeps tensors (one that keeps them all turns the pacing off, logged; the
   read-ahead alone stays within the budget).
 * A slab is released only once no tensor views its storage (its use count), so
-  a copy the model still has queued never reads reused memory; pinned slabs go
-  back through torch's host allocator, whose cache is emptied when the last one
-  is released after the load.
+  a copy the model still has queued never reads reused memory (``pin_memory=True``:
+  pinned slabs go back through torch's host allocator, whose cache is emptied when
+  the last one is released after the load).
 
 THE TRAP: skipping a tensor is safe only when the model would never copy it. A
 wrong ``keeps()`` leaves a parameter at its initial values and upstream's loaders
@@ -436,7 +437,7 @@ class FastLoader:
         *,
         num_threads: int = DEFAULT_NUM_THREADS,
         slab_bytes: int = DEFAULT_SLAB_MB << 20,
-        pin_memory: Optional[bool] = None,
+        pin_memory: bool = False,
         index_path: Optional[str] = None,
         drop_cache_after_load: bool = False,
         log_progress: Optional[bool] = None,
@@ -450,7 +451,7 @@ class FastLoader:
         self.num_threads = num_threads
         self.slab_bytes = slab_bytes
         self.budget = 2 * num_threads * slab_bytes
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.pin_memory = pin_memory  # the benchmark's comparison row; the engine reads pageable
         self.index_path = index_path
         self.drop_cache_after_load = drop_cache_after_load
         if log_progress is None:
