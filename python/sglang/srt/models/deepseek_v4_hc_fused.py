@@ -225,6 +225,22 @@ def _prefill_rows_ceiling() -> Optional[int]:
 # each returns that function's result computed in one pass, or None for upstream's own.
 
 
+def _reduce_sinkhorn(part, sq, scale, base, mix, k, hc_mult, sinkhorn_iters, rms_eps, hc_eps):
+    """Upstream's reduce + Sinkhorn kernel over one-pass partials (one slice): the second half of
+    both Sinkhorn routes, launched exactly as upstream launches it on its own partials."""
+    from sglang.kernels.ops.layernorm import mhc
+
+    m = sq.shape[-1]  # sq: [1 slice, m rows]
+    pre = torch.empty((m, hc_mult), device=part.device, dtype=torch.float32)
+    post = torch.empty_like(pre)
+    comb = torch.empty((m, hc_mult, hc_mult), device=part.device, dtype=torch.float32)
+    mhc._hc_mix_reduce_sinkhorn_kernel[(m,)](
+        part, sq, scale, base, pre, post, comb, m, 1.0 / k, rms_eps,
+        MIX=mix, HC=hc_mult, NUM_SLICES=1, ITERS=sinkhorn_iters, EPS=hc_eps, num_warps=1,
+    )
+    return pre, post, comb
+
+
 def mix_stats_sinkhorn_bf16x3(x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult):
     f = _ACTIVE
     if f is None or not f.wants("bf16x3", x.shape[0]):
@@ -242,16 +258,9 @@ def mix_stats_sinkhorn_bf16x3(x, weight_parts, scale, base, sinkhorn_iters, rms_
     block_m = mhc._HC_MIX_BF16X3_BLOCK_M
 
     def ours():
-        mix = (2 + hc_mult) * hc_mult
         part, sq = hc_mix_one_pass_bf16x3(x, weight_parts, block_m)
-        pre = torch.empty((m, hc_mult), device=x.device, dtype=torch.float32)
-        post = torch.empty_like(pre)
-        comb = torch.empty((m, hc_mult, hc_mult), device=x.device, dtype=torch.float32)
-        mhc._hc_mix_reduce_sinkhorn_kernel[(m,)](
-            part, sq, scale, base, pre, post, comb, m, 1.0 / k, rms_eps,
-            MIX=mix, HC=hc_mult, NUM_SLICES=1, ITERS=sinkhorn_iters, EPS=hc_eps, num_warps=1,
-        )
-        return pre, post, comb
+        return _reduce_sinkhorn(part, sq, scale, base, (2 + hc_mult) * hc_mult, k, hc_mult,
+                                sinkhorn_iters, rms_eps, hc_eps)
 
     def stock():
         return mhc.hc_mix_stats_sinkhorn_bf16x3(
@@ -303,18 +312,10 @@ def mix_stats_sinkhorn(x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters
     block_m = mhc._block_m_for(m)
 
     def ours():
-        mix = hc_fn.shape[0]
         part, sq = hc_mix_one_pass(x_flat, hc_fn)
-        dev = x_flat.device
-        pre = torch.empty(m, hc_mult, dtype=torch.float32, device=dev)
-        post = torch.empty(m, hc_mult, dtype=torch.float32, device=dev)
-        comb = torch.empty(m, hc_mult, hc_mult, dtype=torch.float32, device=dev)
-        mhc._hc_mix_reduce_sinkhorn_kernel[(m,)](
-            part, sq, hc_scale.float().contiguous(), hc_base.float().contiguous(),
-            pre, post, comb, m, 1.0 / k, rms_eps,
-            MIX=mix, HC=hc_mult, NUM_SLICES=1, ITERS=sinkhorn_iters, EPS=hc_eps, num_warps=1,
-        )
-        return pre, post, comb
+        # scale and base as upstream's hc_mix_stats_sinkhorn passes them to the same kernel
+        return _reduce_sinkhorn(part, sq, hc_scale.float().contiguous(), hc_base.float().contiguous(),
+                                hc_fn.shape[0], k, hc_mult, sinkhorn_iters, rms_eps, hc_eps)
 
     def stock():
         return mhc.hc_mix_stats_sinkhorn(
