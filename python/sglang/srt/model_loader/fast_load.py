@@ -4,14 +4,14 @@
 iterators hand the model lazy mmap views: the bytes arrive by page faults, one
 readahead window at a time, in whichever thread copies the tensor. Here a pool of
 ``pread`` threads reads the byte ranges of the tensors this rank will copy into
-pageable slabs, and the model gets views of them, file by file in offset order.
-(Pageable, not pinned: pinned slabs loaded slower and held more memory on the GPU
-host, docs/fast-load.md.) Which tensors a rank copies is
-the model's to say (``checkpoint_owner()``, a :class:`CheckpointOwner`): the
-experts of other EP ranks and the tensors a draft never loads are not read at
-all; where the model copies only a contiguous slice of a tensor (a TP rank's rows
-of an expert), only that slice is read and the model gets a full-shape stand-in
-(:class:`RankSliceTensor`) whose one permitted data access is that narrow.
+pageable slabs, and the model gets views of them, file by file in offset order
+(pageable, not pinned: pinned slabs loaded slower and held more memory on the GPU
+host, docs/fast-load.md). Which tensors a rank copies is the model's to say
+(``checkpoint_owner()``, a :class:`CheckpointOwner`): the experts of other EP ranks
+and the tensors a draft never loads are not read at all; where the model copies
+only a contiguous slice of a tensor (a TP rank's rows of an expert), only that
+slice is read and the model gets a full-shape stand-in (:class:`RankSliceTensor`)
+whose one permitted data access is that narrow.
 
 INVARIANTS
 * Bitwise: a yielded tensor holds exactly the bytes ``safetensors.safe_open``
