@@ -209,7 +209,6 @@ def _assert_reads_within(reads, spans):
 
 def _load(files, owner=KEEP_ALL, **kw):
     """Every tensor into a dict: a model keeping them all (see the pacing tests)."""
-    kw.setdefault("pin_memory", False)
     kw.setdefault("head_wait_s", 0.02)
     loader = FastLoader(files, owner, **kw)
     return loader, dict(loader)
@@ -230,7 +229,7 @@ def test_every_tensor_is_bitwise_safe_open(ckpt, threads, slab):
 
 
 def test_order_is_file_then_offset(ckpt):
-    names = [n for n, _ in FastLoader(ckpt.files, pin_memory=False, slab_bytes=1000)]
+    names = [n for n, _ in FastLoader(ckpt.files, slab_bytes=1000)]
     expected = [e.name for f in ckpt.files for e in fl.read_header(f)[0]]
     assert names == expected
 
@@ -362,7 +361,7 @@ def test_slab_memory_is_bounded_and_released_after_load(ckpt, queue):
     """The model copies as it goes (queue 0) or keeps a queue of copies (queue 3): the
     slabs alive stay within the budget plus the slab it waits for plus the ones it holds."""
     slab = 8192  # >= the largest tensor: every slab is at most this (+ alignment)
-    loader = FastLoader(ckpt.files, num_threads=2, slab_bytes=slab, pin_memory=False)
+    loader = FastLoader(ckpt.files, num_threads=2, slab_bytes=slab)
     held = []
     for name, t in loader:
         held.append(t)
@@ -380,7 +379,7 @@ def test_a_model_holding_every_tensor_is_never_starved(ckpt, caplog):
     """Over budget the slab the model waits for is read once nothing is held, or once no
     slab was released for head_wait_s: a model that keeps every tensor still gets them all,
     and the pacing turns off (logged) rather than stalling every slab."""
-    loader = FastLoader(ckpt.files, num_threads=2, slab_bytes=1024, pin_memory=False, head_wait_s=0.05)
+    loader = FastLoader(ckpt.files, num_threads=2, slab_bytes=1024, head_wait_s=0.05)
     t0 = time.monotonic()
     with caplog.at_level("WARNING"):
         got = dict(loader)
@@ -491,7 +490,7 @@ def test_missing_shard_names_the_file(ckpt, tmp_path):
 def test_shard_shrinking_during_the_load_names_file_and_tensor(ckpt, tmp_path):
     files = _copy_ckpt(ckpt, tmp_path)
     last = _last_tensor(files[2])
-    loader = FastLoader(files, num_threads=1, slab_bytes=1024, pin_memory=False)
+    loader = FastLoader(files, num_threads=1, slab_bytes=1024)
     it = iter(loader)
     first = next(it)  # planned (headers checked); reads issued only up to the 2 KiB budget
     assert first[0] in ckpt.stock
@@ -766,7 +765,7 @@ def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(v4ckpt, monkeypatc
 
             expected = _load_like_v4(stock_model, stock_weights())
             owner = v4fl.DeepseekV4Owner(fast_model, is_nextn=False)
-            loader = FastLoader(v4ckpt, owner, num_threads=3, slab_bytes=4096, pin_memory=False,
+            loader = FastLoader(v4ckpt, owner, num_threads=3, slab_bytes=4096,
                                 index_path=os.path.join(os.path.dirname(v4ckpt[0]), "model.safetensors.index.json"))
             got = _load_like_v4(fast_model, iter(loader))
             for k in expected:
@@ -828,7 +827,7 @@ def test_deepseek_v4_owner_refuses_a_slice_the_loader_does_not_take(v4ckpt):
 
     model = _v4_model(4, 2, 1, 0)
     owner = v4fl.DeepseekV4Owner(model, is_nextn=False)
-    loader = FastLoader(v4ckpt, owner, pin_memory=False)
+    loader = FastLoader(v4ckpt, owner)
     name, t = next((n, t) for n, t in loader if isinstance(t, RankSliceTensor))
     with pytest.raises(RankSliceAccessError, match=name.replace(".", r"\.")):
         t.narrow(0, 0, t.shape[0] // 4)  # rank 0's rows, not rank 2's

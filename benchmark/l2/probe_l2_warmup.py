@@ -42,8 +42,8 @@ def spans_us(weights, x, spin_ns, replays, mode) -> float:
     sink = torch.zeros((), dtype=torch.float32, device="cuda")
     outs = [None if w is None else torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
             for w in weights]
-    tables = [None if w is None else chunk_table([(w.data_ptr(), w.numel() * w.element_size())], w.device)
-              for w in weights]
+    tables = [chunk_table([(w.data_ptr(), w.numel() * w.element_size())], w.device)
+              if w is not None and mode.startswith("bulk") else None for w in weights]
     side = torch.cuda.Stream()
 
     def span(i):
@@ -52,10 +52,10 @@ def spans_us(weights, x, spin_ns, replays, mode) -> float:
         if warming:
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                addrs, sizes = tables[i]
                 if mode == "read":
                     torch.sum(weights[i].view(-1), dim=0, dtype=torch.float32, out=sink)
                 else:
+                    addrs, sizes = tables[i]
                     lanes = 32 if mode == "bulk-32" else 1
                     n = addrs.numel()
                     _l2_prefetch_kernel[((n + lanes - 1) // lanes,)](addrs, sizes, n, LANES=lanes, num_warps=1)

@@ -331,8 +331,8 @@ def _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier)
         "rss_before": base_rss, "peak_rss_anon": sampler.anon, "peak_rss_file": sampler.file,
     }
     if loader is not None:
-        # the release watcher must be done before the process exits: a daemon thread still
-        # polling at interpreter shutdown aborts the process ("terminate called ...")
+        # let the release watcher (a daemon thread) finish before the process exits: the likely
+        # source of the "terminate called ..." the fast rows printed at exit on the GPU host
         out["slabs_released"] = loader.wait_released(60)
         s = loader.stats
         out.update(bytes_read=s.bytes_read, peak_slab_bytes=s.peak_live_bytes, files_opened=s.files_opened,
@@ -357,11 +357,12 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
     errors = [r["error"] for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{kind}: a rank failed:\n{errors[0]}")
+    results.sort(key=lambda r: r["rank"])
     wall = max(r["t1"] for r in results) - min(r["t0"] for r in results)
     row = {
         "iterator": kind, "ranks": n, "split": split, "wall_s": round(wall, 2),
         "checkpoint_gbps": round(total_bytes / wall / 1e9, 3),
-        "copied_gb_per_rank": [round(r["copied_bytes"] / 1e9, 3) for r in sorted(results, key=lambda r: r["rank"])],
+        "copied_gb_per_rank": [round(r["copied_bytes"] / 1e9, 3) for r in results],
         "peak_rss_gb_max_rank": round(max(r["peak_rss"] for r in results) / 1e9, 3),
         "peak_rss_over_start_gb_max_rank": round(max(r["peak_rss"] - r["rss_before"] for r in results) / 1e9, 3),
         "peak_rss_anon_gb_max_rank": round(max(r["peak_rss_anon"] for r in results) / 1e9, 3),
@@ -370,11 +371,11 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
     }
     if kind in FAST_KINDS:
         row.update(threads=threads, slab_mb=slab_mb,
-                   read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in sorted(results, key=lambda r: r["rank"])],
+                   read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in results],
                    peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3),
                    slabs_released_after_load=all(r["slabs_released"] for r in results),
                    # where each rank's load went (FastLoadStats): storage, pacing, slab allocation
-                   seconds_per_rank={k: [round(r[k], 2) for r in sorted(results, key=lambda r: r["rank"])]
+                   seconds_per_rank={k: [round(r[k], 2) for r in results]
                                      for k in ("loader_s", "wait_read_s", "wait_budget_s", "alloc_s")})
     print(f"  {kind:15s} ranks={n} split={split:4s} {row['wall_s']:7.1f} s  {row['checkpoint_gbps']:6.2f} GB/s  "
           f"peak RSS {row['peak_rss_gb_max_rank']:6.2f} GB (anon {row['peak_rss_anon_gb_max_rank']:.2f}, file "
