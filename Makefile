@@ -10,7 +10,8 @@ PYTEST_ARGS ?=
 all:
 	$(FORK) --python $(PYTHON) build --install $(VENV)
 
-# Headers complete and every file under python/sglang owned by exactly one patch.
+# Headers complete, every file under python/sglang owned by exactly one patch, and upstream's
+# formatters (black, isort, codespell at its pins; installed into .venv by `make`) clean.
 check:
 	$(FORK) check
 

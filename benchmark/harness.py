@@ -21,7 +21,12 @@ HBM_TBPS = 4.09  # measured read bandwidth of the H200 (shared/notes/gpu-h200.md
 def arg_parser(description: str, replays: int = 30) -> argparse.ArgumentParser:
     """Every benchmark's command line: ``--out`` (the JSON's folder) and ``--replays``."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--out", type=Path, default=Path("benchmark/results"), help="folder for the JSON")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmark/results"),
+        help="folder for the JSON",
+    )
     p.add_argument("--replays", type=int, default=replays)
     return p
 
@@ -30,7 +35,9 @@ def parse_args(description: str) -> argparse.Namespace:
     return arg_parser(description).parse_args()
 
 
-def graph_us_per_call(calls: Sequence[Callable[[], object]], replays: int = 30) -> float:
+def graph_us_per_call(
+    calls: Sequence[Callable[[], object]], replays: int = 30
+) -> float:
     """Median time of one call when ``calls`` (one per layer) run back to back in a CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -47,7 +54,9 @@ def graph_us_per_call(calls: Sequence[Callable[[], object]], replays: int = 30) 
         graph.replay()
     times = []
     for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+            enable_timing=True
+        )
         start.record()
         graph.replay()
         end.record()
@@ -68,15 +77,22 @@ def device_name() -> str:
     return torch.cuda.get_device_name().replace(" ", "_")
 
 
-def report(name: str, columns: Sequence[str], rows: list[dict], out: Path, meta: dict) -> Path:
+def report(
+    name: str, columns: Sequence[str], rows: list[dict], out: Path, meta: dict
+) -> Path:
     widths = [max(len(c), *(len(_fmt(r[c])) for r in rows)) for c in columns]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
     for r in rows:
         print("  ".join(_fmt(r[c]).rjust(w) for c, w in zip(columns, widths)))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}-{device_name()}.json"
-    payload = {"benchmark": name, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               **meta, "rows": rows}
+    payload = {
+        "benchmark": name,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        **meta,
+        "rows": rows,
+    }
     path.write_text(json.dumps(payload, indent=1) + "\n")
     print(f"wrote {path}")
     return path

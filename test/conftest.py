@@ -36,9 +36,15 @@ UPSTREAM = load_pin().version
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (run on the H200 through the GPU bundle)")
-    config.addinivalue_line("markers", "slow: builds or installs something (a few seconds to a minute)")
-    config.addinivalue_line("markers", "e2e: starts real launch_server processes (tools/e2e)")
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU (run on the H200 through the GPU bundle)"
+    )
+    config.addinivalue_line(
+        "markers", "slow: builds or installs something (a few seconds to a minute)"
+    )
+    config.addinivalue_line(
+        "markers", "e2e: starts real launch_server processes (tools/e2e)"
+    )
     _error_on_our_deprecations(config)
 
 
@@ -53,14 +59,20 @@ def _dropped() -> dict[str, list[str]]:
 def pytest_ignore_collect(collection_path, config):
     # A dropped patch's tests import its modules, which are gone: not collected at all.
     path = Path(collection_path).resolve()
-    return path.is_relative_to(REPO) and path.relative_to(REPO).as_posix() in _dropped() or None
+    return (
+        path.is_relative_to(REPO)
+        and path.relative_to(REPO).as_posix() in _dropped()
+        or None
+    )
 
 
 def pytest_report_header(config):
     dropped = _dropped()
     if dropped:
-        return [f"not collected: {t} (its patch {', '.join(n)} was dropped from patches/series by a rebase)"
-                for t, n in sorted(dropped.items())]
+        return [
+            f"not collected: {t} (its patch {', '.join(n)} was dropped from patches/series by a rebase)"
+            for t, n in sorted(dropped.items())
+        ]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -93,16 +105,25 @@ def assembled(tmp_path_factory, series):
 def run_engine(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     """Run the installed engine's Python (this interpreter) with warnings silenced."""
     return subprocess.run(
-        [sys.executable, "-W", "ignore", *args], capture_output=True, text=True, check=check
+        [sys.executable, "-W", "ignore", *args],
+        capture_output=True,
+        text=True,
+        check=check,
     )
 
 
 # A model directory with only a config.json: enough for real server-argument resolution
 # (the same fixture upstream's resolution tests use), no weights, no tokenizer.
 TINY_LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 16,
-    "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 2,
-    "num_hidden_layers": 2, "vocab_size": 128, "max_position_embeddings": 2048,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 2048,
 }
 
 
@@ -128,8 +149,12 @@ def resolve_server_args(model_path, **kwargs):
 def _our_modules() -> list[str]:
     from forklib.series import load_series
 
-    return sorted(own[len("python/"):-len(".py")].replace("/", ".").removesuffix(".__init__")
-                  for p in load_series() for own in p.owns if own.endswith(".py"))
+    return sorted(
+        own[len("python/") : -len(".py")].replace("/", ".").removesuffix(".__init__")
+        for p in load_series()
+        for own in p.owns
+        if own.endswith(".py")
+    )
 
 
 def _error_on_our_deprecations(config):
@@ -137,5 +162,7 @@ def _error_on_our_deprecations(config):
     replacements upstream names (upstream's own deprecations stay warnings)."""
     import re
 
-    pattern = "(" + "|".join(re.escape(m) for m in _our_modules()) + r")\Z"  # a colon would split the filter
+    pattern = (
+        "(" + "|".join(re.escape(m) for m in _our_modules()) + r")\Z"
+    )  # a colon would split the filter
     config.addinivalue_line("filterwarnings", f"error::DeprecationWarning:{pattern}")

@@ -37,7 +37,10 @@ def make_wheel(cache: Path, version: str, files: dict[str, str], tag: str = TAG)
     with zipfile.ZipFile(path, "w") as zf:
         for name, text in sorted(files.items()):
             zf.writestr(name, text)
-        zf.writestr(f"sglang-{version}.dist-info/METADATA", f"Name: sglang\nVersion: {version}\n")
+        zf.writestr(
+            f"sglang-{version}.dist-info/METADATA",
+            f"Name: sglang\nVersion: {version}\n",
+        )
     return file_sha256(path)
 
 
@@ -48,8 +51,14 @@ class Spec:
     owns: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def make_fork(root: Path, cache: Path, version: str, files: dict[str, str], specs: list[Spec],
-              extra_tags: tuple[str, ...] = ()) -> None:
+def make_fork(
+    root: Path,
+    cache: Path,
+    version: str,
+    files: dict[str, str],
+    specs: list[Spec],
+    extra_tags: tuple[str, ...] = (),
+) -> None:
     """Write patches with the real write-back code (upstream wheel -> commits -> patch files)."""
     wheels = {TAG: make_wheel(cache, version, files)}
     for tag in extra_tags:
@@ -74,11 +83,15 @@ def make_fork(root: Path, cache: Path, version: str, files: dict[str, str], spec
                 (base / path).parent.mkdir(parents=True, exist_ok=True)
                 (base / path).write_text(text)
         git(author, "add", "-A")
-        msg = (f"{spec.slug}: change things\n\nBody of {spec.slug}.\n\nServer-Args: none\n"
-               f"Why: test {spec.slug}\nUpstream-Status: not sent\nTests: test/test_x.py\n")
+        msg = (
+            f"{spec.slug}: change things\n\nBody of {spec.slug}.\n\nServer-Args: none\n"
+            f"Why: test {spec.slug}\nUpstream-Status: not sent\nTests: test/test_x.py\n"
+        )
         git(author, "commit", "-qm", msg)
         name = f"{i:04d}-{spec.slug}.patch"
-        (root / "patches" / name).write_text(commit_patch(author, "HEAD", sorted(spec.owns)))
+        (root / "patches" / name).write_text(
+            commit_patch(author, "HEAD", sorted(spec.owns))
+        )
         names.append(name)
     (root / "patches" / "series").write_text("".join(n + "\n" for n in names))
     (root / "upstream.toml").write_text(render_pin(Pin("sglang", version, wheels)))
@@ -92,7 +105,8 @@ def make_fork(root: Path, cache: Path, version: str, files: dict[str, str], spec
 def snapshot(root: Path) -> dict[str, bytes]:
     """Every file of the repository outside .git and build/."""
     return {
-        str(f.relative_to(root)): f.read_bytes() for f in root.rglob("*")
+        str(f.relative_to(root)): f.read_bytes()
+        for f in root.rglob("*")
         if f.is_file() and not {".git", "build"} & set(f.relative_to(root).parts)
     }
 

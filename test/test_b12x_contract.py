@@ -66,7 +66,12 @@ def b12x_calls(src: str):
         kws = [k.arg for k in node.keywords if k.arg is not None]
         star = any(k.arg is None for k in node.keywords)
         head = name.split(".")[0]
-        if head in RECEIVERS or name in METHOD_CALLS or name.endswith(".request") and head in ("decl", "plan"):
+        if (
+            head in RECEIVERS
+            or name in METHOD_CALLS
+            or name.endswith(".request")
+            and head in ("decl", "plan")
+        ):
             yield name, kws, star, node.lineno
 
 
@@ -96,18 +101,31 @@ def test_every_b12x_call_matches_the_pinned_signatures(rel):
         if name in METHOD_CALLS:
             key = METHOD_CALLS[name]
         elif parts[0] in ("decl", "plan"):
-            key = "preparation.CompositePlan.request" if "prepare_calls" in kws else "preparation.Plan.request"
+            key = (
+                "preparation.CompositePlan.request"
+                if "prepare_calls" in kws
+                else "preparation.Plan.request"
+            )
         else:
             pkg = RECEIVERS[parts[0]]
-            assert parts[1] in SNAP["entry_points"][pkg], f"{where}: b12x.{pkg} does not export {parts[1]}"
-            key = f"{pkg}.{parts[1]}" if len(parts) == 2 else ".".join([pkg, *parts[1:]])
-        assert key in SNAP["api"], f"{where}: no pinned signature for {key} (add it to tools/b12x_api.py)"
+            assert (
+                parts[1] in SNAP["entry_points"][pkg]
+            ), f"{where}: b12x.{pkg} does not export {parts[1]}"
+            key = (
+                f"{pkg}.{parts[1]}" if len(parts) == 2 else ".".join([pkg, *parts[1:]])
+            )
+        assert (
+            key in SNAP["api"]
+        ), f"{where}: no pinned signature for {key} (add it to tools/b12x_api.py)"
         entry = SNAP["api"][key]
-        if name == "fused_moe.bind":  # bind(plan, **kw) forwards kw to the prepared state's bind
+        if (
+            name == "fused_moe.bind"
+        ):  # bind(plan, **kw) forwards kw to the prepared state's bind
             entry = SNAP["api"]["fused_moe.state.bind"]
         unknown = set(kws) - accepted(entry)
-        assert not unknown and not (star and name != "fused_moe.MoeDecodeConfig"), \
-            f"{where}: keywords {sorted(unknown)} not in b12x {b12x_api.VERSION} ({entry['at']})"
+        assert not unknown and not (
+            star and name != "fused_moe.MoeDecodeConfig"
+        ), f"{where}: keywords {sorted(unknown)} not in b12x {b12x_api.VERSION} ({entry['at']})"
         seen += 1
     assert seen
 
@@ -133,9 +151,12 @@ def test_snapshot_regenerates_from_the_wheel(wheel):
 
 
 @pytest.mark.slow
-def test_b12x_validator_accepts_our_pins_and_refuses_the_seeds_64_row_tiles(wheel, tmp_path):
+def test_b12x_validator_accepts_our_pins_and_refuses_the_seeds_64_row_tiles(
+    wheel, tmp_path
+):
     """b12x 1.5.1's own validate_moe_decode_config on the 576-wide V4.1-Flash experts (TP4):
-    our <= 8-row pin is valid; the seeds' 64-row tiles from 2048 rows are not expressible."""
+    our <= 8-row pin is valid; the seeds' 64-row tiles from 2048 rows are not expressible.
+    """
     with zipfile.ZipFile(wheel) as z:
         z.extractall(tmp_path)
     sys.path.insert(0, str(tmp_path))
@@ -147,21 +168,47 @@ def test_b12x_validator_accepts_our_pins_and_refuses_the_seeds_64_row_tiles(whee
 
         def query(rows):
             return t.MoeDecodeQuery(
-                quant_mode="w4a8_mx", quant_modes=("w4a8_mx",), source_format="fp4_e8m0_k32",
-                activation="silu", io_dtype="bfloat16", num_experts=384, hidden_size=5120,
-                intermediate_size=576, top_k=6, num_tokens=rows, routed_rows=rows * 6,
-                route_num_experts=0, route_logits_dtype=None, apply_router_weight_on_input=False,
-                collect_activation_amax=False, deterministic_output=None, swiglu_limit=10.0,
-                swiglu_alpha=None, swiglu_beta=None, w13_layout="w13", weight_layouts=("mma_packed",),
-                w4a16_weight_layout=None, w4a16_scale_format=None, w4a16_block_size_m=None,
-                fast_math=False, numerical_recipe=None, controls=FrozenMapping(),
+                quant_mode="w4a8_mx",
+                quant_modes=("w4a8_mx",),
+                source_format="fp4_e8m0_k32",
+                activation="silu",
+                io_dtype="bfloat16",
+                num_experts=384,
+                hidden_size=5120,
+                intermediate_size=576,
+                top_k=6,
+                num_tokens=rows,
+                routed_rows=rows * 6,
+                route_num_experts=0,
+                route_logits_dtype=None,
+                apply_router_weight_on_input=False,
+                collect_activation_amax=False,
+                deterministic_output=None,
+                swiglu_limit=10.0,
+                swiglu_alpha=None,
+                swiglu_beta=None,
+                w13_layout="w13",
+                weight_layouts=("mma_packed",),
+                w4a16_weight_layout=None,
+                w4a16_scale_format=None,
+                w4a16_block_size_m=None,
+                fast_math=False,
+                numerical_recipe=None,
+                controls=FrozenMapping(),
             )
 
         for rows in (1, 2, 4, 8):
-            t.validate_moe_decode_config(query(rows), t.MoeDecodeConfig(**pinned_config(rows, 576)), None)
+            t.validate_moe_decode_config(
+                query(rows), t.MoeDecodeConfig(**pinned_config(rows, 576)), None
+            )
         seeds_tile64 = dict(pinned_config(1, 576), dynamic_tile_m=64)
-        with pytest.raises(ValueError, match="compact N64 W4A8 dynamic execution requires grouped M16 routing"):
-            t.validate_moe_decode_config(query(2048), t.MoeDecodeConfig(**seeds_tile64), None)
+        with pytest.raises(
+            ValueError,
+            match="compact N64 W4A8 dynamic execution requires grouped M16 routing",
+        ):
+            t.validate_moe_decode_config(
+                query(2048), t.MoeDecodeConfig(**seeds_tile64), None
+            )
     finally:
         sys.path.remove(str(tmp_path))
         for m in [m for m in sys.modules if m == "b12x" or m.startswith("b12x.")]:

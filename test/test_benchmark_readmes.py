@@ -14,7 +14,11 @@ from conftest import REPO
 
 BENCH = REPO / "benchmark"
 RESULTS = BENCH / "results"
-FOLDERS = sorted(p for p in BENCH.iterdir() if p.is_dir() and p.name not in ("results", "__pycache__"))
+FOLDERS = sorted(
+    p
+    for p in BENCH.iterdir()
+    if p.is_dir() and p.name not in ("results", "__pycache__")
+)
 SCRIPTS = sorted(p for folder in FOLDERS for p in folder.glob("*.py"))
 
 
@@ -44,7 +48,9 @@ def test_removed_probes_are_gone_and_their_results_stay(folder):
     removed = _section((folder / "README.md").read_text(), "Removed probes")
     for line in (l for l in removed.splitlines() if l.startswith("| `")):
         name = _first_cells(line)[0]
-        assert not list(BENCH.rglob(name)), f"{name} is listed as removed but is still in benchmark/"
+        assert not list(
+            BENCH.rglob(name)
+        ), f"{name} is listed as removed but is still in benchmark/"
         assert "../results/" in line, f"{name}: its result file is not linked"
 
 
@@ -52,7 +58,9 @@ def test_every_readme_link_resolves():
     for readme in [BENCH / "README.md", *(f / "README.md" for f in FOLDERS)]:
         for target in re.findall(r"\]\(([^)#]+)\)", readme.read_text()):
             if "://" not in target:
-                assert (readme.parent / target).exists(), f"{readme.relative_to(REPO)}: {target}"
+                assert (
+                    readme.parent / target
+                ).exists(), f"{readme.relative_to(REPO)}: {target}"
 
 
 def test_every_result_file_is_listed_with_its_writer():
@@ -65,7 +73,9 @@ def test_every_result_file_is_listed_with_its_writer():
             if len(cells) >= 2 and "results/" in cells[0]:
                 for name in re.findall(r"results/([^)]+?)/?\)", cells[0]):
                     rows[name] = cells[1]
-        for line in _section(text, "Removed probes").splitlines():  # | probe | what | result files |
+        for line in _section(
+            text, "Removed probes"
+        ).splitlines():  # | probe | what | result files |
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             for name in re.findall(r"results/([^)]+?)/?\)", " ".join(cells[2:])):
                 rows.setdefault(name, cells[0])
@@ -96,7 +106,12 @@ def _search_path(script: Path, tree: ast.Module) -> list[Path]:
             exec(compile(ast.Module([node], []), str(script), "exec"), ns)
         elif isinstance(node, ast.Expr) and src.startswith("sys.path.insert("):
             call = node.value
-            path.insert(0, Path(eval(compile(ast.Expression(call.args[1]), str(script), "eval"), ns)))
+            path.insert(
+                0,
+                Path(
+                    eval(compile(ast.Expression(call.args[1]), str(script), "eval"), ns)
+                ),
+            )
     return path
 
 

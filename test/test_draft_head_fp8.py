@@ -41,7 +41,9 @@ def test_quantizer_power_of_two_scales_bounded_exact_dequant():
     deq = dequantize_head_fp8(q, s)
     # Exact dequantisation: q * s is representable, dividing back gives q bit for bit.
     sb = s.repeat_interleave(32, 0)[:100].repeat_interleave(32, 1)
-    assert torch.equal((deq / sb).to(torch.float8_e4m3fn).view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(
+        (deq / sb).to(torch.float8_e4m3fn).view(torch.uint8), q.view(torch.uint8)
+    )
     # Each block's scale is the smallest power of two that keeps it within 448.
     amax = w.float().abs().reshape(-1)
     assert float((deq - w.float()).abs().max()) <= float(amax.max()) * 2**-3
@@ -53,12 +55,18 @@ def test_quantizer_power_of_two_scales_bounded_exact_dequant():
 def test_kernel_matches_fp32_reference(rows):
     w = _head(96, 128)
     q, s = quantize_head_fp8(w)
-    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEV)
+    x = (
+        torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+        .to(torch.bfloat16)
+        .to(DEV)
+    )
     cfg = None if DEV == "cuda" else SMALL
     got = draft_head_fp8_logits(x, q, s, config=cfg)
     ref = x.double() @ dequantize_head_fp8(q, s).double().T
     assert got.dtype == torch.float32 and got.shape == (rows, 96)
-    assert float((got.double() - ref).abs().max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
+    assert float((got.double() - ref).abs().max()) <= 1e-5 * max(
+        1.0, float(ref.abs().max())
+    )
     # bf16 logits (the call site's dtype) are the fp32 sums rounded once (to nearest on the
     # GPU; the CPU interpreter truncates, so there within one bf16 ulp).
     got16 = draft_head_fp8_logits(x, q, s, config=cfg, out_dtype=torch.bfloat16)
@@ -71,31 +79,49 @@ def test_kernel_matches_fp32_reference(rows):
 def test_row_invariance_small():
     w = _head(64, 96)
     q, s = quantize_head_fp8(w)
-    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).to(DEV)
+    x = (
+        torch.randn(64, 96, generator=torch.Generator().manual_seed(3))
+        .to(torch.bfloat16)
+        .to(DEV)
+    )
     cfg = (32, 32, 4, 2)  # K = 96: a block_k that divides it
     full = draft_head_fp8_logits(x, q, s, config=cfg)
     for m in (1, 5, 17, 33, 60):
-        assert torch.equal(draft_head_fp8_logits(x[:m].contiguous(), q, s, config=cfg), full[:m]), m
+        assert torch.equal(
+            draft_head_fp8_logits(x[:m].contiguous(), q, s, config=cfg), full[:m]
+        ), m
 
 
 def test_row_gate_and_refusals():
-    head = types.SimpleNamespace(weight=torch.zeros(64, 64, dtype=torch.bfloat16), quant_method=None)
+    head = types.SimpleNamespace(
+        weight=torch.zeros(64, 64, dtype=torch.bfloat16), quant_method=None
+    )
     model = types.SimpleNamespace(uses_own_vocab_modules=False, _use_fp32_lm_head=False)
     assert mod.maybe_build_draft_head_fp8(model, head, False) is None
     # The gate serves 1..MAX_ROWS (the kernel covers them all in one pass over the head).
     assert 20 <= mod.MAX_ROWS <= kern.ROW_TILE * kern.MAX_M_TILES
     gate = types.SimpleNamespace(max_rows=mod.MAX_ROWS)
     assert mod.DraftHeadFp8.serves(gate, 1) and mod.DraftHeadFp8.serves(gate, 20)
-    assert not mod.DraftHeadFp8.serves(gate, 0) and not mod.DraftHeadFp8.serves(gate, mod.MAX_ROWS + 1)
+    assert not mod.DraftHeadFp8.serves(gate, 0) and not mod.DraftHeadFp8.serves(
+        gate, mod.MAX_ROWS + 1
+    )
     with pytest.raises(ValueError, match="own vocab modules"):
-        mod.check_draft_head_fp8_applies(types.SimpleNamespace(uses_own_vocab_modules=True), head)
+        mod.check_draft_head_fp8_applies(
+            types.SimpleNamespace(uses_own_vocab_modules=True), head
+        )
     with pytest.raises(ValueError, match="FP32_LM_HEAD"):
         mod.check_draft_head_fp8_applies(
-            types.SimpleNamespace(uses_own_vocab_modules=False, _use_fp32_lm_head=True), head)
-    bad = types.SimpleNamespace(weight=torch.zeros(64, 64, dtype=torch.float32), quant_method=None)
+            types.SimpleNamespace(uses_own_vocab_modules=False, _use_fp32_lm_head=True),
+            head,
+        )
+    bad = types.SimpleNamespace(
+        weight=torch.zeros(64, 64, dtype=torch.float32), quant_method=None
+    )
     with pytest.raises(ValueError, match="bf16/fp16"):
         mod.check_draft_head_fp8_applies(model, bad)
-    odd = types.SimpleNamespace(weight=torch.zeros(64, 48, dtype=torch.bfloat16), quant_method=None)
+    odd = types.SimpleNamespace(
+        weight=torch.zeros(64, 48, dtype=torch.bfloat16), quant_method=None
+    )
     with pytest.raises(ValueError, match="multiple of 32"):
         mod.check_draft_head_fp8_applies(model, odd)
     if not torch.cuda.is_available():
@@ -113,27 +139,41 @@ def test_flag_refused_where_no_draft_builds_the_copy(monkeypatch):
     import sglang.srt.arg_groups.model_override_base as mob
 
     arch = {"a": "DeepseekV4ForCausalLM"}
-    monkeypatch.setattr(mob, "model_config_of", lambda sa: types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(architectures=[arch["a"]])))
+    monkeypatch.setattr(
+        mob,
+        "model_config_of",
+        lambda sa: types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(architectures=[arch["a"]])
+        ),
+    )
     mod.validate_draft_head_fp8(None, False, "EAGLE")
     mod.validate_draft_head_fp8(None, True, "DSPARK")
     with pytest.raises(ValueError, match="DSPARK only .got 'EAGLE'."):
         mod.validate_draft_head_fp8(None, True, "EAGLE")
     arch["a"] = "Qwen3MoeForCausalLM"
-    with pytest.raises(ValueError, match="target is Qwen3MoeForCausalLM; only the DSpark draft"):
+    with pytest.raises(
+        ValueError, match="target is Qwen3MoeForCausalLM; only the DSpark draft"
+    ):
         mod.validate_draft_head_fp8(None, True, "DSPARK")
 
 
 def test_refuses_deterministic_inference():
     """Above MAX_ROWS the bf16 head serves, so a row's draft logits would follow its batch's row
     count: with --enable-deterministic-inference the flag is refused when the arguments resolve,
-    naming both (the real resolution: test_deterministic_inference_is_refused_at_resolution)."""
-    with pytest.raises(ValueError, match="cannot be used with --enable-deterministic-inference"):
+    naming both (the real resolution: test_deterministic_inference_is_refused_at_resolution).
+    """
+    with pytest.raises(
+        ValueError, match="cannot be used with --enable-deterministic-inference"
+    ):
         mod.validate_draft_head_fp8(None, True, "DSPARK", deterministic=True)
-    mod.validate_draft_head_fp8(None, False, "DSPARK", deterministic=True)  # off: nothing to refuse
+    mod.validate_draft_head_fp8(
+        None, False, "DSPARK", deterministic=True
+    )  # off: nothing to refuse
 
 
-def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 20, 32, 33, 48, 64)):
+def check_row_invariance_in_graphs(
+    n: int, configs=None, rows=(1, 2, 5, 16, 17, 20, 32, 33, 48, 64)
+):
     """The mma.sync kernel (served on SM89, tuned by tune_draft_head_fp8.py): each row's logits
     (fp32 and bf16) are the same bits at every row count, eager and replayed from a CUDA graph;
     returns (bf16 head, fp8 copy, x, fp32 logits of 64 rows)."""
@@ -141,6 +181,7 @@ def check_row_invariance_in_graphs(n: int, configs=None, rows=(1, 2, 5, 16, 17, 
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     q, s = kern.quantize_head_fp8(w)
     x = torch.randn(64, k, device="cuda").to(torch.bfloat16)
+
     def cfg(m):
         mt = kern.triton.cdiv(m, kern.ROW_TILE)
         return (configs or {}).get(mt) or kern.CONFIGS[mt]
@@ -174,7 +215,9 @@ def test_cpu_head_takes_the_portable_kernel_and_layout():
     w = (torch.randn(64, 128) * 0.02).to(torch.bfloat16)
     head = mod.DraftHeadFp8(w)
     q, s = kern.quantize_head_fp8(w)
-    assert head.kernel == "mma.sync" and torch.equal(head.q.view(torch.uint8), q.view(torch.uint8))
+    assert head.kernel == "mma.sync" and torch.equal(
+        head.q.view(torch.uint8), q.view(torch.uint8)
+    )
     assert torch.equal(head.scales, s)
 
 
@@ -188,7 +231,10 @@ def test_permute_k_puts_each_threads_fragment_bytes_together():
         for t in range(4):
             for j in range(4):
                 for e in range(2):
-                    assert torch.equal(qp[:, blk * 32 + 8 * t + 2 * j + e], q8[:, blk * 32 + 8 * j + 2 * t + e])
+                    assert torch.equal(
+                        qp[:, blk * 32 + 8 * t + 2 * j + e],
+                        q8[:, blk * 32 + 8 * j + 2 * t + e],
+                    )
 
 
 @pytest.mark.gpu
@@ -196,7 +242,8 @@ def test_permute_k_puts_each_threads_fragment_bytes_together():
 def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
     """The kernel the flag serves on this device (wgmma on the H200), through the call site's
     object: every row count 1..32 gives each row the same bits, eager and replayed from a CUDA
-    graph; logits within 1e-5 of the fp64 product; TV of its softmax vs the bf16 head's."""
+    graph; logits within 1e-5 of the fp64 product; TV of its softmax vs the bf16 head's.
+    """
     k = 5120
     w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
     head = mod.DraftHeadFp8(w)
@@ -215,13 +262,17 @@ def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
         torch.cuda.synchronize()
         assert torch.equal(out, ref[:m]), (n, m, "graph")
     # a contiguous view at an offset TMA cannot read (2 bytes past alignment) gives the same bits
-    odd = torch.empty(5 * k + 8, device="cuda", dtype=torch.bfloat16)[1:1 + 5 * k].view(5, k)
+    odd = torch.empty(5 * k + 8, device="cuda", dtype=torch.bfloat16)[
+        1 : 1 + 5 * k
+    ].view(5, k)
     odd.copy_(x[:5])
     assert torch.equal(head(odd), ref[:5])
     q, s = kern.quantize_head_fp8(w)
     exact = x.double() @ dequantize_head_fp8(q, s).double().T
     if head.kernel == "wgmma":
-        from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import draft_head_fp8_logits_wgmma
+        from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
+            draft_head_fp8_logits_wgmma,
+        )
 
         got = draft_head_fp8_logits_wgmma(x, head.q, head.scales)  # fp32 logits
         assert torch.equal(got.to(torch.bfloat16), ref)
@@ -230,40 +281,62 @@ def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
     assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
     bf16 = (x @ w.T).float()
     tv = 0.5 * (torch.softmax(got, -1) - torch.softmax(bf16, -1)).abs().sum(-1)
-    print(f"N={n} ({head.kernel}): TV(softmax fp8 head, softmax bf16 head) mean {float(tv.mean()):.2e} "
-          f"max {float(tv.max()):.2e}; fp8 copy {head.nbytes / 1e6:.1f} MB")
+    print(
+        f"N={n} ({head.kernel}): TV(softmax fp8 head, softmax bf16 head) mean {float(tv.mean()):.2e} "
+        f"max {float(tv.max()):.2e}; fp8 copy {head.nbytes / 1e6:.1f} MB"
+    )
 
 
 def test_conversion_follows_the_device(monkeypatch):
     """The asm's mul.bf16x2 needs SM90: SM89 takes Triton's conversion (exact as well)."""
     from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as k
 
-    for cap, want in (((8, 9), k.CVT_TRITON), ((9, 0), k.CVT_ASM), ((10, 0), k.CVT_ASM)):
+    for cap, want in (
+        ((8, 9), k.CVT_TRITON),
+        ((9, 0), k.CVT_ASM),
+        ((10, 0), k.CVT_ASM),
+    ):
         k._native_cvt.cache_clear()
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        monkeypatch.setattr(
+            torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap
+        )
         assert k._native_cvt(torch.device("cuda", 0)) == want, cap
     k._native_cvt.cache_clear()
 
 
 def test_fp8_copy_refuses_online_weight_updates(monkeypatch):
     """The copy is built once: the target's lm_head declares upstream's
-    ``_derived_weight_cache_error``, so its runner refuses online updates before writing."""
+    ``_derived_weight_cache_error``, so its runner refuses online updates before writing.
+    """
     from sglang.srt.model_executor.model_runner_components.weight_updater import (
         _unsupported_derived_weight_cache_error,
     )
 
     monkeypatch.setattr(mod, "check_draft_head_fp8_applies", lambda *a: None)
-    monkeypatch.setattr(mod, "DraftHeadFp8", lambda w: types.SimpleNamespace(
-        max_rows=1, kernel="mma.sync", nbytes=0))
+    monkeypatch.setattr(
+        mod,
+        "DraftHeadFp8",
+        lambda w: types.SimpleNamespace(max_rows=1, kernel="mma.sync", nbytes=0),
+    )
     target = torch.nn.ModuleDict({"lm_head": torch.nn.Linear(64, 64, bias=False)})
     assert _unsupported_derived_weight_cache_error(target) is None
     mod.maybe_build_draft_head_fp8(types.SimpleNamespace(), target["lm_head"], True)
-    assert "--speculative-dspark-draft-head-fp8" in _unsupported_derived_weight_cache_error(target)
+    assert (
+        "--speculative-dspark-draft-head-fp8"
+        in _unsupported_derived_weight_cache_error(target)
+    )
 
 
 def test_deterministic_inference_is_refused_at_resolution(llama_config):
     """Refused when the server arguments resolve, not after the target has loaded."""
     from conftest import resolve_server_args
 
-    with pytest.raises(ValueError, match=r"--speculative-dspark-draft-head-fp8 cannot be used with --enable-deterministic-inference"):
-        resolve_server_args(llama_config, speculative_dspark_draft_head_fp8=True, enable_deterministic_inference=True)
+    with pytest.raises(
+        ValueError,
+        match=r"--speculative-dspark-draft-head-fp8 cannot be used with --enable-deterministic-inference",
+    ):
+        resolve_server_args(
+            llama_config,
+            speculative_dspark_draft_head_fp8=True,
+            enable_deterministic_inference=True,
+        )

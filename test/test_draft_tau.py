@@ -22,7 +22,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from sglang.kernels.ops.speculative.dspark.blockwise_rejection import make_rejection_noise
+from sglang.kernels.ops.speculative.dspark.blockwise_rejection import (
+    make_rejection_noise,
+)
 from sglang.srt.speculative.dspark_components import (
     dspark_draft,
     dspark_draft_tau,
@@ -38,9 +40,7 @@ from sglang.srt.speculative.dspark_components.dspark_draft_sampler import (
 from sglang.srt.speculative.dspark_components.dspark_sampling_accept_graph import (
     GraphSamplingInfo,
 )
-from sglang.srt.speculative.dspark_components.dspark_verify import (
-    accept_draft_tokens,
-)
+from sglang.srt.speculative.dspark_components.dspark_verify import accept_draft_tokens
 
 
 @pytest.fixture
@@ -61,9 +61,18 @@ def _sampling_info(temps, top_ks):
 
 
 def _sampler(max_bs=8, gamma=3, device="cpu") -> DsparkDraftSampler:
-    model = types.SimpleNamespace(markov_head=None, sample_from_anchor=False, confidence_head=None)
-    return DsparkDraftSampler(model=model, gamma=gamma, max_bs=max_bs, device=device,
-                              noise=None, tp_sync=None, greedy_draft=False)
+    model = types.SimpleNamespace(
+        markov_head=None, sample_from_anchor=False, confidence_head=None
+    )
+    return DsparkDraftSampler(
+        model=model,
+        gamma=gamma,
+        max_bs=max_bs,
+        device=device,
+        noise=None,
+        tp_sync=None,
+        greedy_draft=False,
+    )
 
 
 TEMPS = torch.tensor([0.7, 1.0, 1.3, 0.0, 0.5], dtype=torch.float32)
@@ -80,9 +89,13 @@ def test_flag_parser_and_hook():
     dspark_draft_tau.validate_draft_temperature_scale(1.0, None)
     with pytest.raises(ValueError, match="DSPARK only"):
         dspark_draft_tau.validate_draft_temperature_scale(0.8, "EAGLE")
-    with pytest.raises(argparse.ArgumentTypeError,
-                       match="--speculative-dspark-draft-temperature-scale: .*finite float > 0"):
-        dspark_draft_tau.validate_draft_temperature_scale(0.0, "DSPARK")  # Engine(...) skips argparse
+    with pytest.raises(
+        argparse.ArgumentTypeError,
+        match="--speculative-dspark-draft-temperature-scale: .*finite float > 0",
+    ):
+        dspark_draft_tau.validate_draft_temperature_scale(
+            0.0, "DSPARK"
+        )  # Engine(...) skips argparse
     from sglang.srt.arg_groups.fields.spec import Spec
 
     i = Spec.__struct_fields__.index("speculative_dspark_draft_temperature_scale")
@@ -94,10 +107,14 @@ def test_tau_one_is_the_same_tensor_and_bitwise_stock(tau):
     s = _sampler()
     assert s.draft_temperatures is s.params.temperatures
     s.stage_sampling_params(bs=5, sampling_info=_sampling_info(TEMPS, TOPKS))
-    ref = resolve_draft_params(sampling_info=_sampling_info(TEMPS, TOPKS), bs=5, device="cpu")
+    ref = resolve_draft_params(
+        sampling_info=_sampling_info(TEMPS, TOPKS), bs=5, device="cpu"
+    )
     for got, want in zip(s.params, ref):
         assert torch.equal(got[:5], want)
-    params = resolve_draft_params(sampling_info=_sampling_info(TEMPS, TOPKS), bs=5, device="cpu")
+    params = resolve_draft_params(
+        sampling_info=_sampling_info(TEMPS, TOPKS), bs=5, device="cpu"
+    )
     assert dspark_draft_tau.scale_draft_params(params) is params
 
 
@@ -111,14 +128,18 @@ def test_scaled_buffer_starts_as_the_request_temperatures(tau):
 
 
 @pytest.mark.parametrize("t", [0.5, 0.8, 1.25])
-def test_draft_consumers_read_the_scaled_buffer_target_the_unscaled(tau, monkeypatch, t):
+def test_draft_consumers_read_the_scaled_buffer_target_the_unscaled(
+    tau, monkeypatch, t
+):
     tau(t)
     s = _sampler()
     assert _storage(s.draft_temperatures) != _storage(s.params.temperatures)
     info = _sampling_info(TEMPS, TOPKS)
     s.stage_sampling_params(bs=5, sampling_info=info)
     ref = resolve_draft_params(sampling_info=info, bs=5, device="cpu")
-    assert torch.equal(s.params.temperatures[:5], ref.temperatures)  # target's: unscaled
+    assert torch.equal(
+        s.params.temperatures[:5], ref.temperatures
+    )  # target's: unscaled
     assert torch.equal(s.draft_temperatures[:5], ref.temperatures * t)
     # Draft sampling temperature: tau * T on sampled rows, 0 (argmax) on greedy rows.
     assert torch.equal(s.params.step_temperatures[:5], ref.step_temperatures * t)
@@ -133,14 +154,28 @@ def test_draft_consumers_read_the_scaled_buffer_target_the_unscaled(tau, monkeyp
 
     monkeypatch.setattr(dspark_sampling_accept_graph, "accept_draft_tokens", record)
     s.step_logits = torch.zeros(8, 3, 16)
-    io = types.SimpleNamespace(candidates=torch.zeros(5, 4, dtype=torch.int64),
-                               logits=torch.zeros(20, 16), seq_lens=torch.zeros(5))
+    io = types.SimpleNamespace(
+        candidates=torch.zeros(5, 4, dtype=torch.int64),
+        logits=torch.zeros(20, 16),
+        seq_lens=torch.zeros(5),
+    )
     with pytest.raises(StopIteration):
         dspark_sampling_accept_graph.sampling_accept_commit_lens(
-            io, verify_lens=None, gate=None, gated=False, draft_sampler=s, epilogue=None,
-            tp_sync=None, fused_argmax=False, block_verification=False, rejection_noise=None)
+            io,
+            verify_lens=None,
+            gate=None,
+            gated=False,
+            draft_sampler=s,
+            epilogue=None,
+            tp_sync=None,
+            fused_argmax=False,
+            block_verification=False,
+            rejection_noise=None,
+        )
     assert _storage(seen["draft_block"].temperatures) == _storage(s.draft_temperatures)
-    assert _storage(seen["sampling_info"].temperatures) == _storage(s.params.temperatures)
+    assert _storage(seen["sampling_info"].temperatures) == _storage(
+        s.params.temperatures
+    )
 
     # Eager proposal: the block's temperatures (q) and the step temperatures are scaled.
     captured = {}
@@ -152,9 +187,16 @@ def test_draft_consumers_read_the_scaled_buffer_target_the_unscaled(tau, monkeyp
 
     monkeypatch.setattr(dspark_draft, "draft_markov_block", markov)
     block = dspark_draft.sample_draft_block(
-        base_logits=torch.zeros(5, 3, 16), anchor_tokens=torch.zeros(5, dtype=torch.int64),
-        draft_hidden=None, sampling_info=info, markov_head=None, noise=None, device="cpu",
-        tp_sync=None, greedy_draft=False)
+        base_logits=torch.zeros(5, 3, 16),
+        anchor_tokens=torch.zeros(5, dtype=torch.int64),
+        draft_hidden=None,
+        sampling_info=info,
+        markov_head=None,
+        noise=None,
+        device="cpu",
+        tp_sync=None,
+        greedy_draft=False,
+    )
     assert torch.equal(block.temperatures, ref.temperatures * t)
     assert torch.equal(captured["step_temperatures"], ref.step_temperatures * t)
 
@@ -171,12 +213,20 @@ def test_folded_proposal_hands_the_draft_buffer(tau, monkeypatch):
     prop._greedy_draft = False
     prop._draft_sampler = s
     prop._run_forward = lambda **kw: types.SimpleNamespace(
-        draft_block_ids=torch.zeros(4, 4, dtype=torch.int64), can_run_graph=True)
+        draft_block_ids=torch.zeros(4, 4, dtype=torch.int64), can_run_graph=True
+    )
     from sglang.srt.environ import envs
 
     monkeypatch.setattr(envs.SGLANG_DSPARK_FOLDED_PROPOSAL, "get", lambda: True)
-    out = prop.propose(batch=None, draft_input=None, verify_window=None, bs=4, device="cpu",
-                       target_model=None, sampling_info=None)
+    out = prop.propose(
+        batch=None,
+        draft_input=None,
+        verify_window=None,
+        bs=4,
+        device="cpu",
+        target_model=None,
+        sampling_info=None,
+    )
     assert out.folded
     assert _storage(out.draft_block.temperatures) == _storage(s.draft_temperatures)
     assert _storage(out.draft_block.temperatures) != _storage(s.params.temperatures)
@@ -197,8 +247,9 @@ def _logits(gen, device):
 ACCEPTS = ("token", "blockwise", "block")
 
 
-def _emitted(t: float, n: int, *, control: bool, device="cpu", accept="token",
-             seed=0) -> tuple[torch.Tensor, torch.Tensor]:
+def _emitted(
+    t: float, n: int, *, control: bool, device="cpu", accept="token", seed=0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """First emitted token of n requests (gamma = 1) through the engine's accept, with the
     draft temperature staged by the sampler at tau = t. control: q computed at T instead.
     accept: token-wise rejection, block-wise rejection (a RejectionNoise, as the worker
@@ -206,27 +257,42 @@ def _emitted(t: float, n: int, *, control: bool, device="cpu", accept="token",
     assert accept in ACCEPTS, accept
     gen = torch.Generator().manual_seed(1234)
     zp, zq = _logits(gen, device)
-    dspark_draft_tau.draft_temperature_scale = lambda: t  # restored by the caller's fixture
+    dspark_draft_tau.draft_temperature_scale = (
+        lambda: t
+    )  # restored by the caller's fixture
     s = _sampler(max_bs=n, gamma=1, device=device)
-    s.stage_sampling_params(bs=n, sampling_info=_sampling_info(
-        torch.full((n,), T, device=device), torch.full((n,), 1 << 30, device=device)))
+    s.stage_sampling_params(
+        bs=n,
+        sampling_info=_sampling_info(
+            torch.full((n,), T, device=device), torch.full((n,), 1 << 30, device=device)
+        ),
+    )
     torch.manual_seed(seed)
     # The draft samples at the staged step temperature (what MarkovSampleStep reads).
     step_t = s.params.step_temperatures[:n].view(n, 1)
     draft = torch.multinomial(torch.softmax(zq.view(1, V) / step_t, -1), 1).view(n)
     q_temps = s.params.temperatures[:n] if control else s.draft_temperatures[:n]
-    block = DraftBlockResult(draft_tokens=draft.view(n, 1),
-                             corrected_logits=zq.view(1, 1, V).expand(n, 1, V).contiguous(),
-                             greedy_mask=s.params.greedy_mask[:n], temperatures=q_temps,
-                             greedy_draft=False)
+    block = DraftBlockResult(
+        draft_tokens=draft.view(n, 1),
+        corrected_logits=zq.view(1, 1, V).expand(n, 1, V).contiguous(),
+        greedy_mask=s.params.greedy_mask[:n],
+        temperatures=q_temps,
+        greedy_draft=False,
+    )
     candidates = torch.stack([torch.zeros_like(draft), draft], 1)
     noise = make_rejection_noise(seed, device) if accept == "blockwise" else None
     target_logits = zp.view(1, V).expand(2 * n, V).contiguous()
     correct_len, bonus, _ = accept_draft_tokens(
-        candidates=candidates, target_logits=target_logits, draft_block=block,
+        candidates=candidates,
+        target_logits=target_logits,
+        draft_block=block,
         sampling_info=GraphSamplingInfo(temperatures=s.params.temperatures[:n]),
-        draft_input=None, gamma=1, verify_num_draft_tokens=2,
-        block_verification=accept == "block", rejection_noise=noise)
+        draft_input=None,
+        gamma=1,
+        verify_num_draft_tokens=2,
+        block_verification=accept == "block",
+        rejection_noise=noise,
+    )
     if noise is not None:  # the block-wise path ran (each call advances its counter)
         assert int(noise.counter[0]) == 1
     first = torch.where(correct_len >= 1, draft, bonus)

@@ -12,7 +12,6 @@ import os
 
 import pytest
 from conftest import REPO, UPSTREAM
-
 from e2e.checkpoints import write_tiny_llama
 from e2e.server import Server, refusal
 
@@ -20,12 +19,28 @@ import sglang.fork as fork
 
 pytestmark = pytest.mark.e2e
 
-CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--disable-cuda-graph", "--load-format", "dummy", "--mem-fraction-static", "0.05",
-            "--max-total-tokens", "4096"]
+CPU_ARGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-cuda-graph",
+    "--load-format",
+    "dummy",
+    "--mem-fraction-static",
+    "0.05",
+    "--max-total-tokens",
+    "4096",
+]
 # The import-only stand-ins (sgl_kernel, torchvision, ...) come first, as in the tests.
-CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tools" / "standins"), os.environ.get("PYTHONPATH", "")])}
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "tools" / "standins"), os.environ.get("PYTHONPATH", "")]
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +51,9 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"
-    with Server(tiny_llama, CPU_ARGS, env=CPU_ENV, log_path=log, start_timeout=240) as s:
+    with Server(
+        tiny_llama, CPU_ARGS, env=CPU_ENV, log_path=log, start_timeout=240
+    ) as s:
         yield s
     assert s.proc.returncode is not None
     errors = s.errors()
@@ -51,7 +68,10 @@ def test_startup_line_lists_the_fork_flags(server):
 
 
 def test_generate_greedy_is_repeatable(server):
-    body = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    body = {
+        "text": "The quick brown fox",
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0},
+    }
     first, second = server.post("/generate", body), server.post("/generate", body)
     assert first["meta_info"]["completion_tokens"] == 16
     assert first["output_ids"] == second["output_ids"]
@@ -59,17 +79,34 @@ def test_generate_greedy_is_repeatable(server):
 
 
 def test_openai_completions(server):
-    out = server.post("/v1/completions", {"model": "default", "prompt": "Hello", "max_tokens": 8, "temperature": 0})
+    out = server.post(
+        "/v1/completions",
+        {"model": "default", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
+    )
     assert out["object"] == "text_completion"
     assert out["usage"]["completion_tokens"] == 8
-    chunks = list(server.stream("/v1/completions", {"model": "default", "prompt": "Hello", "max_tokens": 8,
-                                                     "temperature": 0}))
-    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == out["choices"][0]["text"]
+    chunks = list(
+        server.stream(
+            "/v1/completions",
+            {"model": "default", "prompt": "Hello", "max_tokens": 8, "temperature": 0},
+        )
+    )
+    assert (
+        "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        == out["choices"][0]["text"]
+    )
 
 
 def test_openai_chat(server):
-    out = server.post("/v1/chat/completions", {"model": "default", "max_tokens": 8, "temperature": 0,
-                                                 "messages": [{"role": "user", "content": "hi"}]})
+    out = server.post(
+        "/v1/chat/completions",
+        {
+            "model": "default",
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert out["choices"][0]["message"]["role"] == "assistant"
     assert out["usage"]["completion_tokens"] == 8
 

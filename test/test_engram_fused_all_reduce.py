@@ -24,7 +24,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmark" / "engram"))
@@ -42,11 +41,18 @@ def engram_config(max_ngram: int, heads: int, layers=(3, 7, 11)):
     """A V4.1-shaped config: the table sizes are the sums of the layers' primes."""
     from sglang.srt.layers.engram import EngramLayout
 
-    cfg = SimpleNamespace(engram_layer_ids=list(layers), engram_max_ngram_size=max_ngram,
-                          engram_n_heads=heads, engram_vocab_size=VOCAB, engram_head_dim=DIM,
-                          engram_num_embeddings=[0] * len(layers))
+    cfg = SimpleNamespace(
+        engram_layer_ids=list(layers),
+        engram_max_ngram_size=max_ngram,
+        engram_n_heads=heads,
+        engram_vocab_size=VOCAB,
+        engram_head_dim=DIM,
+        engram_num_embeddings=[0] * len(layers),
+    )
     layout = EngramLayout.from_config(cfg)
-    cfg.engram_num_embeddings = [layout.column_bounds(i)[-1] for i in range(len(layers))]
+    cfg.engram_num_embeddings = [
+        layout.column_bounds(i)[-1] for i in range(len(layers))
+    ]
     return cfg
 
 
@@ -70,35 +76,66 @@ def test_flag_default_and_command_line():
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)
     assert parser.parse_args(["--model-path", "x"]).engram_fused_all_reduce is False
-    assert parser.parse_args(["--model-path", "x", "--engram-fused-all-reduce"]).engram_fused_all_reduce is True
+    assert (
+        parser.parse_args(
+            ["--model-path", "x", "--engram-fused-all-reduce"]
+        ).engram_fused_all_reduce
+        is True
+    )
 
 
 def test_validate_refuses_where_it_would_do_nothing(monkeypatch):
     hf = engram_config(*SHAPES["cols4"])
     assert far.validate_engram_fused_all_reduce(_cfg(), V41, hf) is True
-    assert far.validate_engram_fused_all_reduce(_cfg(engram_prefetch="check", tp_size=3), V41, hf) is True
-    assert far.validate_engram_fused_all_reduce(_cfg(engram_fused_all_reduce=False, tp_size=1), "X", None) is False
-    with pytest.raises(ValueError, match="--engram-fused-all-reduce does nothing at --tp-size 1"):
+    assert (
+        far.validate_engram_fused_all_reduce(
+            _cfg(engram_prefetch="check", tp_size=3), V41, hf
+        )
+        is True
+    )
+    assert (
+        far.validate_engram_fused_all_reduce(
+            _cfg(engram_fused_all_reduce=False, tp_size=1), "X", None
+        )
+        is False
+    )
+    with pytest.raises(
+        ValueError, match="--engram-fused-all-reduce does nothing at --tp-size 1"
+    ):
         far.validate_engram_fused_all_reduce(_cfg(tp_size=1), V41, hf)
-    with pytest.raises(ValueError, match=r"this model \(LlamaForCausalLM\) has no Engram layers"):
+    with pytest.raises(
+        ValueError, match=r"this model \(LlamaForCausalLM\) has no Engram layers"
+    ):
         far.validate_engram_fused_all_reduce(_cfg(), "LlamaForCausalLM", hf)
     with pytest.raises(ValueError, match="has no Engram layers"):
-        far.validate_engram_fused_all_reduce(_cfg(), V41, SimpleNamespace(engram_layer_ids=[]))
-    with pytest.raises(ValueError, match="needs --engram-prefetch on .*got --engram-prefetch=off"):
+        far.validate_engram_fused_all_reduce(
+            _cfg(), V41, SimpleNamespace(engram_layer_ids=[])
+        )
+    with pytest.raises(
+        ValueError, match="needs --engram-prefetch on .*got --engram-prefetch=off"
+    ):
         far.validate_engram_fused_all_reduce(_cfg(engram_prefetch="off"), V41, hf)
 
 
 def test_validate_refuses_lookups_without_an_all_reduce(monkeypatch):
     hf = engram_config(*SHAPES["cols4"])
     monkeypatch.setenv("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "1")
-    with pytest.raises(ValueError, match="SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS=1: each rank reads its peers"):
+    with pytest.raises(
+        ValueError,
+        match="SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS=1: each rank reads its peers",
+    ):
         far.validate_engram_fused_all_reduce(_cfg(), V41, hf)
     monkeypatch.delenv("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS")
     monkeypatch.setenv("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "1")
-    monkeypatch.setenv("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT", "per_rank")  # sharded: served
+    monkeypatch.setenv(
+        "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT", "per_rank"
+    )  # sharded: served
     assert far.validate_engram_fused_all_reduce(_cfg(), V41, hf) is True
     monkeypatch.setenv("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT", "shared")
-    with pytest.raises(ValueError, match="SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1: every rank reads the whole"):
+    with pytest.raises(
+        ValueError,
+        match="SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1: every rank reads the whole",
+    ):
         far.validate_engram_fused_all_reduce(_cfg(), V41, hf)
 
 
@@ -116,16 +153,26 @@ def test_an_overlapping_sharding_is_refused_at_startup(monkeypatch):
 
     def overlapping(rows, bounds, rank, size):
         start, end = real(rows, bounds, rank, size)
-        return max(0, start - 1), end  # each rank also holds its left neighbour's last row
+        return (
+            max(0, start - 1),
+            end,
+        )  # each rank also holds its left neighbour's last row
 
     monkeypatch.setattr(engram, "shard_range", overlapping)
-    with pytest.raises(ValueError, match=r"Engram layer 3's \d+ rows are not split into disjoint ranges over 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"Engram layer 3's \d+ rows are not split into disjoint ranges over 2",
+    ):
         far.check_rows_partition(engram_config(*SHAPES["cols4"]), 2)
 
 
 def _engrams(monkeypatch, tp_size=2, **members):
-    engrams = [stack.EngramLookup(stack.device_embedding(512, DIM, "cpu", seed=i, monkeypatch=monkeypatch), i)
-               for i in range(2)]
+    engrams = [
+        stack.EngramLookup(
+            stack.device_embedding(512, DIM, "cpu", seed=i, monkeypatch=monkeypatch), i
+        )
+        for i in range(2)
+    ]
     for e in engrams:
         e.embed.tp_size = tp_size
         for k, v in members.items():
@@ -138,20 +185,37 @@ def test_build_refuses_a_lookup_the_startup_check_did_not_approve(monkeypatch):
     from sglang.srt.layers import engram_prefetch as ep
     from sglang.srt.layers.engram import EngramLayout
 
-    layout = EngramLayout(max_ngram_size=2, layer_ids=(4, 9), num_embeddings=(512, 512),
-                          primes=(((512,),), ((512,),)), n_heads=1, head_dim=DIM)
-    monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=0))
+    layout = EngramLayout(
+        max_ngram_size=2,
+        layer_ids=(4, 9),
+        num_embeddings=(512, 512),
+        primes=(((512,),), ((512,),)),
+        n_heads=1,
+        head_dim=DIM,
+    )
+    monkeypatch.setattr(
+        runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=0)
+    )
     with pytest.raises(RuntimeError, match="needs --engram-prefetch on"):
         far.fuse_engram_all_reduce(True, None, layout)
     # a table sharded as shard_range says (rank 0 of 2 owns rows 0..256) is served
     ok = ep.EngramPrefetch("on", _engrams(monkeypatch, rows=256), torch.device("cpu"))
-    assert isinstance(far.fuse_engram_all_reduce(True, ok, layout), far.FusedEngramAllReduce)
-    for members, found in (({"tp_size": 1}, "tp_size=1"), ({"peer": object()}, "peer shards=True"),
-                           ({}, r"rows \(0, 512\), shard_range \(0, 256\)")):
-        p = ep.EngramPrefetch("on", _engrams(monkeypatch, **{"rows": 256, **members}), torch.device("cpu"))
+    assert isinstance(
+        far.fuse_engram_all_reduce(True, ok, layout), far.FusedEngramAllReduce
+    )
+    for members, found in (
+        ({"tp_size": 1}, "tp_size=1"),
+        ({"peer": object()}, "peer shards=True"),
+        ({}, r"rows \(0, 512\), shard_range \(0, 256\)"),
+    ):
+        p = ep.EngramPrefetch(
+            "on", _engrams(monkeypatch, **{"rows": 256, **members}), torch.device("cpu")
+        )
         if not members:
             p.engrams[0].embed.rows = 512
-        with pytest.raises(RuntimeError, match=f"Engram layer 4 is not looked up .*{found}"):
+        with pytest.raises(
+            RuntimeError, match=f"Engram layer 4 is not looked up .*{found}"
+        ):
             far.fuse_engram_all_reduce(True, p, layout)
 
 
@@ -168,10 +232,16 @@ def test_flag_off_keeps_the_prefetch_and_upstreams_lookup(monkeypatch):
 def test_batches_the_prefetch_does_not_serve_keep_the_per_layer_lookup(monkeypatch):
     from sglang.srt.layers import engram_prefetch as ep
 
-    fused = far.FusedEngramAllReduce(ep.EngramPrefetch("on", _engrams(monkeypatch), torch.device("cpu")))
+    fused = far.FusedEngramAllReduce(
+        ep.EngramPrefetch("on", _engrams(monkeypatch), torch.device("cpu"))
+    )
     ids = stack.hash_ids(4, 2, 3, 512, "cpu")
-    extend = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False, is_target_verify=lambda: False),
-                             engram_staged_rows=None)
+    extend = SimpleNamespace(
+        forward_mode=SimpleNamespace(
+            is_decode=lambda: False, is_target_verify=lambda: False
+        ),
+        engram_staged_rows=None,
+    )
     assert fused.issue(ids, extend) is None
     assert fused.issue(ids[:0], stack.decode_batch()) is None
     assert fused.issue(ids, stack.decode_batch(staged=[object()])) is None
@@ -183,12 +253,29 @@ def test_launch_server_refuses_it_at_tp1(tmp_path):
     from e2e.checkpoints import write_tiny_llama
     from e2e.server import refusal
 
-    args = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-            "--disable-cuda-graph", "--load-format", "dummy", "--engram-fused-all-reduce"]
-    env = {"SGLANG_USE_CPU_ENGINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tools" / "standins"), os.environ.get("PYTHONPATH", "")])}
+    args = [
+        "--device",
+        "cpu",
+        "--attention-backend",
+        "torch_native",
+        "--sampling-backend",
+        "pytorch",
+        "--disable-cuda-graph",
+        "--load-format",
+        "dummy",
+        "--engram-fused-all-reduce",
+    ]
+    env = {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(REPO / "tools" / "standins"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
     r = refusal(write_tiny_llama(tmp_path), args, env=env, timeout=240)
-    assert r.returncode != 0 and "--engram-fused-all-reduce does nothing at --tp-size 1" in r.stdout, r.stdout[-3000:]
+    assert (
+        r.returncode != 0
+        and "--engram-fused-all-reduce does nothing at --tp-size 1" in r.stdout
+    ), r.stdout[-3000:]
 
 
 # ----------------------------------------------------------------- TP ranks (gloo, CPU)
@@ -213,13 +300,19 @@ def hash_ids(layout, seed: int, tp: int):
     cols = []
     for i in range(len(layout.layer_ids)):
         b = layout.column_bounds(i)
-        col = torch.stack([torch.randint(b[c], b[c + 1], (TOKENS,), generator=g) for c in range(len(b) - 1)], -1)
+        col = torch.stack(
+            [
+                torch.randint(b[c], b[c + 1], (TOKENS,), generator=g)
+                for c in range(len(b) - 1)
+            ],
+            -1,
+        )
         edges = {x for r in range(tp) for x in shard_range(b[-1], b, r, tp)}
         for t, x in enumerate(sorted(edges)):
             c = next((c for c in range(len(b) - 1) if b[c] <= x < b[c + 1]), None)
             if c is not None:
                 col[t % TOKENS, c] = x
-        col[TOKENS // 2:] = col[: TOKENS - TOKENS // 2].clone()  # duplicate tokens
+        col[TOKENS // 2 :] = col[: TOKENS - TOKENS // 2].clone()  # duplicate tokens
         cols.append(col)
     return torch.stack(cols, 1)
 
@@ -232,9 +325,9 @@ def rank_main(rank: int, world: int, store: str, out: str, device: str) -> None:
     sys.path.insert(0, str(REPO / "tools" / "standins"))
     sys.path.insert(0, str(REPO / "benchmark" / "engram"))
     try:
+        import engram_stack as stk
         import torch.distributed as dist
 
-        import engram_stack as stk
         import sglang.srt.layers.engram as eg
         from sglang.srt import runtime_context
         from sglang.srt.layers import engram_fused_all_reduce as fused_mod
@@ -242,20 +335,32 @@ def rank_main(rank: int, world: int, store: str, out: str, device: str) -> None:
 
         if device == "cuda":
             torch.cuda.set_device(rank)
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{store}",
-                                rank=rank, world_size=world)
-        par = SimpleNamespace(tp_size=world, tp_rank=rank, attn_dp_size=1, tp_group=None)
-        offload = SimpleNamespace(engram_row_store_dir=None, engram_row_store_cache_gib=None)
+        dist.init_process_group(
+            "nccl" if device == "cuda" else "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+        )
+        par = SimpleNamespace(
+            tp_size=world, tp_rank=rank, attn_dp_size=1, tp_group=None
+        )
+        offload = SimpleNamespace(
+            engram_row_store_dir=None, engram_row_store_cache_gib=None
+        )
         eg.get_parallel = runtime_context.get_parallel = lambda: par
         eg.get_exec = lambda: SimpleNamespace(offload=offload)
         calls, order = [], {"reverse": False}
 
-        def all_reduce(t):  # the TP group's all-reduce (on CPU: torch.distributed's, in place)
+        def all_reduce(
+            t,
+        ):  # the TP group's all-reduce (on CPU: torch.distributed's, in place)
             calls.append(t.numel())
             if not order["reverse"]:
                 dist.all_reduce(t)
                 return t
-            parts = [torch.empty_like(t) for _ in range(world)]  # sum the ranks last to first
+            parts = [
+                torch.empty_like(t) for _ in range(world)
+            ]  # sum the ranks last to first
             dist.all_gather(parts, t)
             acc = parts[-1].clone()
             for p in reversed(parts[:-1]):
@@ -270,10 +375,15 @@ def rank_main(rank: int, world: int, store: str, out: str, device: str) -> None:
             engrams, tables = [], []
             for i, layer in enumerate(layout.layer_ids):
                 rows = layout.num_embeddings[i]
-                emb = eg.EngramEmbedding(rows, DIM, layer, column_bounds=layout.column_bounds(i))
+                emb = eg.EngramEmbedding(
+                    rows, DIM, layer, column_bounds=layout.column_bounds(i)
+                )
                 w, s = random_table(rows, seed=100 * i + max_ngram)
                 if device == "cuda":
-                    emb.weight.data, emb.scale.data = emb.weight.data.cuda(), emb.scale.data.cuda()
+                    emb.weight.data, emb.scale.data = (
+                        emb.weight.data.cuda(),
+                        emb.scale.data.cuda(),
+                    )
                 emb.weight.weight_loader(emb.weight, w.to(device))
                 emb.scale.weight_loader(emb.scale, s.to(device))
                 engrams.append(stk.EngramLookup(emb, i))
@@ -283,13 +393,18 @@ def rank_main(rank: int, world: int, store: str, out: str, device: str) -> None:
             del calls[:]
             stock = [e.embed(c) for e, c in zip(engrams, cols)]
             stock_calls = len(calls)
-            r = {"layers": len(engrams), "stock_all_reduces": stock_calls,
-                 "owned_rows": [e.embed.rows for e in engrams]}
+            r = {
+                "layers": len(engrams),
+                "stock_all_reduces": stock_calls,
+                "owned_rows": [e.embed.rows for e in engrams],
+            }
             # the single-table dequantization: what the sum of the shards must be (-0 -> +0)
             ref = []
             for (w, s), c in zip(tables, cols):
                 c = c.cpu()
-                v = (w[c].float().unflatten(-1, (-1, 32)) * s[c].float().unsqueeze(-1)).flatten(-2)
+                v = (
+                    w[c].float().unflatten(-1, (-1, 32)) * s[c].float().unsqueeze(-1)
+                ).flatten(-2)
                 ref.append(v.to(torch.bfloat16) + 0.0)
             r["stock_is_the_table"] = all(_same(a.cpu(), b) for a, b in zip(stock, ref))
             for mode in ("on", "check"):
@@ -305,7 +420,9 @@ def rank_main(rank: int, world: int, store: str, out: str, device: str) -> None:
                         r[f"{key}_all_reduces"] = len(calls)
                     else:
                         r[f"{key}_report"] = list(p.report())
-                    r[f"{key}_bitwise"] = all(_same(a, b) for a, b in zip(served, stock))
+                    r[f"{key}_bitwise"] = all(
+                        _same(a, b) for a, b in zip(served, stock)
+                    )
             order["reverse"] = False
             if device == "cuda":  # the fused path replayed from a CUDA graph
                 p = ep.EngramPrefetch("on", engrams, torch.device(device))
@@ -338,8 +455,13 @@ def rank_main(rank: int, world: int, store: str, out: str, device: str) -> None:
 def run_ranks(tmp_path, world: int, device: str = "cpu") -> list[dict]:
     ctx = mp.get_context("spawn")
     outs = [tmp_path / f"out{r}.json" for r in range(world)]
-    procs = [ctx.Process(target=rank_main, args=(r, world, str(tmp_path / "store"), str(outs[r]), device))
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=rank_main,
+            args=(r, world, str(tmp_path / "store"), str(outs[r]), device),
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -347,7 +469,10 @@ def run_ranks(tmp_path, world: int, device: str = "cpu") -> list[dict]:
     for p in procs:
         if p.is_alive():
             p.kill()
-    results = [json.loads(o.read_text()) if o.exists() else {"error": "no output"} for o in outs]
+    results = [
+        json.loads(o.read_text()) if o.exists() else {"error": "no output"}
+        for o in outs
+    ]
     for r in results:
         assert "error" not in r, r["error"]
     return results
@@ -367,7 +492,10 @@ def test_fused_all_reduce_is_the_per_layer_lookup_bit_for_bit(tmp_path, world):
                 assert r[f"{key}_bitwise"], f"{where}: {key}"
             assert r["check_report"] == r["check_reverse_report"] == [layers, 0], where
     # both of shard_range's layouts ran: hash-column bounds (columns divide evenly) and equal rows
-    assert sorted(((n - 1) * h) % world == 0 for n, h in SHAPES.values()) == [False, True]
+    assert sorted(((n - 1) * h) % world == 0 for n, h in SHAPES.values()) == [
+        False,
+        True,
+    ]
 
 
 @pytest.mark.gpu
@@ -377,5 +505,9 @@ def test_gpu_two_ranks_nccl_eager_and_graph(tmp_path):
     os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
     for r in run_ranks(tmp_path, 2, device="cuda"):
         for name, res in r.items():
-            assert res["on_bitwise"] and res["check_report"][1] == 0 and res["graph_bitwise"], (name, res)
+            assert (
+                res["on_bitwise"]
+                and res["check_report"][1] == 0
+                and res["graph_bitwise"]
+            ), (name, res)
             assert res["on_all_reduces"] == 1

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import HAS_CUDA, REPO
 
 sys.path.insert(0, str(REPO / "benchmark" / "engram"))
@@ -36,8 +35,13 @@ def _same(a, b):
 
 
 def _stack(monkeypatch, layers=2, device=DEV):
-    return [stack.EngramLookup(stack.device_embedding(ROWS, DIM, device, seed=i, monkeypatch=monkeypatch), i)
-            for i in range(layers)]
+    return [
+        stack.EngramLookup(
+            stack.device_embedding(ROWS, DIM, device, seed=i, monkeypatch=monkeypatch),
+            i,
+        )
+        for i in range(layers)
+    ]
 
 
 def _extend():
@@ -49,9 +53,16 @@ def _extend():
 
 
 def test_flag_values_and_errors():
-    assert [ep.parse_engram_prefetch(v) for v in ("off", "ON", " check")] == ["off", "on", "check"]
+    assert [ep.parse_engram_prefetch(v) for v in ("off", "ON", " check")] == [
+        "off",
+        "on",
+        "check",
+    ]
     for bad in ("yes", "1"):
-        with pytest.raises(argparse.ArgumentTypeError, match="--engram-prefetch=.*accepted: off; on .* check"):
+        with pytest.raises(
+            argparse.ArgumentTypeError,
+            match="--engram-prefetch=.*accepted: off; on .* check",
+        ):
             ep.parse_engram_prefetch(bad)
     from sglang.srt.arg_groups.fields.exec_ import ExecOverlap
 
@@ -63,28 +74,55 @@ def test_flag_on_command_line():
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)
-    assert parser.parse_args(["--model-path", "x", "--engram-prefetch", "check"]).engram_prefetch == "check"
+    assert (
+        parser.parse_args(
+            ["--model-path", "x", "--engram-prefetch", "check"]
+        ).engram_prefetch
+        == "check"
+    )
     assert parser.parse_args(["--model-path", "x"]).engram_prefetch == "off"
 
 
 def test_validate_refuses_where_it_would_do_nothing():
     v41 = SimpleNamespace(engram_layer_ids=[1, 14])
-    cfg = dict(engram_prefetch="on", device="cuda", tp_size=4, attn_dp_size=1, dp_size=1)
-    assert ep.validate_engram_prefetch(SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", v41) == "on"
-    assert ep.validate_engram_prefetch(SimpleNamespace(**{**cfg, "engram_prefetch": "off"}), "X", None) == "off"
+    cfg = dict(
+        engram_prefetch="on", device="cuda", tp_size=4, attn_dp_size=1, dp_size=1
+    )
+    assert (
+        ep.validate_engram_prefetch(
+            SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", v41
+        )
+        == "on"
+    )
+    assert (
+        ep.validate_engram_prefetch(
+            SimpleNamespace(**{**cfg, "engram_prefetch": "off"}), "X", None
+        )
+        == "off"
+    )
     with pytest.raises(ValueError, match="no Engram layers"):
-        ep.validate_engram_prefetch(SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", SimpleNamespace())
+        ep.validate_engram_prefetch(
+            SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", SimpleNamespace()
+        )
     with pytest.raises(ValueError, match="no Engram layers"):
         ep.validate_engram_prefetch(SimpleNamespace(**cfg), "LlamaForCausalLM", v41)
     with pytest.raises(ValueError, match="DP attention"):
-        ep.validate_engram_prefetch(SimpleNamespace(**{**cfg, "attn_dp_size": 4}), "DeepseekV4ForCausalLM", v41)
+        ep.validate_engram_prefetch(
+            SimpleNamespace(**{**cfg, "attn_dp_size": 4}), "DeepseekV4ForCausalLM", v41
+        )
     with pytest.raises(ValueError, match="--device cuda"):
-        ep.validate_engram_prefetch(SimpleNamespace(**{**cfg, "device": "cpu"}), "DeepseekV4ForCausalLM", v41)
+        ep.validate_engram_prefetch(
+            SimpleNamespace(**{**cfg, "device": "cpu"}), "DeepseekV4ForCausalLM", v41
+        )
 
 
 def test_build(monkeypatch):
     engrams = _stack(monkeypatch, device="cpu")
-    layers = [SimpleNamespace(engram=None), SimpleNamespace(engram=engrams[0]), SimpleNamespace()]
+    layers = [
+        SimpleNamespace(engram=None),
+        SimpleNamespace(engram=engrams[0]),
+        SimpleNamespace(),
+    ]
     assert ep.build_engram_prefetch("off", layers, "cpu") is None
     assert ep.build_engram_prefetch("on", [SimpleNamespace(engram=None)], "cpu") is None
     p = ep.build_engram_prefetch("on", layers, "cpu")
@@ -105,8 +143,12 @@ def test_only_decode_and_verify_batches_are_prefetched(monkeypatch):
     p = ep.EngramPrefetch("on", _stack(monkeypatch, device="cpu"), torch.device("cpu"))
     ids = stack.hash_ids(5, 2, COLS, ROWS, "cpu")
     assert p.issue(ids, stack.decode_batch()) is not None
-    verify = SimpleNamespace(forward_mode=SimpleNamespace(is_decode=lambda: False, is_target_verify=lambda: True),
-                             engram_staged_rows=None)
+    verify = SimpleNamespace(
+        forward_mode=SimpleNamespace(
+            is_decode=lambda: False, is_target_verify=lambda: True
+        ),
+        engram_staged_rows=None,
+    )
     assert p.issue(ids, verify) is not None
     assert p.issue(ids, _extend()) is None
     assert p.issue(ids[:0], stack.decode_batch()) is None
@@ -139,10 +181,16 @@ def test_engram_forward_reads_the_prefetched_rows(monkeypatch):
         seen["wkv"] = flat
         return torch.zeros(flat.shape[0], 2 * 8), None
 
-    fake = SimpleNamespace(embed=SimpleNamespace(staged_by_scheduler=False), wkv=wkv,
-                           q_weight=torch.ones(1, 8), k_weight=torch.ones(1, 8), eps=1e-6,
-                           clamp_value=1e-6, image_token_id=None,
-                           embed_rows=lambda *a: pytest.fail("looked up although prefetched"))
+    fake = SimpleNamespace(
+        embed=SimpleNamespace(staged_by_scheduler=False),
+        wkv=wkv,
+        q_weight=torch.ones(1, 8),
+        k_weight=torch.ones(1, 8),
+        eps=1e-6,
+        clamp_value=1e-6,
+        image_token_id=None,
+        embed_rows=lambda *a: pytest.fail("looked up although prefetched"),
+    )
     x, ids, fb = torch.randn(3, 1, 8), torch.zeros(3, COLS, dtype=torch.int64), object()
     Engram.forward(fake, x, ids, fb, input_ids=torch.zeros(3), prefetched=Rows())
     assert seen["args"] == (fake, ids, fb) and seen["wkv"].shape == (3, COLS * 4)
@@ -153,7 +201,9 @@ def test_tp_reduce_stays_at_the_layer(monkeypatch):
     embed = engrams[0].embed
     monkeypatch.setattr(embed, "tp_size", 2)
     reduced = []
-    monkeypatch.setattr(embed, "_reduce_owned_rows", lambda v: reduced.append(v) or v + 0)
+    monkeypatch.setattr(
+        embed, "_reduce_owned_rows", lambda v: reduced.append(v) or v + 0
+    )
     p = ep.EngramPrefetch("on", engrams, torch.device("cpu"))
     got = p.issue(stack.hash_ids(4, 1, COLS, ROWS, "cpu"), stack.decode_batch())
     assert not reduced  # nothing reduced when the gathers are issued
@@ -180,7 +230,9 @@ def test_check_mode_serves_the_lookup_and_counts_differing_gathers(monkeypatch, 
     monkeypatch.setattr(ep, "_local_rows", corrupt)
     got = p.issue(ids, stack.decode_batch())
     served = got.rows(engrams[0], ids[:, 0], None)
-    assert _same(served, engrams[0].embed(ids[:, 0]))  # the synchronous values are served
+    assert _same(
+        served, engrams[0].embed(ids[:, 0])
+    )  # the synchronous values are served
     with caplog.at_level("ERROR", logger=ep.__name__):
         assert p.report() == (3, 1)
     assert "1 of 3 gathers differed" in caplog.text
@@ -198,19 +250,30 @@ def _work(x, w):
 @pytest.mark.parametrize("tokens", [1, 6, 64])
 def test_gpu_prefetch_bitwise_eager_and_graph(monkeypatch, layout, tokens):
     rows = 1 << 20
-    embeds = ([stack.device_embedding(rows, 256, "cuda", seed=i, monkeypatch=monkeypatch) for i in range(2)]
-              if layout == "device" else [stack.HostEmbedding(rows, 256, seed=i) for i in range(2)])
+    embeds = (
+        [
+            stack.device_embedding(rows, 256, "cuda", seed=i, monkeypatch=monkeypatch)
+            for i in range(2)
+        ]
+        if layout == "device"
+        else [stack.HostEmbedding(rows, 256, seed=i) for i in range(2)]
+    )
     engrams = [stack.EngramLookup(e, i) for i, e in enumerate(embeds)]
     ids = stack.hash_ids(tokens, 2, 16, rows, "cuda", seed=tokens)
     stock = [e.embed(ids[:, i]) for i, e in enumerate(engrams)]
     p = ep.build_engram_prefetch("check", [SimpleNamespace(engram=e) for e in engrams])
     x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
-    ws = [torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.01 for _ in range(4)]
+    ws = [
+        torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.01
+        for _ in range(4)
+    ]
 
     def step():
         got = p.issue(ids, stack.decode_batch())
         h, out = x, []
-        for i, w in enumerate(ws):  # layer work between the Engram layers, as in the model
+        for i, w in enumerate(
+            ws
+        ):  # layer work between the Engram layers, as in the model
             h = _work(h, w)
             if i in (1, 3):
                 e = engrams[len(out)]
@@ -235,16 +298,26 @@ def test_gpu_prefetch_bitwise_eager_and_graph(monkeypatch, layout, tokens):
     for a, b in zip(outs, stock):
         assert _same(a, b)
     checked, differing = p.report()
-    assert differing == 0 and checked == 2 + 2 + 2 * 5  # eager, warm-up, replays (capture runs nothing)
+    assert (
+        differing == 0 and checked == 2 + 2 + 2 * 5
+    )  # eager, warm-up, replays (capture runs nothing)
 
 
 @pytest.mark.gpu
 def test_gpu_on_mode_serves_prefetched_rows(monkeypatch):
     rows = 1 << 20
-    engrams = [stack.EngramLookup(stack.device_embedding(rows, 256, "cuda", seed=i, monkeypatch=monkeypatch), i)
-               for i in range(2)]
+    engrams = [
+        stack.EngramLookup(
+            stack.device_embedding(rows, 256, "cuda", seed=i, monkeypatch=monkeypatch),
+            i,
+        )
+        for i in range(2)
+    ]
     ids = stack.hash_ids(16, 2, 16, rows, "cuda", seed=1)
     p = ep.build_engram_prefetch("on", [SimpleNamespace(engram=e) for e in engrams])
     got = p.issue(ids, stack.decode_batch())
     for e in engrams:
-        assert _same(got.rows(e, ids[:, e.layer_hash_index], None), e.embed(ids[:, e.layer_hash_index]))
+        assert _same(
+            got.rows(e, ids[:, e.layer_hash_index], None),
+            e.embed(ids[:, e.layer_hash_index]),
+        )

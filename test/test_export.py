@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from fakefork import BASE, TAG, Spec, make_fork, set_line
 from forklib import ForkError
 from forklib.export import export
@@ -16,10 +15,15 @@ from forklib.pin import fetch_pinned, load_pin
 
 SPECS = [
     Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
-    Spec("module", {"python/sglang/e.py": lambda t: set_line(t, 5, "from sglang.extra import X")},
-         owns={"python/sglang/extra.py": "X = 'ours'\n"}),
+    Spec(
+        "module",
+        {"python/sglang/e.py": lambda t: set_line(t, 5, "from sglang.extra import X")},
+        owns={"python/sglang/extra.py": "X = 'ours'\n"},
+    ),
     # Its context is patch 0001's line: it cannot apply without it.
-    Spec("needs-first", {"python/sglang/a.py": lambda t: set_line(t, 6, "a6 = 'second'")}),
+    Spec(
+        "needs-first", {"python/sglang/a.py": lambda t: set_line(t, 6, "a6 = 'second'")}
+    ),
 ]
 
 
@@ -33,7 +37,9 @@ def clean_tree(wheel: Path, dest: Path) -> Path:
 
 
 def applies(diff: Path, tree: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "apply", "--check", str(diff)], cwd=tree, capture_output=True, text=True)
+    return subprocess.run(
+        ["git", "apply", "--check", str(diff)], cwd=tree, capture_output=True, text=True
+    )
 
 
 @pytest.fixture
@@ -47,13 +53,21 @@ def fork(tmp_path, monkeypatch):
 def test_export_is_self_contained(fork, tmp_path):
     diff, md = export("2", root=fork)
     text = diff.read_text()
-    assert "python/sglang/e.py" in text and "new file mode" in text and "python/sglang/extra.py" in text
+    assert (
+        "python/sglang/e.py" in text
+        and "new file mode" in text
+        and "python/sglang/extra.py" in text
+    )
     assert "sglang/a.py" not in text and "first" not in text  # nothing of another patch
     wheel = tmp_path / "cache/wheels" / f"sglang-1.0.0-{TAG}.whl"
     assert applies(diff, clean_tree(wheel, tmp_path / "clean")).returncode == 0
     desc = md.read_text()
     assert "# module: change things" in desc and "Body of module." in desc
-    assert "test module" in desc and "not sent" in desc and "`python/sglang/extra.py` (new)" in desc
+    assert (
+        "test module" in desc
+        and "not sent" in desc
+        and "`python/sglang/extra.py` (new)" in desc
+    )
     assert "Why: test" not in desc  # trailers are fields, not body text
 
 
@@ -67,7 +81,9 @@ def test_every_real_patch_exports_alone(tmp_path, series):
     """Each patch of the series, alone with the files it owns, applies to a clean tree of the pinned release."""
     tree = clean_tree(fetch_pinned(load_pin(), TAG), tmp_path / "clean")
 
-    def export_some(worker: int) -> None:  # each worker its own build tree; most of the time is the import check
+    def export_some(
+        worker: int,
+    ) -> None:  # each worker its own build tree; most of the time is the import check
         for patch in series[worker::2]:
             diff, md = export(patch.name, out_dir=tmp_path / f"export{worker}")
             r = applies(diff, tree)
@@ -83,10 +99,16 @@ def test_every_real_patch_exports_alone(tmp_path, series):
 # ---------------------------------------------------------------------------- dependencies (issue 19, item 5)
 
 DEP_SPECS = [
-    Spec("helper", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'helper'")},
-         owns={"python/sglang/helper.py": "H = 1\n"}),
-    Spec("user", {"python/sglang/b.py": lambda t: set_line(t, 5, "b5 = 'user'")},
-         owns={"python/sglang/user.py": "from sglang.helper import H\n"}),
+    Spec(
+        "helper",
+        {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'helper'")},
+        owns={"python/sglang/helper.py": "H = 1\n"},
+    ),
+    Spec(
+        "user",
+        {"python/sglang/b.py": lambda t: set_line(t, 5, "b5 = 'user'")},
+        owns={"python/sglang/user.py": "from sglang.helper import H\n"},
+    ),
     # Imports a name an earlier patch adds to an upstream file: only an import shows it.
     Spec("adds", {"python/sglang/c.py": lambda t: set_line(t, 5, "def added(): pass")}),
     Spec("uses", {}, owns={"python/sglang/uses.py": "from sglang.c import added\n"}),
@@ -97,7 +119,11 @@ def _with_depends(root, name, dep):
     from forklib.git import git
 
     path = root / "patches" / f"{name}.patch"
-    path.write_text(path.read_text().replace("Tests: test/test_x.py\n", f"Tests: test/test_x.py\nDepends: {dep}\n", 1))
+    path.write_text(
+        path.read_text().replace(
+            "Tests: test/test_x.py\n", f"Tests: test/test_x.py\nDepends: {dep}\n", 1
+        )
+    )
     git(root, "commit", "-qam", f"{name} depends on {dep}")
 
 
@@ -113,12 +139,17 @@ def dep_fork(tmp_path, monkeypatch):
 def test_check_requires_a_depends_where_a_patch_imports_anothers_module(dep_fork):
     from forklib.series import check_series, load_series
 
-    with pytest.raises(ForkError, match=r"0002-user.patch: imports sglang.helper, which 0001-helper owns: add `Depends: 0001-helper`"):
+    with pytest.raises(
+        ForkError,
+        match=r"0002-user.patch: imports sglang.helper, which 0001-helper owns: add `Depends: 0001-helper`",
+    ):
         check_series(load_series(dep_fork / "patches/series"), dep_fork)
     _with_depends(dep_fork, "0002-user", "0001-helper")
     check_series(load_series(dep_fork / "patches/series"), dep_fork)
     _with_depends(dep_fork, "0001-helper", "0004-uses")
-    with pytest.raises(ForkError, match=r"0001-helper.patch: Depends 0004-uses, which comes after it"):
+    with pytest.raises(
+        ForkError, match=r"0001-helper.patch: Depends 0004-uses, which comes after it"
+    ):
         check_series(load_series(dep_fork / "patches/series"), dep_fork)
 
 
@@ -126,7 +157,9 @@ def test_export_carries_what_the_patch_depends_on(dep_fork, tmp_path):
     _with_depends(dep_fork, "0002-user", "0001-helper")
     diff, md = export("2", root=dep_fork)
     text = diff.read_text()
-    assert "b/python/sglang/helper.py" in text and "a5 = 'helper'" in text  # the dependency, carried
+    assert (
+        "b/python/sglang/helper.py" in text and "a5 = 'helper'" in text
+    )  # the dependency, carried
     assert "b/python/sglang/user.py" in text and "b5 = 'user'" in text
     wheel = tmp_path / "cache/wheels" / f"sglang-1.0.0-{TAG}.whl"
     assert applies(diff, clean_tree(wheel, tmp_path / "clean")).returncode == 0
@@ -135,7 +168,10 @@ def test_export_carries_what_the_patch_depends_on(dep_fork, tmp_path):
 
 def test_export_refuses_a_patch_whose_modules_do_not_import_alone(dep_fork):
     _with_depends(dep_fork, "0002-user", "0001-helper")
-    with pytest.raises(ForkError, match=r"(?s)0004-uses.*sglang.uses does not import.*ImportError.*added.*Depends:"):
+    with pytest.raises(
+        ForkError,
+        match=r"(?s)0004-uses.*sglang.uses does not import.*ImportError.*added.*Depends:",
+    ):
         export("4", root=dep_fork)
     assert not (dep_fork / "build/export/0004-uses.diff").exists()
     _with_depends(dep_fork, "0004-uses", "0003-adds")

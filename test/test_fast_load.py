@@ -51,13 +51,22 @@ def _rand(shape, dtype, g):
     n = 1
     for d in shape:
         n *= d
-    raw = torch.randint(0, 256, (n * torch.empty((), dtype=dtype).element_size(),), dtype=torch.uint8, generator=g)
+    raw = torch.randint(
+        0,
+        256,
+        (n * torch.empty((), dtype=dtype).element_size(),),
+        dtype=torch.uint8,
+        generator=g,
+    )
     return raw.view(dtype).view(shape)
 
 
 def _tensors(g):
     """name -> tensor, V4-style names; every dtype the issue names, shapes not multiples of 64."""
-    t = {"embed.weight": _rand((96, 40), torch.bfloat16, g), "head.weight": _rand((96, 40), torch.bfloat16, g)}
+    t = {
+        "embed.weight": _rand((96, 40), torch.bfloat16, g),
+        "head.weight": _rand((96, 40), torch.bfloat16, g),
+    }
     for layer in range(N_LAYERS):
         p = f"layers.{layer}"
         t[f"{p}.attn_norm.weight"] = _rand((40,), torch.float32, g)
@@ -88,15 +97,19 @@ def _tensors(g):
 def _write_checkpoint(folder: Path, tensors: dict, n_shards: int = 4) -> list[str]:
     """Shards as a real checkpoint has them: layer-major, mtp in the last shard, with an index."""
     names = sorted(tensors, key=lambda n: (n.startswith("mtp."), n))
-    shards = [names[i::n_shards - 1] for i in range(n_shards - 1)]
-    shards = [[n for n in s if not n.startswith("mtp.")] for s in shards] + [[n for n in names if n.startswith("mtp.")]]
+    shards = [names[i :: n_shards - 1] for i in range(n_shards - 1)]
+    shards = [[n for n in s if not n.startswith("mtp.")] for s in shards] + [
+        [n for n in names if n.startswith("mtp.")]
+    ]
     files, weight_map = [], {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
         save_file({n: tensors[n] for n in shard}, str(folder / fname))
         files.append(str(folder / fname))
         weight_map.update({n: fname for n in shard})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return files
 
 
@@ -110,11 +123,20 @@ def ckpt(tmp_path_factory):
         with safe_open(f, framework="pt", device="cpu") as h:
             for k in h.keys():
                 stock[k] = h.get_tensor(k).clone()
-    return types.SimpleNamespace(folder=folder, files=files, stock=stock, index=str(folder / "model.safetensors.index.json"))
+    return types.SimpleNamespace(
+        folder=folder,
+        files=files,
+        stock=stock,
+        index=str(folder / "model.safetensors.index.json"),
+    )
 
 
 def _bits(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return (
+        t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        if t.numel()
+        else b""
+    )
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -134,7 +156,9 @@ class EPOwner(CheckpointOwner):
 
     def keeps(self, name):
         e = _expert(name)
-        return not name.startswith("mtp.") and (e is None or e * EP // N_EXPERTS == self.rank)
+        return not name.startswith("mtp.") and (
+            e is None or e * EP // N_EXPERTS == self.rank
+        )
 
 
 class TPOwner(CheckpointOwner):
@@ -186,7 +210,9 @@ def _spans(files, keep):
     out = {}
     for f in files:
         entries, _ = fl.read_header(f)
-        out[os.path.realpath(f)] = [(e.begin, e.end, e.name) for e in entries if keep(e.name)]
+        out[os.path.realpath(f)] = [
+            (e.begin, e.end, e.name) for e in entries if keep(e.name)
+        ]
     return out
 
 
@@ -202,9 +228,9 @@ def _assert_reads_within(reads, spans):
                 runs.append([b, e])
         merged[path] = runs
     for path, off, n in reads:
-        assert any(b <= off and off + n <= e for b, e in merged.get(path, [])), (
-            f"read {path}@{off}+{n} is outside every kept tensor"
-        )
+        assert any(
+            b <= off and off + n <= e for b, e in merged.get(path, [])
+        ), f"read {path}@{off}+{n} is outside every kept tensor"
 
 
 def _load(files, owner=KEEP_ALL, **kw):
@@ -224,7 +250,13 @@ def test_every_tensor_is_bitwise_safe_open(ckpt, threads, slab):
     for name, t in got.items():
         assert _same(t, ckpt.stock[name]), name
     dtypes = {t.dtype for t in got.values()}
-    assert {torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e8m0fnu, torch.uint8} <= dtypes
+    assert {
+        torch.bfloat16,
+        torch.float32,
+        torch.float8_e4m3fn,
+        torch.float8_e8m0fnu,
+        torch.uint8,
+    } <= dtypes
     assert loader.stats.bytes_read == loader.stats.checkpoint_bytes
 
 
@@ -243,7 +275,9 @@ def test_ep_ranks_read_only_their_experts(ckpt, monkeypatch):
         owner = EPOwner(rank)
         spans = _spans(ckpt.files, owner.keeps)
         rec = _Reads(monkeypatch)
-        loader, got = _load(ckpt.files, owner, num_threads=4, slab_bytes=2048, index_path=ckpt.index)
+        loader, got = _load(
+            ckpt.files, owner, num_threads=4, slab_bytes=2048, index_path=ckpt.index
+        )
         for name, t in got.items():
             assert owner.keeps(name) and _same(t, ckpt.stock[name]), name
             seen.setdefault(name, []).append(rank)
@@ -252,9 +286,15 @@ def test_ep_ranks_read_only_their_experts(ckpt, monkeypatch):
         assert loader.stats.bytes_read == kept_bytes == sum(n for _, _, n in rec.reads)
         # the mtp shard holds nothing this rank keeps: the index spares opening it
         assert os.path.realpath(ckpt.files[-1]) not in rec.opened
-    experts = {n for n in ckpt.stock if _expert(n) is not None and not n.startswith("mtp.")}
+    experts = {
+        n for n in ckpt.stock if _expert(n) is not None and not n.startswith("mtp.")
+    }
     assert all(len(seen[n]) == 1 for n in experts)  # each expert on exactly one rank
-    assert all(len(seen[n]) == EP for n in ckpt.stock if _expert(n) is None and not n.startswith("mtp."))
+    assert all(
+        len(seen[n]) == EP
+        for n in ckpt.stock
+        if _expert(n) is None and not n.startswith("mtp.")
+    )
 
 
 def test_tp_rank_reads_only_its_rows_behind_a_stand_in(ckpt, monkeypatch):
@@ -266,10 +306,18 @@ def test_tp_rank_reads_only_its_rows_behind_a_stand_in(ckpt, monkeypatch):
             s = owner.rank_slice(name, ckpt.stock[name].shape, None)
             if s is not None and s.dim == 0:
                 assert isinstance(t, RankSliceTensor)
-                assert t.shape == ckpt.stock[name].shape and t.dtype == ckpt.stock[name].dtype
-                assert _same(t.narrow(s.dim, s.start, s.length), ckpt.stock[name].narrow(s.dim, s.start, s.length))
+                assert (
+                    t.shape == ckpt.stock[name].shape
+                    and t.dtype == ckpt.stock[name].dtype
+                )
+                assert _same(
+                    t.narrow(s.dim, s.start, s.length),
+                    ckpt.stock[name].narrow(s.dim, s.start, s.length),
+                )
             else:  # w2's columns are strided: read whole, the model narrows the real tensor
-                assert not isinstance(t, RankSliceTensor) and _same(t, ckpt.stock[name]), name
+                assert not isinstance(t, RankSliceTensor) and _same(
+                    t, ckpt.stock[name]
+                ), name
         expected = 0
         for f in ckpt.files:
             for e in fl.read_header(f)[0]:
@@ -306,13 +354,20 @@ def test_without_an_index_every_header_is_read_but_no_other_data(ckpt, monkeypat
 
 def _standin():
     kept = torch.arange(12, dtype=torch.bfloat16).view(3, 4)
-    return RankSliceTensor("layers.0.ffn.experts.3.w1.weight", (12, 4), kept, RankSlice(0, 3, 3)), kept
+    return (
+        RankSliceTensor(
+            "layers.0.ffn.experts.3.w1.weight", (12, 4), kept, RankSlice(0, 3, 3)
+        ),
+        kept,
+    )
 
 
 def test_stand_in_allows_metadata_and_its_narrow_only():
     t, kept = _standin()
     assert t.shape == (12, 4) and t.dtype == torch.bfloat16 and t.device.type == "cpu"
-    assert t.dim() == 2 and t.size(0) == 12 and t.numel() == 48 and t.element_size() == 2
+    assert (
+        t.dim() == 2 and t.size(0) == 12 and t.numel() == 48 and t.element_size() == 2
+    )
     assert t.narrow(0, 3, 3) is kept and torch.narrow(t, 0, 3, 3) is kept
     assert t.narrow(-2, 3, 3) is kept and t.narrow(dim=0, start=3, length=3) is kept
     assert t[3:6] is kept
@@ -359,7 +414,8 @@ def test_stand_in_refuses_every_other_access(access):
 @pytest.mark.parametrize("queue", [0, 3])
 def test_slab_memory_is_bounded_and_released_after_load(ckpt, queue):
     """The model copies as it goes (queue 0) or keeps a queue of copies (queue 3): the
-    slabs alive stay within the budget plus the slab it waits for plus the ones it holds."""
+    slabs alive stay within the budget plus the slab it waits for plus the ones it holds.
+    """
     slab = 8192  # >= the largest tensor: every slab is at most this (+ alignment)
     loader = FastLoader(ckpt.files, num_threads=2, slab_bytes=slab)
     held = []
@@ -389,7 +445,10 @@ def test_a_model_holding_every_tensor_is_never_starved(ckpt, caplog):
     assert "without pacing" in caplog.text
     # the stall is accounted to the pacing (it waited for slabs the model never released)
     s = loader.stats
-    assert s.wait_budget_s >= 0.05 and s.wait_budget_s + s.wait_read_s + s.alloc_s <= s.seconds
+    assert (
+        s.wait_budget_s >= 0.05
+        and s.wait_budget_s + s.wait_read_s + s.alloc_s <= s.seconds
+    )
     del got
     gc.collect()
     assert loader.wait_released(10)
@@ -411,11 +470,11 @@ def _copy_ckpt(ckpt, dst: Path) -> list[str]:
 def _rewrite_header(path: str, edit):
     raw = Path(path).read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     edit(header)
     new = json.dumps(header).encode()
     new += b" " * (-len(new) % 8)
-    Path(path).write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n:])
+    Path(path).write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
 
 
 def _last_tensor(path):
@@ -471,7 +530,7 @@ def test_header_past_end_of_file_and_bad_json(ckpt, tmp_path):
         _load(files)
     assert e.value.path == files[0]
     (n,) = struct.unpack("<Q", raw[:8])
-    Path(files[0]).write_bytes(raw[:8] + b"{" * n + raw[8 + n:])
+    Path(files[0]).write_bytes(raw[:8] + b"{" * n + raw[8 + n :])
     with pytest.raises(CheckpointError, match="not valid JSON"):
         _load(files)
 
@@ -482,8 +541,14 @@ def test_missing_shard_names_the_file(ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="missing shard") as e:
         _load(files)
     assert e.value.path == files[2]
-    with pytest.raises(CheckpointError, match="missing shard") as e:  # named by the index
-        _load(files[:2] + files[3:], DraftOwner(), index_path=str(tmp_path / "model.safetensors.index.json"))
+    with pytest.raises(
+        CheckpointError, match="missing shard"
+    ) as e:  # named by the index
+        _load(
+            files[:2] + files[3:],
+            DraftOwner(),
+            index_path=str(tmp_path / "model.safetensors.index.json"),
+        )
     assert e.value.path == files[2]
 
 
@@ -492,7 +557,9 @@ def test_shard_shrinking_during_the_load_names_file_and_tensor(ckpt, tmp_path):
     last = _last_tensor(files[2])
     loader = FastLoader(files, num_threads=1, slab_bytes=1024)
     it = iter(loader)
-    first = next(it)  # planned (headers checked); reads issued only up to the 2 KiB budget
+    first = next(
+        it
+    )  # planned (headers checked); reads issued only up to the 2 KiB budget
     assert first[0] in ckpt.stock
     os.truncate(files[2], last.begin + 1)
     with pytest.raises(CheckpointError, match="truncated while reading") as e:
@@ -515,10 +582,15 @@ def test_index_that_misplaces_a_tensor_is_refused_when_it_skips_files(ckpt, tmp_
 
 def _cfg(**kw):
     base = dict(
-        weight_loader_fast_load=False, weight_loader_fast_load_num_threads=None,
-        weight_loader_fast_load_slab_mb=None, load_format="auto",
-        weight_loader_prefetch_checkpoints=False, weight_loader_disable_mmap=False,
-        startup_weight_load_mode="serial", model_loader_extra_config="{}", model_path="org/remote-repo",
+        weight_loader_fast_load=False,
+        weight_loader_fast_load_num_threads=None,
+        weight_loader_fast_load_slab_mb=None,
+        load_format="auto",
+        weight_loader_prefetch_checkpoints=False,
+        weight_loader_disable_mmap=False,
+        startup_weight_load_mode="serial",
+        model_loader_extra_config="{}",
+        model_path="org/remote-repo",
     )
     base.update(kw)
     return types.SimpleNamespace(**base)
@@ -527,7 +599,10 @@ def _cfg(**kw):
 def test_flag_parsers_list_the_accepted_forms():
     from sglang.srt.arg_groups import fast_load_args as fl
 
-    assert fl.parse_fast_load_num_threads("8") == 8 and fl.parse_fast_load_slab_mb(64) == 64
+    assert (
+        fl.parse_fast_load_num_threads("8") == 8
+        and fl.parse_fast_load_slab_mb(64) == 64
+    )
     for bad in ("0", "-1", "257", "x", "1.5", None):
         with pytest.raises(argparse.ArgumentTypeError, match=r"integer in 1\.\.256"):
             fl.parse_fast_load_num_threads(bad)
@@ -539,33 +614,60 @@ def test_validation_refuses_what_would_do_nothing(ckpt, tmp_path):
     from sglang.srt.arg_groups import fast_load_args as fl
 
     torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
-    fl.validate_fast_load(_cfg(weight_loader_fast_load=True, model_path=str(ckpt.folder)))
+    fl.validate_fast_load(
+        _cfg(weight_loader_fast_load=True, model_path=str(ckpt.folder))
+    )
     fl.validate_fast_load(_cfg())
-    fl.validate_fast_load(_cfg(weight_loader_fast_load=True, weight_loader_fast_load_num_threads=4,
-                               weight_loader_fast_load_slab_mb=32, load_format="safetensors"))
+    fl.validate_fast_load(
+        _cfg(
+            weight_loader_fast_load=True,
+            weight_loader_fast_load_num_threads=4,
+            weight_loader_fast_load_slab_mb=32,
+            load_format="safetensors",
+        )
+    )
     refusals = {
         "does nothing without": _cfg(weight_loader_fast_load_num_threads=4),
         "slab-mb 8 does nothing": _cfg(weight_loader_fast_load_slab_mb=8),
         "--load-format gguf": _cfg(weight_loader_fast_load=True, load_format="gguf"),
-        "prefetch-checkpoints": _cfg(weight_loader_fast_load=True, weight_loader_prefetch_checkpoints=True),
-        "disable-mmap": _cfg(weight_loader_fast_load=True, weight_loader_disable_mmap=True),
-        "overlap": _cfg(weight_loader_fast_load=True, startup_weight_load_mode="overlap"),
-        "enable_multithread_load": _cfg(weight_loader_fast_load=True,
-                                        model_loader_extra_config='{"enable_multithread_load": true}'),
-        "pytorch_model.bin and no .safetensors": _cfg(weight_loader_fast_load=True, model_path=str(tmp_path)),
+        "prefetch-checkpoints": _cfg(
+            weight_loader_fast_load=True, weight_loader_prefetch_checkpoints=True
+        ),
+        "disable-mmap": _cfg(
+            weight_loader_fast_load=True, weight_loader_disable_mmap=True
+        ),
+        "overlap": _cfg(
+            weight_loader_fast_load=True, startup_weight_load_mode="overlap"
+        ),
+        "enable_multithread_load": _cfg(
+            weight_loader_fast_load=True,
+            model_loader_extra_config='{"enable_multithread_load": true}',
+        ),
+        "pytorch_model.bin and no .safetensors": _cfg(
+            weight_loader_fast_load=True, model_path=str(tmp_path)
+        ),
     }
     for msg, cfg in refusals.items():
         with pytest.raises(ValueError, match=msg.replace(".", r"\.")):
             fl.validate_fast_load(cfg)
-    with pytest.raises(argparse.ArgumentTypeError,  # Engine(...) skips argparse: parsed by the hook
-                       match=r"--weight-loader-fast-load-num-threads: .*integer in 1\.\.256"):
-        fl.validate_fast_load(_cfg(weight_loader_fast_load=True, weight_loader_fast_load_num_threads=0))
+    with pytest.raises(
+        argparse.ArgumentTypeError,  # Engine(...) skips argparse: parsed by the hook
+        match=r"--weight-loader-fast-load-num-threads: .*integer in 1\.\.256",
+    ):
+        fl.validate_fast_load(
+            _cfg(weight_loader_fast_load=True, weight_loader_fast_load_num_threads=0)
+        )
 
 
 # --------------------------------------------------------------------------- DeepSeek-V4's owner
 
 
-H, I, N_V4, V = 64, 256, 8, 100  # hidden, expert intermediate, routed experts (MXFP4), vocabulary
+H, I, N_V4, V = (
+    64,
+    256,
+    8,
+    100,
+)  # hidden, expert intermediate, routed experts (MXFP4), vocabulary
 
 
 def _v4_expert_tensors(g):
@@ -597,10 +699,18 @@ def _engram_table(n, rank):
     torch.nn.Module.__init__(emb)
     per = -(-V // n)
     emb.row_start, emb.host_table, emb.peer = per * rank, None, None
-    emb.row_store = None  # the Engram row store's attribute (--engram-row-store-dir off)
+    emb.row_store = (
+        None  # the Engram row store's attribute (--engram-row-store-dir off)
+    )
     emb.rows = min(per, V - emb.row_start)
-    for name, cols, dtype in (("weight", H, torch.float8_e4m3fn), ("scale", H // 32, torch.float8_e8m0fnu)):
-        p = torch.nn.Parameter(torch.zeros(emb.rows, cols, dtype=torch.uint8).view(dtype), requires_grad=False)
+    for name, cols, dtype in (
+        ("weight", H, torch.float8_e4m3fn),
+        ("scale", H // 32, torch.float8_e8m0fnu),
+    ):
+        p = torch.nn.Parameter(
+            torch.zeros(emb.rows, cols, dtype=torch.uint8).view(dtype),
+            requires_grad=False,
+        )
         p.weight_loader = emb._load_rows
         emb.register_parameter(name, p)
     return emb
@@ -615,8 +725,13 @@ def _vocab_parallel(tp, rank):
     torch.nn.Module.__init__(emb)
     per = V // tp
     emb.tp_size, emb.org_vocab_size, emb.use_presharded_weights = tp, V, False
-    emb.shard_indices = types.SimpleNamespace(org_vocab_start_index=per * rank, org_vocab_end_index=per * (rank + 1))
-    w = torch.nn.Parameter(torch.zeros(-(-V // tp // 8) * 8 if tp > 1 else V, H, dtype=torch.bfloat16), requires_grad=False)
+    emb.shard_indices = types.SimpleNamespace(
+        org_vocab_start_index=per * rank, org_vocab_end_index=per * (rank + 1)
+    )
+    w = torch.nn.Parameter(
+        torch.zeros(-(-V // tp // 8) * 8 if tp > 1 else V, H, dtype=torch.bfloat16),
+        requires_grad=False,
+    )
     w.output_dim, w.weight_loader = 0, emb.weight_loader
     emb.register_parameter("weight", w)
     return emb
@@ -645,25 +760,44 @@ def _fused_moe(layer, tp, tp_rank, ep, ep_rank, padded=False, rows_pad=0, eplb=F
     moe = FusedMoE.__new__(FusedMoE)
     torch.nn.Module.__init__(moe)
     n_local = N_V4 // ep
-    ip = I // tp + rows_pad  # padded per-rank intermediate (the buffer, not the checkpoint)
+    ip = (
+        I // tp + rows_pad
+    )  # padded per-rank intermediate (the buffer, not the checkpoint)
     attrs = dict(
-        layer_id=layer, quant_config=None, uses_expert_location=eplb, scheme=None,
-        quant_method=_MXFP4LikeMethod(), use_flashinfer_trtllm_moe=False, use_triton_kernels=False,
-        use_presharded_weights=False, moe_tp_size=tp, moe_tp_rank=tp_rank, moe_ep_size=ep,
-        moe_ep_rank=ep_rank, _expert_storage_rank=ep_rank, _num_global_routed=N_V4,
-        _num_local_routed=n_local, num_local_experts=n_local, num_fused_shared_experts=0,
-        _has_fused_shared=False, moe_runner_config=types.SimpleNamespace(is_gated=True),
+        layer_id=layer,
+        quant_config=None,
+        uses_expert_location=eplb,
+        scheme=None,
+        quant_method=_MXFP4LikeMethod(),
+        use_flashinfer_trtllm_moe=False,
+        use_triton_kernels=False,
+        use_presharded_weights=False,
+        moe_tp_size=tp,
+        moe_tp_rank=tp_rank,
+        moe_ep_size=ep,
+        moe_ep_rank=ep_rank,
+        _expert_storage_rank=ep_rank,
+        _num_global_routed=N_V4,
+        _num_local_routed=n_local,
+        num_local_experts=n_local,
+        num_fused_shared_experts=0,
+        _has_fused_shared=False,
+        moe_runner_config=types.SimpleNamespace(is_gated=True),
     )
     for k, v in attrs.items():
         setattr(moe, k, v)
     moe.__dict__["use_padded_loading"] = padded
     shapes = {
-        "w13_weight": (n_local, 2 * ip, H // 2), "w2_weight": (n_local, H, ip // 2),
-        "w13_weight_scale_inv": (n_local, 2 * ip, H // 32), "w2_weight_scale_inv": (n_local, H, ip // 32),
+        "w13_weight": (n_local, 2 * ip, H // 2),
+        "w2_weight": (n_local, H, ip // 2),
+        "w13_weight_scale_inv": (n_local, 2 * ip, H // 32),
+        "w2_weight_scale_inv": (n_local, H, ip // 32),
     }
     for name, shape in shapes.items():
         dtype = torch.float8_e8m0fnu if "scale" in name else torch.uint8
-        p = torch.nn.Parameter(torch.zeros(shape, dtype=torch.uint8).view(dtype), requires_grad=False)
+        p = torch.nn.Parameter(
+            torch.zeros(shape, dtype=torch.uint8).view(dtype), requires_grad=False
+        )
         p.weight_loader = moe.weight_loader
         if "scale" in name:
             p.quant_method = "block"
@@ -682,19 +816,30 @@ def _v4_model(tp, tp_rank, ep, ep_rank, **kw):
         block.mlp = torch.nn.Module()
         block.mlp.experts = _fused_moe(layer, tp, tp_rank, ep, ep_rank, **kw)
         block.input_layernorm = torch.nn.Module()
-        block.input_layernorm.weight = torch.nn.Parameter(torch.zeros(H), requires_grad=False)
+        block.input_layernorm.weight = torch.nn.Parameter(
+            torch.zeros(H), requires_grad=False
+        )
         model.model.layers.append(block)
     model.model.start_layer, model.model.end_layer = 0, 2
-    attn_tp, attn_rank = tp * ep, tp_rank * ep + ep_rank  # attention is TP over every rank
+    attn_tp, attn_rank = (
+        tp * ep,
+        tp_rank * ep + ep_rank,
+    )  # attention is TP over every rank
     model.model.layers[1].engram = torch.nn.Module()
     model.model.layers[1].engram.embed = _engram_table(attn_tp, attn_rank)
     model.model.embed_tokens = _vocab_parallel(attn_tp, attn_rank)
     model.lm_head = _vocab_parallel(attn_tp, attn_rank)
-    model.config = types.SimpleNamespace(num_hidden_layers=2, n_routed_experts=N_V4, num_nextn_predict_layers=1,
-                                         model_type="deepseek_v4")
+    model.config = types.SimpleNamespace(
+        num_hidden_layers=2,
+        n_routed_experts=N_V4,
+        num_nextn_predict_layers=1,
+        model_type="deepseek_v4",
+    )
     model.num_fused_shared_experts = 0
     model.vision = None
-    model.remap_weight_name_to_dpsk_hf_format = DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format
+    model.remap_weight_name_to_dpsk_hf_format = (
+        DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format
+    )
     return model
 
 
@@ -704,15 +849,25 @@ def _load_like_v4(model, weights):
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     params = dict(model.named_parameters())
-    mapping = FusedMoE.make_expert_params_mapping("gate_proj", "down_proj", "up_proj", N_V4)
+    mapping = FusedMoE.make_expert_params_mapping(
+        "gate_proj", "down_proj", "up_proj", N_V4
+    )
     for name, w in weights:
-        name = model.remap_weight_name_to_dpsk_hf_format(name, is_nextn=False, num_hidden_layers=2)
+        name = model.remap_weight_name_to_dpsk_hf_format(
+            name, is_nextn=False, num_hidden_layers=2
+        )
         if name.startswith("mtp"):
             continue
         for param_name, weight_name, expert_id, shard_id in mapping:
             if weight_name in name:
                 resolved = name.replace(weight_name, param_name)
-                params[resolved].weight_loader(params[resolved], w, resolved, shard_id=shard_id, expert_id=expert_id)
+                params[resolved].weight_loader(
+                    params[resolved],
+                    w,
+                    resolved,
+                    shard_id=shard_id,
+                    expert_id=expert_id,
+                )
                 break
         else:
             loader = getattr(params[name], "weight_loader", None)
@@ -723,7 +878,9 @@ def _load_like_v4(model, weights):
 @pytest.fixture(scope="module")
 def v4ckpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fast_load_v4")
-    return _write_checkpoint(folder, _v4_expert_tensors(torch.Generator().manual_seed(1)))
+    return _write_checkpoint(
+        folder, _v4_expert_tensors(torch.Generator().manual_seed(1))
+    )
 
 
 V4_LAYOUTS = {
@@ -737,7 +894,9 @@ V4_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(V4_LAYOUTS))
-def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(v4ckpt, monkeypatch, layout):
+def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(
+    v4ckpt, monkeypatch, layout
+):
     """FusedMoE's, VocabParallelEmbedding's and EngramEmbedding's real loaders, fed fast
     load's tensors (stand-ins included) under the V4 owner, leave every parameter bitwise
     as they do fed safe_open's; a rank reads only its experts, at TP its rows of w1/w3, and
@@ -765,27 +924,53 @@ def test_deepseek_v4_owner_loads_the_same_parameters_as_stock(v4ckpt, monkeypatc
 
             expected = _load_like_v4(stock_model, stock_weights())
             owner = v4fl.DeepseekV4Owner(fast_model, is_nextn=False)
-            loader = FastLoader(v4ckpt, owner, num_threads=3, slab_bytes=4096,
-                                index_path=os.path.join(os.path.dirname(v4ckpt[0]), "model.safetensors.index.json"))
+            loader = FastLoader(
+                v4ckpt,
+                owner,
+                num_threads=3,
+                slab_bytes=4096,
+                index_path=os.path.join(
+                    os.path.dirname(v4ckpt[0]), "model.safetensors.index.json"
+                ),
+            )
             got = _load_like_v4(fast_model, iter(loader))
             for k in expected:
                 assert _same(got[k], expected[k]), (layout, tp_rank, ep_rank, k)
             read_by_ranks += loader.stats.bytes_read
-            assert loader.stats.files_opened < len(v4ckpt)  # the mtp shard is never opened
-            if not cfg.get("rows_pad"):  # w1, w3 and their scales at TP; embed, head, Engram table
-                assert loader.stats.tensors_sliced == 2 * (N_V4 // ep) * 4 * (tp > 1) + 4 * (tp * ep > 1)
+            assert loader.stats.files_opened < len(
+                v4ckpt
+            )  # the mtp shard is never opened
+            if not cfg.get(
+                "rows_pad"
+            ):  # w1, w3 and their scales at TP; embed, head, Engram table
+                assert loader.stats.tensors_sliced == 2 * (N_V4 // ep) * 4 * (
+                    tp > 1
+                ) + 4 * (tp * ep > 1)
     # every rank reads the norms; together they read each expert byte once, w2 once per TP rank
     expert = lambda n: ".experts." in n and not n.startswith("mtp.")
     sizes = {e.name: e.nbytes for f in v4ckpt for e in fl.read_header(f)[0]}
     w13 = sum(n for k, n in sizes.items() if expert(k) and ".w2." not in k)
     w2 = sum(n for k, n in sizes.items() if expert(k) and ".w2." in k)
-    vocab = sum(n for k, n in sizes.items() if k in ("embed.weight", "head.weight") or ".engram." in k)
-    norms = sum(n for k, n in sizes.items() if not expert(k) and not k.startswith("mtp.")) - vocab
-    norms_and_vocab = tp * ep * norms + vocab  # every rank its norms, the ranks together one vocabulary
+    vocab = sum(
+        n
+        for k, n in sizes.items()
+        if k in ("embed.weight", "head.weight") or ".engram." in k
+    )
+    norms = (
+        sum(n for k, n in sizes.items() if not expert(k) and not k.startswith("mtp."))
+        - vocab
+    )
+    norms_and_vocab = (
+        tp * ep * norms + vocab
+    )  # every rank its norms, the ranks together one vocabulary
     if cfg.get("rows_pad"):
         assert read_by_ranks < norms_and_vocab + w13 + tp * w2
     elif cfg.get("eplb"):  # expert 0 has a redundant copy on a second rank
-        dup = sum(n for k, n in sizes.items() if ".experts.0." in k and not k.startswith("mtp."))
+        dup = sum(
+            n
+            for k, n in sizes.items()
+            if ".experts.0." in k and not k.startswith("mtp.")
+        )
         assert read_by_ranks == norms_and_vocab + w13 + tp * w2 + dup
     else:
         assert read_by_ranks == norms_and_vocab + w13 + tp * w2
@@ -800,11 +985,18 @@ def test_deepseek_v4_owner_keeps_whole_what_it_cannot_prove(v4ckpt):
 
     name, shape = "layers.0.ffn.experts.1.w1.weight", (I, H // 2)
     model = _v4_model(4, 1, 1, 0)
-    assert v4fl.DeepseekV4Owner(model, is_nextn=False).rank_slice(name, shape, torch.uint8) == RankSlice(0, 64, 64)
+    assert v4fl.DeepseekV4Owner(model, is_nextn=False).rank_slice(
+        name, shape, torch.uint8
+    ) == RankSlice(0, 64, 64)
     for attr in ("use_triton_kernels", "use_presharded_weights"):
         model = _v4_model(4, 1, 1, 0)
         setattr(model.model.layers[0].mlp.experts, attr, True)
-        assert v4fl.DeepseekV4Owner(model, is_nextn=False).rank_slice(name, shape, torch.uint8) is None
+        assert (
+            v4fl.DeepseekV4Owner(model, is_nextn=False).rank_slice(
+                name, shape, torch.uint8
+            )
+            is None
+        )
 
     class Overriding(FusedMoE):
         def weight_loader(self, *a, **k):
@@ -816,8 +1008,12 @@ def test_deepseek_v4_owner_keeps_whole_what_it_cannot_prove(v4ckpt):
     for p in moe.parameters():
         p.weight_loader = moe.weight_loader
     owner = v4fl.DeepseekV4Owner(model, is_nextn=False)
-    assert owner.keeps("layers.0.ffn.experts.0.w1.weight")  # rank 1's loader is not FusedMoE's: kept
-    assert not owner.keeps("layers.1.ffn.experts.0.w1.weight")  # layer 1 is plain FusedMoE: expert 0 is rank 0's
+    assert owner.keeps(
+        "layers.0.ffn.experts.0.w1.weight"
+    )  # rank 1's loader is not FusedMoE's: kept
+    assert not owner.keeps(
+        "layers.1.ffn.experts.0.w1.weight"
+    )  # layer 1 is plain FusedMoE: expert 0 is rank 0's
     assert not owner.keeps("mtp.0.ffn.experts.0.w1.weight")
 
 
@@ -834,14 +1030,19 @@ def test_deepseek_v4_owner_refuses_a_slice_the_loader_does_not_take(v4ckpt):
 
 
 def _draft_tensors(g):
-    t = {"embed.weight": _rand((96, H), torch.bfloat16, g), "layers.0.attn_norm.weight": _rand((H,), torch.float32, g)}
+    t = {
+        "embed.weight": _rand((96, H), torch.bfloat16, g),
+        "layers.0.attn_norm.weight": _rand((H,), torch.float32, g),
+    }
     for e in range(N_V4):
         for p in (f"layers.0.ffn.experts.{e}", f"mtp.0.ffn.experts.{e}"):
             t[f"{p}.w1.weight"] = _rand((I, H // 2), torch.uint8, g)
             t[f"{p}.w2.weight"] = _rand((H, I // 2), torch.uint8, g)
             t[f"{p}.w3.weight"] = _rand((I, H // 2), torch.uint8, g)
     t["mtp.0.attn_norm.weight"] = _rand((H,), torch.float32, g)
-    t["mtp.0.embed.weight"] = _rand((96, H), torch.bfloat16, g)  # the DSpark draft shares the target's
+    t["mtp.0.embed.weight"] = _rand(
+        (96, H), torch.bfloat16, g
+    )  # the DSpark draft shares the target's
     return t
 
 
@@ -853,10 +1054,16 @@ def test_deepseek_v4_drafts_read_only_their_layer(tmp_path, draft):
     from sglang.srt.models import deepseek_v4_fast_load as v4fl
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-    files = _write_checkpoint(tmp_path, _draft_tensors(torch.Generator().manual_seed(2)), n_shards=3)
+    files = _write_checkpoint(
+        tmp_path, _draft_tensors(torch.Generator().manual_seed(2)), n_shards=3
+    )
     index = str(tmp_path / "model.safetensors.index.json")
-    cfg = types.SimpleNamespace(num_hidden_layers=2, n_routed_experts=N_V4, num_nextn_predict_layers=1,
-                                model_type="deepseek_v4")
+    cfg = types.SimpleNamespace(
+        num_hidden_layers=2,
+        n_routed_experts=N_V4,
+        num_nextn_predict_layers=1,
+        model_type="deepseek_v4",
+    )
     for rank in range(4):
         model = torch.nn.Module()
         model.config, model.num_fused_shared_experts = cfg, 0
@@ -866,15 +1073,23 @@ def test_deepseek_v4_drafts_read_only_their_layer(tmp_path, draft):
         if draft == "dspark":
             model.stages = torch.nn.ModuleList([block])
             model.confidence_head = None
-            model._remap_dspark_weight_name = types.MethodType(dspark.DeepseekV4ForCausalLMDSpark._remap_dspark_weight_name, model)
+            model._remap_dspark_weight_name = types.MethodType(
+                dspark.DeepseekV4ForCausalLMDSpark._remap_dspark_weight_name, model
+            )
             owner = v4fl.DeepseekV4DSparkOwner(model)
         else:
             model.model = torch.nn.Module()
             model.model.decoder = block
-            model.remap_weight_name_to_dpsk_hf_format = DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format
+            model.remap_weight_name_to_dpsk_hf_format = (
+                DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format
+            )
             owner = v4fl.DeepseekV4Owner(model, is_nextn=True)
         loader, got = _load(files, owner, index_path=index)
-        mine = {f"mtp.0.ffn.experts.{e}.w{k}.weight" for e in range(2 * rank, 2 * rank + 2) for k in (1, 2, 3)}
+        mine = {
+            f"mtp.0.ffn.experts.{e}.w{k}.weight"
+            for e in range(2 * rank, 2 * rank + 2)
+            for k in (1, 2, 3)
+        }
         # both loaders map mtp.0.embed and drop it themselves (it is no draft parameter)
         assert set(got) == mine | {"mtp.0.attn_norm.weight", "mtp.0.embed.weight"}
         assert loader.stats.files_opened == 1
@@ -883,7 +1098,9 @@ def test_deepseek_v4_drafts_read_only_their_layer(tmp_path, draft):
 # --------------------------------------------------------------------------- the engine's call site
 
 
-def test_default_loader_reads_through_fast_load_only_behind_the_flag(ckpt, monkeypatch, tmp_path):
+def test_default_loader_reads_through_fast_load_only_behind_the_flag(
+    ckpt, monkeypatch, tmp_path
+):
     """DefaultModelLoader._get_weights_iterator: flag off, upstream's iterator (every tensor,
     as mmap views); flag on, FastLoader with the thread / slab flags and the model's
     checkpoint_owner()."""
@@ -891,9 +1108,14 @@ def test_default_loader_reads_through_fast_load_only_behind_the_flag(ckpt, monke
     from sglang.srt.model_loader import loader as L
 
     flags = types.SimpleNamespace(
-        weight_loader_fast_load=False, weight_loader_fast_load_num_threads=3, weight_loader_fast_load_slab_mb=1,
-        weight_loader_drop_cache_after_load=False, weight_loader_disable_mmap=False,
-        weight_loader_prefetch_checkpoints=False, weight_loader_prefetch_num_threads=4, model_checksum=None,
+        weight_loader_fast_load=False,
+        weight_loader_fast_load_num_threads=3,
+        weight_loader_fast_load_slab_mb=1,
+        weight_loader_drop_cache_after_load=False,
+        weight_loader_disable_mmap=False,
+        weight_loader_prefetch_checkpoints=False,
+        weight_loader_prefetch_num_threads=4,
+        model_checksum=None,
     )
     monkeypatch.setattr(L, "get_model", lambda: flags)
     monkeypatch.setattr(L, "get_server_args", lambda: None)
@@ -907,7 +1129,9 @@ def test_default_loader_reads_through_fast_load_only_behind_the_flag(ckpt, monke
     monkeypatch.setattr(fl.FastLoader, "__init__", spy)
     loader = L.DefaultModelLoader(LoadConfig(load_format=LoadFormat.AUTO))
     model = types.SimpleNamespace(checkpoint_owner=lambda: EPOwner(2))
-    config = types.SimpleNamespace(model_path=str(ckpt.folder), revision=None, hf_config=None)
+    config = types.SimpleNamespace(
+        model_path=str(ckpt.folder), revision=None, hf_config=None
+    )
     source = L.DefaultModelLoader.Source.init_new(config, model)
     assert source.checkpoint_owner is model.checkpoint_owner
 
@@ -918,14 +1142,23 @@ def test_default_loader_reads_through_fast_load_only_behind_the_flag(ckpt, monke
     got = dict(loader._get_weights_iterator(source))
     assert len(built) == 1 and isinstance(built[0].owner, EPOwner)
     assert (built[0].num_threads, built[0].slab_bytes) == (3, 1 << 20)
-    assert built[0].index_path == os.path.join(str(ckpt.folder), "model.safetensors.index.json")
+    assert built[0].index_path == os.path.join(
+        str(ckpt.folder), "model.safetensors.index.json"
+    )
     assert set(got) == {n for n in ckpt.stock if EPOwner(2).keeps(n)}
     assert all(_same(t, stock[n]) for n, t in got.items())
 
     # a .bin checkpoint keeps upstream's pt iterator (refused at startup where the path is local)
     torch.save({"w": torch.zeros(2)}, tmp_path / "pytorch_model.bin")
     built.clear()
-    assert set(loader._get_weights_iterator(L.DefaultModelLoader.Source(str(tmp_path), None))) and not built
+    assert (
+        set(
+            loader._get_weights_iterator(
+                L.DefaultModelLoader.Source(str(tmp_path), None)
+            )
+        )
+        and not built
+    )
 
 
 @pytest.mark.e2e
@@ -935,9 +1168,17 @@ def test_launch_server_refuses_fast_load_where_it_would_do_nothing(tmp_path):
     from e2e.server import refusal
     from test_e2e_cpu import CPU_ARGS, CPU_ENV
 
-    r = refusal(write_tiny_llama(tmp_path / "tiny"), CPU_ARGS + ["--weight-loader-fast-load"], env=CPU_ENV, timeout=240)
+    r = refusal(
+        write_tiny_llama(tmp_path / "tiny"),
+        CPU_ARGS + ["--weight-loader-fast-load"],
+        env=CPU_ENV,
+        timeout=240,
+    )
     assert r.returncode != 0
-    assert "--weight-loader-fast-load reads safetensors checkpoints" in r.stdout and "dummy" in r.stdout
+    assert (
+        "--weight-loader-fast-load reads safetensors checkpoints" in r.stdout
+        and "dummy" in r.stdout
+    )
 
 
 @pytest.mark.gpu
@@ -948,7 +1189,12 @@ def test_slabs_feed_async_copies_to_the_gpu_and_are_released(ckpt, pin):
     fast-pinned row): non-blocking copies to the GPU from them land bitwise (a slab is released
     only once no view is left; a pinned one through torch's host allocator, which waits for the
     copies), and the slab memory is released after the load."""
-    loader = FastLoader(ckpt.files, num_threads=4, slab_bytes=4096, **({"pin_memory": True} if pin else {}))
+    loader = FastLoader(
+        ckpt.files,
+        num_threads=4,
+        slab_bytes=4096,
+        **({"pin_memory": True} if pin else {}),
+    )
     on_gpu = {}
     for name, t in loader:
         assert t.is_pinned() == pin, name
@@ -974,16 +1220,40 @@ def test_the_benchmark_runs_end_to_end_at_tiny_size(tmp_path):
     from conftest import REPO
 
     run = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "loading" / "bench_fast_load.py"), "--tiny",
-         "--dir", str(tmp_path / "ckpt"), "--gb", "0.05", "--ranks", "1", "--iterators", "stock-default,fast"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(REPO / "benchmark" / "loading" / "bench_fast_load.py"),
+            "--tiny",
+            "--dir",
+            str(tmp_path / "ckpt"),
+            "--gb",
+            "0.05",
+            "--ranks",
+            "1",
+            "--iterators",
+            "stock-default,fast",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    payload = json.loads(run.stdout[run.stdout.index("\n{") + 1:])
-    assert payload["complete"] and [r["iterator"] for r in payload["rows"]] == ["stock-default", "fast"]
-    assert {c["pattern"] for c in payload["storage_ceiling"]} == {"shared chunks", "one stream per shard"}
+    payload = json.loads(run.stdout[run.stdout.index("\n{") + 1 :])
+    assert payload["complete"] and [r["iterator"] for r in payload["rows"]] == [
+        "stock-default",
+        "fast",
+    ]
+    assert {c["pattern"] for c in payload["storage_ceiling"]} == {
+        "shared chunks",
+        "one stream per shard",
+    }
     fast = payload["rows"][1]
-    assert set(fast["seconds_per_rank"]) == {"loader_s", "wait_read_s", "wait_budget_s", "alloc_s"}
+    assert set(fast["seconds_per_rank"]) == {
+        "loader_s",
+        "wait_read_s",
+        "wait_budget_s",
+        "alloc_s",
+    }
     assert fast["read_gb_per_rank"][0] > 0 and fast["slabs_released_after_load"]
     assert "terminate called" not in run.stderr
     assert not (tmp_path / "ckpt").exists()  # the checkpoint it wrote is deleted

@@ -21,8 +21,14 @@ from types import SimpleNamespace
 import pytest
 from conftest import REPO
 
-ENV = {"flashinfer_version": "0.7.2", "cuda_version": "13.0", "cublas_version": "13.1.0",
-       "cudnn_version": "92000", "cudnn_frontend_version": "1.16.0", "gpu": "NVIDIA GB10"}
+ENV = {
+    "flashinfer_version": "0.7.2",
+    "cuda_version": "13.0",
+    "cublas_version": "13.1.0",
+    "cudnn_version": "92000",
+    "cudnn_frontend_version": "1.16.0",
+    "gpu": "NVIDIA GB10",
+}
 FP = "f" * 64
 
 
@@ -39,7 +45,9 @@ def keep_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "flashinfer_autotune_keep", engine_file("srt/model_executor/runner/flashinfer_autotune_keep.py"))
+        "flashinfer_autotune_keep",
+        engine_file("srt/model_executor/runner/flashinfer_autotune_keep.py"),
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -47,10 +55,17 @@ def keep_module():
 
 def write_cache(path: Path, shapes, stamp=ENV, fingerprint=FP, writer=None):
     if writer is None:
-        from sglang.srt.model_executor.runner.flashinfer_autotune_keep import write_launch_fingerprint as writer
+        from sglang.srt.model_executor.runner.flashinfer_autotune_keep import (
+            write_launch_fingerprint as writer,
+        )
 
     configs = {"_metadata": stamp} if stamp is not None else {}
-    configs.update({str(("trtllm::fused_moe", "MoERunner", ((m, 7168),))): ["MoERunner", m % 5] for m in shapes})
+    configs.update(
+        {
+            str(("trtllm::fused_moe", "MoERunner", ((m, 7168),))): ["MoERunner", m % 5]
+            for m in shapes
+        }
+    )
     path.write_text(json.dumps(configs))
     if fingerprint is not None:
         writer(path, fingerprint)
@@ -59,9 +74,18 @@ def write_cache(path: Path, shapes, stamp=ENV, fingerprint=FP, writer=None):
 # rank -> how its files look before the gate, per scenario
 SCENARIOS = {
     "disjoint shapes, same stamp": {0: dict(shapes=[1, 2, 4]), 1: dict(shapes=[8, 16])},
-    "one rank stale": {0: dict(shapes=[1, 2]), 1: dict(shapes=[1, 2], stamp={**ENV, "flashinfer_version": "0.6.18"})},
-    "fingerprint mismatch": {0: dict(shapes=[1, 2]), 1: dict(shapes=[1, 2], fingerprint="0" * 64)},
-    "no fingerprint on one rank": {0: dict(shapes=[1, 2]), 1: dict(shapes=[1, 2], fingerprint=None)},
+    "one rank stale": {
+        0: dict(shapes=[1, 2]),
+        1: dict(shapes=[1, 2], stamp={**ENV, "flashinfer_version": "0.6.18"}),
+    },
+    "fingerprint mismatch": {
+        0: dict(shapes=[1, 2]),
+        1: dict(shapes=[1, 2], fingerprint="0" * 64),
+    },
+    "no fingerprint on one rank": {
+        0: dict(shapes=[1, 2]),
+        1: dict(shapes=[1, 2], fingerprint=None),
+    },
     "file missing on one rank": {0: dict(shapes=[1, 2]), 1: None},
     "unreadable on both": {0: "garbage", 1: "garbage"},
     "no cache anywhere": {0: None, 1: None},
@@ -71,7 +95,8 @@ KEPT = {"disjoint shapes, same stamp"}
 
 def upstream_gate():
     """Upstream's digest gate, lifted out of the engine's source (importing its module would pull
-    the model runner into each rank process; the two functions need only these names)."""
+    the model runner into each rank process; the two functions need only these names).
+    """
     import ast
     import hashlib
 
@@ -79,11 +104,25 @@ def upstream_gate():
 
     source = engine_file("srt/model_executor/runner/flashinfer_autotune.py").read_text()
     wanted = {"_autotune_cache_digest", "_drop_diverged_autotune_cache"}
-    module = ast.Module(body=[n for n in ast.parse(source).body
-                              if isinstance(n, ast.FunctionDef) and n.name in wanted], type_ignores=[])
-    assert {n.name for n in module.body} == wanted, "upstream's gate moved: update this test"
-    namespace = {"json": json, "hashlib": hashlib, "torch": torch, "Path": Path, "logger": None,
-                 "log_info_on_rank0": lambda logger, message: None}
+    module = ast.Module(
+        body=[
+            n
+            for n in ast.parse(source).body
+            if isinstance(n, ast.FunctionDef) and n.name in wanted
+        ],
+        type_ignores=[],
+    )
+    assert {
+        n.name for n in module.body
+    } == wanted, "upstream's gate moved: update this test"
+    namespace = {
+        "json": json,
+        "hashlib": hashlib,
+        "torch": torch,
+        "Path": Path,
+        "logger": None,
+        "log_info_on_rank0": lambda logger, message: None,
+    }
     exec(compile(module, "flashinfer_autotune.py", "exec"), namespace)
     return namespace["_drop_diverged_autotune_cache"]
 
@@ -96,11 +135,18 @@ def rank_main(rank: int, world: int, root: str, store: str, out: str) -> None:
         _drop_diverged_autotune_cache = upstream_gate()
         keep = keep_module()
 
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world
+        )
         results = {}
         for name, ranks in SCENARIOS.items():
             for gate in ("keep", "upstream"):
-                path = Path(root) / gate / name.replace(" ", "_") / f"rank_tp{rank}_pp0_dp0.json"
+                path = (
+                    Path(root)
+                    / gate
+                    / name.replace(" ", "_")
+                    / f"rank_tp{rank}_pp0_dp0.json"
+                )
                 path.parent.mkdir(parents=True, exist_ok=True)
                 spec = ranks[rank]
                 if spec == "garbage":
@@ -109,12 +155,17 @@ def rank_main(rank: int, world: int, root: str, store: str, out: str) -> None:
                     write_cache(path, writer=keep.write_launch_fingerprint, **spec)
                 dist.barrier()
                 if gate == "keep":
-                    kept = keep.keep_or_drop_autotune_cache(path, dist.group.WORLD, ENV, FP)
+                    kept = keep.keep_or_drop_autotune_cache(
+                        path, dist.group.WORLD, ENV, FP
+                    )
                 else:
                     _drop_diverged_autotune_cache(path, dist.group.WORLD, ENV)
                     kept = None
-                results[f"{gate}/{name}"] = {"returned": kept, "cache": path.exists(),
-                                             "fingerprint": keep.fingerprint_path(path).exists()}
+                results[f"{gate}/{name}"] = {
+                    "returned": kept,
+                    "cache": path.exists(),
+                    "fingerprint": keep.fingerprint_path(path).exists(),
+                }
                 dist.barrier()
         Path(out).write_text(json.dumps(results))
         dist.destroy_process_group()
@@ -130,8 +181,19 @@ def two_ranks(tmp_path_factory):
     env_before = os.environ.get("SGLANG_USE_CPU_ENGINE")
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
     try:
-        procs = [ctx.Process(target=rank_main, args=(r, 2, str(root / "files"), str(root / "store"),
-                                                     str(root / f"out{r}.json"))) for r in range(2)]
+        procs = [
+            ctx.Process(
+                target=rank_main,
+                args=(
+                    r,
+                    2,
+                    str(root / "files"),
+                    str(root / "store"),
+                    str(root / f"out{r}.json"),
+                ),
+            )
+            for r in range(2)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -174,31 +236,54 @@ def resolved(*extra):
 
 
 def test_launch_fingerprint_is_stable_and_moves_with_the_configuration(monkeypatch):
-    from sglang.srt.model_executor.runner.flashinfer_autotune_keep import launch_fingerprint
+    from sglang.srt.model_executor.runner.flashinfer_autotune_keep import (
+        launch_fingerprint,
+    )
 
     env = {"SGLANG_RUN_ID": "a", "SGLANG_OPT_X": "1", "HOME": "/x"}
     first = resolved()
     base = launch_fingerprint(first, env)
-    assert launch_fingerprint(resolved(), {**env, "SGLANG_RUN_ID": "b", "HOME": "/y"}) == base  # seed, run id
-    assert launch_fingerprint(resolved(("port", 31000)), env) == base  # HTTP serving does not reach kernels
+    assert (
+        launch_fingerprint(resolved(), {**env, "SGLANG_RUN_ID": "b", "HOME": "/y"})
+        == base
+    )  # seed, run id
+    assert (
+        launch_fingerprint(resolved(("port", 31000)), env) == base
+    )  # HTTP serving does not reach kernels
     assert launch_fingerprint(resolved(("max_running_requests", 8)), env) != base
     assert launch_fingerprint(resolved(("chunked_prefill_size", 1024)), env) != base
-    assert launch_fingerprint(first, {**env, "SGLANG_FLASHINFER_AUTOTUNE_EXTEND": "1"}) != base
+    assert (
+        launch_fingerprint(first, {**env, "SGLANG_FLASHINFER_AUTOTUNE_EXTEND": "1"})
+        != base
+    )
 
 
 def cfg(**kw):
-    base = dict(flashinfer_autotune_keep_cache=True, device="cuda", disable_flashinfer_autotune=False,
-                enable_deterministic_inference=False, tp_size=4)
+    base = dict(
+        flashinfer_autotune_keep_cache=True,
+        device="cuda",
+        disable_flashinfer_autotune=False,
+        enable_deterministic_inference=False,
+        tp_size=4,
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
 def test_refusals(monkeypatch):
-    from sglang.srt.model_executor.runner.flashinfer_autotune_keep import validate_flashinfer_autotune_keep
+    from sglang.srt.model_executor.runner.flashinfer_autotune_keep import (
+        validate_flashinfer_autotune_keep,
+    )
 
     validate_flashinfer_autotune_keep(cfg())
-    validate_flashinfer_autotune_keep(cfg(flashinfer_autotune_keep_cache=False, tp_size=1))
-    for kw, match in ((dict(device="cpu"), "CUDA only"), (dict(disable_flashinfer_autotune=True), "disable"),
-                      (dict(enable_deterministic_inference=True), "deterministic"), (dict(tp_size=1), "no other rank")):
+    validate_flashinfer_autotune_keep(
+        cfg(flashinfer_autotune_keep_cache=False, tp_size=1)
+    )
+    for kw, match in (
+        (dict(device="cpu"), "CUDA only"),
+        (dict(disable_flashinfer_autotune=True), "disable"),
+        (dict(enable_deterministic_inference=True), "deterministic"),
+        (dict(tp_size=1), "no other rank"),
+    ):
         with pytest.raises(ValueError, match=f"would do nothing: .*{match}"):
             validate_flashinfer_autotune_keep(cfg(**kw))
     monkeypatch.setenv("SGLANG_FLASHINFER_AUTOTUNE_CACHE", "0")
@@ -213,8 +298,12 @@ def test_flag_on_the_command_line():
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    assert parser.parse_args(["--model-path", "m"]).flashinfer_autotune_keep_cache is False
-    assert parser.parse_args(["--model-path", "m", "--flashinfer-autotune-keep-cache"]).flashinfer_autotune_keep_cache
+    assert (
+        parser.parse_args(["--model-path", "m"]).flashinfer_autotune_keep_cache is False
+    )
+    assert parser.parse_args(
+        ["--model-path", "m", "--flashinfer-autotune-keep-cache"]
+    ).flashinfer_autotune_keep_cache
 
 
 @pytest.mark.gpu
@@ -226,7 +315,12 @@ def test_loadable_agrees_with_flashinfer(tmp_path):
 
     env = autotuner._collect_metadata()
     first = next(iter(env))
-    stamps = {"same": env, "wildcard": {**env, first: "*"}, "stale": {**env, first: "other"}, "none": None}
+    stamps = {
+        "same": env,
+        "wildcard": {**env, first: "*"},
+        "stale": {**env, first: "other"},
+        "none": None,
+    }
     for name, stamp in stamps.items():
         path = tmp_path / f"{name}.json"
         write_cache(path, shapes=[1, 2], stamp=stamp)

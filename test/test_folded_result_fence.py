@@ -49,8 +49,15 @@ def _epilogue(fence: bool, device="cpu", max_bs=8, stride=4) -> DsparkVerifyEpil
 
 
 def _persistent(epi) -> list[torch.Tensor]:
-    names = ["correct_len_buf", "bonus_buf", "cap_trim_lens_buf", "commit_lens_buf",
-             "new_seq_lens_buf", "out_tokens_buf", "block_accept_lens_buf"]
+    names = [
+        "correct_len_buf",
+        "bonus_buf",
+        "cap_trim_lens_buf",
+        "commit_lens_buf",
+        "new_seq_lens_buf",
+        "out_tokens_buf",
+        "block_accept_lens_buf",
+    ]
     return [getattr(epi, n) for n in names if getattr(epi, n) is not None]
 
 
@@ -81,7 +88,8 @@ class _Io:
         tok = (step + torch.arange(self.bs, device=io.logits.device)) % v
         io.logits.zero_()
         io.logits.view(self.bs, -1, v).scatter_(
-            2, tok.view(-1, 1, 1).expand(self.bs, io.logits.shape[0] // self.bs, 1), 1.0)
+            2, tok.view(-1, 1, 1).expand(self.bs, io.logits.shape[0] // self.bs, 1), 1.0
+        )
         io.candidates.fill_(-1)
         if step % 2 == 0:
             io.candidates[:, 1] = tok
@@ -112,7 +120,9 @@ def _write_step(epi, bs: int, step: int, gate=None) -> None:
         block_accept_lens_out=epi.read_block_accept_lens(bs),
     )
     if epi.result_fence is not None:
-        epi.result_fence.copy_in(torch.ones(1, dtype=torch.int32) if gate is None else gate)
+        epi.result_fence.copy_in(
+            torch.ones(1, dtype=torch.int32) if gate is None else gate
+        )
 
 
 def _executor(epi) -> TargetVerifyExecutor:
@@ -123,14 +133,28 @@ def _executor(epi) -> TargetVerifyExecutor:
 
 def _folded(epi, bs):
     return _executor(epi).accept_and_finalize(
-        folded_accept=True, bs=bs, verify_ids_2d=None, target_logits=None,
-        draft_block=None, sampling_info=None, draft_input=None, layout=None,
-        prefix_lens=None, draft_tokens=None,
+        folded_accept=True,
+        bs=bs,
+        verify_ids_2d=None,
+        target_logits=None,
+        draft_block=None,
+        sampling_info=None,
+        draft_input=None,
+        layout=None,
+        prefix_lens=None,
+        draft_tokens=None,
     )
 
 
 def _fields(a: AcceptOuts) -> list[torch.Tensor]:
-    return [a.correct_len, a.bonus, a.cap_trim_lens, a.commit_lens, a.new_seq_lens, a.out_tokens]
+    return [
+        a.correct_len,
+        a.bonus,
+        a.cap_trim_lens,
+        a.commit_lens,
+        a.new_seq_lens,
+        a.out_tokens,
+    ]
 
 
 def test_flag_off_returns_stock_views():
@@ -144,7 +168,9 @@ def test_flag_off_returns_stock_views():
 
 
 @pytest.mark.parametrize("block_lens", [False, True])
-def test_ring_results_are_the_graph_output_in_alternating_slots(monkeypatch, block_lens):
+def test_ring_results_are_the_graph_output_in_alternating_slots(
+    monkeypatch, block_lens
+):
     from sglang.srt.environ import envs
 
     monkeypatch.setattr(
@@ -158,7 +184,9 @@ def test_ring_results_are_the_graph_output_in_alternating_slots(monkeypatch, blo
     for step, bs in enumerate((3, 3, 8, 1, 8, 8)):
         stock_io, io = _Io(stock, bs), _Io(epi, bs)
         for e, x in ((stock, stock_io), (epi, io)):
-            e.begin_static_step(bs, True)  # the step folds: the verify graph's gate armed
+            e.begin_static_step(
+                bs, True
+            )  # the step folds: the verify graph's gate armed
             x.stage(step)
             _run_static(e, x)
         acc = _folded(epi, bs)
@@ -189,7 +217,8 @@ def test_ring_results_are_the_graph_output_in_alternating_slots(monkeypatch, blo
 
 def test_disarmed_gate_copies_nothing():
     """The verify graph of a step that does not fold (gate 0) leaves the ring and its
-    counter alone; the sampling-accept region's copy (all-ones gate) is the step's one."""
+    counter alone; the sampling-accept region's copy (all-ones gate) is the step's one.
+    """
     epi = _epilogue(fence=True)
     ring = epi.result_fence
     io = _Io(epi, 4)
@@ -206,7 +235,9 @@ def test_consuming_without_a_copy_fails_loud():
     epi = _epilogue(fence=True)
     _write_step(epi, 4, 1)
     _folded(epi, 4)
-    _write_step(epi, 4, 2, gate=torch.zeros(1, dtype=torch.int32))  # a copy that never ran
+    _write_step(
+        epi, 4, 2, gate=torch.zeros(1, dtype=torch.int32)
+    )  # a copy that never ran
     with pytest.raises(RuntimeError, match="ring out of step"):
         _folded(epi, 4)
 
@@ -217,7 +248,9 @@ def test_capture_mid_serving_counts_its_warm_ups_from_the_device(monkeypatch, ca
     last folded step left armed: ring copies no host takes. The first consumption after the
     capture counts from the device (before: "ring out of step" and the scheduler died), returns
     that step's own results, and a later drift still fails loud."""
-    from sglang.srt.speculative.dspark_components import dspark_result_fence as fence_mod
+    from sglang.srt.speculative.dspark_components import (
+        dspark_result_fence as fence_mod,
+    )
 
     stock, epi = _epilogue(fence=False), _epilogue(fence=True)
     ring = epi.result_fence
@@ -244,7 +277,9 @@ def test_capture_mid_serving_counts_its_warm_ups_from_the_device(monkeypatch, ca
     assert int(ring.counter[0]) == ring.count == 5
     for got, want in zip(_fields(acc), _fields(stock.read_accept(4))):
         assert torch.equal(got, want)
-    _write_step(epi, 4, 3, gate=torch.zeros(1, dtype=torch.int32))  # a copy that never ran
+    _write_step(
+        epi, 4, 3, gate=torch.zeros(1, dtype=torch.int32)
+    )  # a copy that never ran
     with pytest.raises(RuntimeError, match="ring out of step"):
         _folded(epi, 4)
 
@@ -261,7 +296,8 @@ def test_sampling_accept_region_returns_the_ring_slot():
     io = types.SimpleNamespace(logits=torch.zeros(4 * epi.stride, 8))
     epi.static_io[4] = io
     sampler = types.SimpleNamespace(
-        greedy_draft=True, step_logits=None,
+        greedy_draft=True,
+        step_logits=None,
         params=types.SimpleNamespace(temperatures=torch.ones(8)),
     )
     region._resolve_draft_sampler = lambda: sampler
@@ -289,8 +325,12 @@ def test_fence_refuses_an_unexpected_layout():
 def test_flag_declared_off_by_default():
     from sglang.srt.arg_groups.fields.spec import Spec
 
-    assert Spec.__struct_defaults__[Spec.__struct_fields__.index(
-        "speculative_dspark_fence_accept_results")] is False
+    assert (
+        Spec.__struct_defaults__[
+            Spec.__struct_fields__.index("speculative_dspark_fence_accept_results")
+        ]
+        is False
+    )
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -318,11 +358,14 @@ def _race(fence: bool, tries: int, bs: int = 4) -> int:
         epi.begin_static_step(bs, True)
     torch.cuda.synchronize()
     sched = types.SimpleNamespace(
-        copy_stream=copy, forward_stream=fwd,
-        copy_stream_ctx=torch.cuda.stream(copy), enable_async_d2h_copy=True,
+        copy_stream=copy,
+        forward_stream=fwd,
+        copy_stream_ctx=torch.cuda.stream(copy),
+        enable_async_d2h_copy=True,
     )
     batch = types.SimpleNamespace(
-        return_logprob=False, return_hidden_states=False,
+        return_logprob=False,
+        return_hidden_states=False,
         spec_algorithm=types.SimpleNamespace(is_dspark=lambda: True),
     )
     wrong, pending = 0, None
@@ -332,7 +375,8 @@ def _race(fence: bool, tries: int, bs: int = 4) -> int:
             graph.replay()
             acc = _folded(epi, bs)
             result = GenerationBatchResult(
-                next_token_ids=acc.out_tokens.reshape(-1), accept_lens=acc.commit_lens,
+                next_token_ids=acc.out_tokens.reshape(-1),
+                accept_lens=acc.commit_lens,
             )
         with torch.cuda.stream(copy):
             torch.cuda._sleep(2_000_000)  # work queued ahead on the copy stream
@@ -344,8 +388,12 @@ def _race(fence: bool, tries: int, bs: int = 4) -> int:
             want = (prev_step + torch.arange(bs)) % io.vocab
             got = prev.next_token_ids.view(bs, epi.stride)[:, 0]
             lens = prev.accept_lens.cpu()
-            wrong += int(not (torch.equal(got, want)
-                              and bool((lens == (2 if prev_step % 2 == 0 else 1)).all())))
+            wrong += int(
+                not (
+                    torch.equal(got, want)
+                    and bool((lens == (2 if prev_step % 2 == 0 else 1)).all())
+                )
+            )
         pending = (result, step)
     torch.cuda.synchronize()
     if fence:
@@ -358,7 +406,9 @@ def test_gpu_race_with_stock_and_none_with_the_fence():
     tries = 50
     stock = _race(False, tries)
     fenced = _race(True, tries)
-    print(f"host read another step's tokens: stock {stock}/{tries}, ring {fenced}/{tries}")
+    print(
+        f"host read another step's tokens: stock {stock}/{tries}, ring {fenced}/{tries}"
+    )
     assert stock > tries // 2, "the stand-in did not reproduce the race"
     assert fenced == 0
 
@@ -378,7 +428,8 @@ def test_gpu_drift_check_fails_loud_without_a_sync():
 def test_gpu_recapture_mid_serving_keeps_the_ring_in_step():
     """The real epilogue captured in a CUDA graph as at startup (gate disarmed), served folded,
     then captured again mid-serving with the gate armed (two eager warm-ups first, as upstream's
-    capture runs them): every step reads its own tokens, the asynchronous check agrees."""
+    capture runs them): every step reads its own tokens, the asynchronous check agrees.
+    """
     dev = torch.device("cuda")
     epi = _epilogue(True, device=dev)
     io = _Io(epi, 4, device=dev)
@@ -411,6 +462,8 @@ def test_flag_without_dspark_is_refused_at_resolution(llama_config):
     """Real server-argument resolution: the fence does nothing without DSPARK, so it is refused."""
     from conftest import resolve_server_args
 
-    with pytest.raises(ValueError, match=r"--speculative-dspark-fence-accept-results.*DSPARK"):
+    with pytest.raises(
+        ValueError, match=r"--speculative-dspark-fence-accept-results.*DSPARK"
+    ):
         resolve_server_args(llama_config, speculative_dspark_fence_accept_results=True)
     resolve_server_args(llama_config)  # off: accepted

@@ -26,7 +26,9 @@ def test_version_is_the_fork_version(series):
 def test_launch_server_version_lists_the_series(series):
     r = run_engine("-m", "sglang.launch_server", "--version", check=True)
     lines = r.stdout.splitlines()
-    assert lines[0].startswith(f"sglang {__version__} (fork of sglang {UPSTREAM}; {len(series)} patch(es))")
+    assert lines[0].startswith(
+        f"sglang {__version__} (fork of sglang {UPSTREAM}; {len(series)} patch(es))"
+    )
     for patch in series:
         assert f"  {patch.name}: {' '.join(patch.flags) or '(no flags)'}" in lines
 
@@ -40,7 +42,7 @@ def _help_entries() -> dict[str, str]:
         m = re.match(r"^  (--[a-z0-9-]+)", line)
         if m:
             current = m.group(1)
-            entries[current] = line[m.end():]
+            entries[current] = line[m.end() :]
         elif current and line.startswith("    "):
             entries[current] += " " + line.strip()
     return {k: re.sub(r"\s+", " ", v) for k, v in entries.items()}
@@ -51,11 +53,20 @@ def test_help_lists_every_fork_flag_with_its_default(series):
     flags = [f for p in series for f in p.flags]
     assert flags and set(flags) <= set(entries)
     for flag in flags:
-        assert "(default: " in entries[flag], f"{flag}: help text does not state its default"
+        assert (
+            "(default: " in entries[flag]
+        ), f"{flag}: help text does not state its default"
 
 
 def test_bad_fork_flag_value_is_a_clear_error():
-    r = run_engine("-m", "sglang.launch_server", "--model-path", "m", "--fork-expect-version", "1.2")
+    r = run_engine(
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "m",
+        "--fork-expect-version",
+        "1.2",
+    )
     assert r.returncode == 2
     assert "argument --fork-expect-version" in r.stderr and "accepted form" in r.stderr
 
@@ -71,7 +82,9 @@ def test_wrong_fork_build_refuses_to_start():
 
     with pytest.raises(ValueError, match="refusing to start"):
         handle_fork(_view(fork_expect_version=f"{UPSTREAM}+fork.1.0000000"))
-    with pytest.raises(argparse.ArgumentTypeError, match="accepted form"):  # Engine(...) skips argparse
+    with pytest.raises(
+        argparse.ArgumentTypeError, match="accepted form"
+    ):  # Engine(...) skips argparse
         handle_fork(_view(fork_expect_version="latest"))
 
 
@@ -91,9 +104,21 @@ def test_launch_refuses_a_wrong_build_before_touching_the_model():
     """End to end through `launch_server`: resolution runs the fork hook first."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "tools" / "standins")}
     r = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "sglang.launch_server", "--model-path", "/nonexistent",
-         "--fork-expect-version", f"{UPSTREAM}+fork.1.0000000"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "/nonexistent",
+            "--fork-expect-version",
+            f"{UPSTREAM}+fork.1.0000000",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert r.returncode != 0
     assert f"but this engine is sglang {__version__}" in r.stderr
@@ -107,8 +132,13 @@ def _parser_defaults(pythonpath: str | None) -> dict[str, str]:
         "print(json.dumps({a.option_strings[0]: repr(a.default) for a in p._actions if a.option_strings}))"
     )
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
-    r = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
-                       env=env, check=True)
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return json.loads(r.stdout)
 
 
@@ -117,7 +147,15 @@ def test_flags_off_every_upstream_argument_is_unchanged(assembled, series, tmp_p
     from forklib.git import git
 
     upstream = tmp_path / "upstream"
-    git(assembled.tree, "worktree", "add", "-q", "--detach", str(upstream), assembled.base)
+    git(
+        assembled.tree,
+        "worktree",
+        "add",
+        "-q",
+        "--detach",
+        str(upstream),
+        assembled.base,
+    )
     theirs = _parser_defaults(str(upstream / "python"))
     ours = _parser_defaults(None)
     flags = {f for p in series for f in p.flags}
@@ -137,12 +175,19 @@ def test_help_shows_each_fork_flag_beside_its_areas_flags(series):
     ServerArgs.add_cli_args(parser)
     fields = namespace_of(ServerArgs)
     # flag -> namespace through each flag's dest (--fp8-gemm-backend stores fp8_gemm_runner_backend)
-    ns = {o: fields[a.dest] for a in parser._actions for o in a.option_strings if a.dest in fields}
+    ns = {
+        o: fields[a.dest]
+        for a in parser._actions
+        for o in a.option_strings
+        if a.dest in fields
+    }
     ours = {f for p in series for f in p.flags}
     for flag in ours:
         i = order.index(flag)
         before = next(f for f in reversed(order[:i]) if f not in ours and f in ns)
-        assert ns.get(before) == ns[flag], f"{flag} ({ns[flag]}) follows {before} ({ns.get(before)})"
+        assert (
+            ns.get(before) == ns[flag]
+        ), f"{flag} ({ns[flag]}) follows {before} ({ns.get(before)})"
     dspark = [i for i, f in enumerate(order) if f.startswith("--speculative-dspark-")]
     assert dspark == list(range(dspark[0], dspark[0] + len(dspark)))
     assert "--dsv4-wo-a-fp8-twin {off,small,mid,drop}" in text
@@ -153,5 +198,8 @@ def test_sglang_serve_version_and_sglang_version_name_the_series(series):
     for argv in (["serve", "--version"], ["version"]):
         r = run_engine("-c", code, *argv)
         assert r.returncode == 0, r.stderr[-3000:]
-        assert f"sglang {__version__} (fork of sglang {UPSTREAM}; {len(series)} patch(es))" in r.stdout
+        assert (
+            f"sglang {__version__} (fork of sglang {UPSTREAM}; {len(series)} patch(es))"
+            in r.stdout
+        )
         assert all(f"  {p.name}: " in r.stdout for p in series)

@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import HAS_CUDA
+
 from sglang.kernels.ops.layernorm import mhc
 from sglang.srt.models import deepseek_v4_hc_fused as hcf
 
@@ -52,7 +52,8 @@ def _same(a, b):
 def _interpreter_scalar_index(monkeypatch):
     """Triton 3.6's interpreter turns a runtime scalar into a 1-element array and indexes it
     with int(), which numpy 2 refuses: upstream's tf32x3 kernel (``range`` over K // slices)
-    then fails on CPU only. Index the element instead (test harness only; no effect on GPU)."""
+    then fails on CPU only. Index the element instead (test harness only; no effect on GPU).
+    """
     if HAS_CUDA:
         return
     from triton.runtime import interpreter
@@ -61,7 +62,9 @@ def _interpreter_scalar_index(monkeypatch):
 
     def patched(tensor, scope):
         original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(
+            tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0])
+        )
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
@@ -89,15 +92,26 @@ def sm90(monkeypatch):
 
 def test_flag_values_and_errors():
     assert [hcf.parse_hc_fused_stats(v) for v in ("off", "AUTO ", "8192", "0042")] == [
-        "off", "auto", "8192", "42"]
+        "off",
+        "auto",
+        "8192",
+        "42",
+    ]
     for bad in ("on", "0", "-5", "1.5", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="--dsv4-hc-fused-stats=.*accepted: off; auto"):
+        with pytest.raises(
+            argparse.ArgumentTypeError,
+            match="--dsv4-hc-fused-stats=.*accepted: off; auto",
+        ):
             hcf.parse_hc_fused_stats(bad)
     from sglang.srt.arg_groups.fields.exec_ import ExecKernel
 
     assert ExecKernel().dsv4_hc_fused_stats == "off"
-    with pytest.raises(argparse.ArgumentTypeError, match="accepted"):  # Engine(...) skips argparse
-        hcf.validate_hc_fused_stats(SimpleNamespace(dsv4_hc_fused_stats="yes"), "DeepseekV4ForCausalLM", None)
+    with pytest.raises(
+        argparse.ArgumentTypeError, match="accepted"
+    ):  # Engine(...) skips argparse
+        hcf.validate_hc_fused_stats(
+            SimpleNamespace(dsv4_hc_fused_stats="yes"), "DeepseekV4ForCausalLM", None
+        )
 
 
 def test_flag_on_command_line():
@@ -105,7 +119,12 @@ def test_flag_on_command_line():
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     ServerArgs.add_cli_args(parser)
-    assert parser.parse_args(["--model-path", "x", "--dsv4-hc-fused-stats", "auto"]).dsv4_hc_fused_stats == "auto"
+    assert (
+        parser.parse_args(
+            ["--model-path", "x", "--dsv4-hc-fused-stats", "auto"]
+        ).dsv4_hc_fused_stats
+        == "auto"
+    )
     assert parser.parse_args(["--model-path", "x"]).dsv4_hc_fused_stats == "off"
     with pytest.raises((argparse.ArgumentError, SystemExit)):
         parser.parse_args(["--model-path", "x", "--dsv4-hc-fused-stats", "fast"])
@@ -122,26 +141,42 @@ def test_validate_refuses_where_it_would_do_nothing(monkeypatch):
     with pytest.raises(ValueError, match="hc_pre_from_prev_sublayer is false"):
         hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", SimpleNamespace())
     with pytest.raises(ValueError, match="--device cuda"):
-        hcf.validate_hc_fused_stats(SimpleNamespace(dsv4_hc_fused_stats="9", device="cpu"),
-                                    "DeepseekV4ForCausalLM", v41)
+        hcf.validate_hc_fused_stats(
+            SimpleNamespace(dsv4_hc_fused_stats="9", device="cpu"),
+            "DeepseekV4ForCausalLM",
+            v41,
+        )
     monkeypatch.setattr(torch.version, "hip", "6.4")
     with pytest.raises(ValueError, match="ROCm"):
         hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", v41)
 
 
 def test_threshold_is_measured_or_given_never_guessed(monkeypatch):
-    with pytest.raises(RuntimeError, match=r"not measured on Other GPU \(run benchmark/hc/bench_hc_fused.py"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"not measured on Other GPU \(run benchmark/hc/bench_hc_fused.py",
+    ):
         hcf.HcFusedStats("auto", "Other GPU")
     f = hcf.HcFusedStats("auto", "NVIDIA H200")  # the measured table as shipped
     assert f.min_rows == {"bf16x3": 65536, "tf32x3": None}
-    assert f.wants("bf16x3", 65536) and not f.wants("bf16x3", 65535) and not f.wants("tf32x3", 10**6)
-    assert f.describe() == "bf16x3 from 65536 rows, tf32x3 stock (never faster on NVIDIA H200)"
+    assert (
+        f.wants("bf16x3", 65536)
+        and not f.wants("bf16x3", 65535)
+        and not f.wants("tf32x3", 10**6)
+    )
+    assert (
+        f.describe()
+        == "bf16x3 from 65536 rows, tf32x3 stock (never faster on NVIDIA H200)"
+    )
     monkeypatch.setitem(hcf.MEASURED_MIN_ROWS, ("NVIDIA H200", "bf16x3"), None)
-    with pytest.raises(RuntimeError, match="on NVIDIA H200 the one-pass kernel never beat upstream's"):
+    with pytest.raises(
+        RuntimeError, match="on NVIDIA H200 the one-pass kernel never beat upstream's"
+    ):
         hcf.HcFusedStats("auto", "NVIDIA H200")
     monkeypatch.setitem(hcf.MEASURED_MIN_ROWS, ("Other GPU", "bf16x3"), 8192)
     assert hcf.HcFusedStats("auto", "Other GPU").describe() == (
-        "bf16x3 from 8192 rows, tf32x3 stock (not measured on Other GPU)")
+        "bf16x3 from 8192 rows, tf32x3 stock (not measured on Other GPU)"
+    )
     g = hcf.HcFusedStats("512", "any")
     assert g.min_rows == {"bf16x3": 512, "tf32x3": 512}
 
@@ -149,13 +184,17 @@ def test_threshold_is_measured_or_given_never_guessed(monkeypatch):
 def test_off_is_upstream_and_imports_nothing_of_ours():
     from conftest import run_engine
 
-    code = ("import sys, torch; from sglang.srt.models import deepseek_v4_hc_fused as h; "
-            "from sglang.kernels.ops.layernorm import mhc; "
-            "assert h.configure_hc_fused_stats('off') is None and h._ACTIVE is None; "
-            "assert h.mix_stats(torch.zeros(4, 64), torch.zeros(24, 64), 1e-6) is None; "
-            "print('mhc_one_pass' in ' '.join(sys.modules))")
+    code = (
+        "import sys, torch; from sglang.srt.models import deepseek_v4_hc_fused as h; "
+        "from sglang.kernels.ops.layernorm import mhc; "
+        "assert h.configure_hc_fused_stats('off') is None and h._ACTIVE is None; "
+        "assert h.mix_stats(torch.zeros(4, 64), torch.zeros(24, 64), 1e-6) is None; "
+        "print('mhc_one_pass' in ' '.join(sys.modules))"
+    )
     run = run_engine("-c", code)
-    assert run.returncode == 0 and run.stdout.strip() == "False", run.stdout + run.stderr
+    assert run.returncode == 0 and run.stdout.strip() == "False", (
+        run.stdout + run.stderr
+    )
 
 
 def test_upstream_functions_ask_the_hook_first(monkeypatch):
@@ -165,14 +204,21 @@ def test_upstream_functions_ask_the_hook_first(monkeypatch):
         def f(*args):
             calls.append(name)
             return name
+
         return f
 
     for name in ("mix_stats", "mix_stats_sinkhorn", "mix_stats_sinkhorn_bf16x3"):
         monkeypatch.setattr(hcf, name, hook(name))
     x, fn, scale, base = _inputs(2, 1024, device="cpu")
     assert mhc.hc_mix_stats(x, fn, 1e-6) == "mix_stats"
-    assert mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6) == "mix_stats_sinkhorn"
-    assert mhc.hc_mix_stats_sinkhorn_bf16x3(x, None, scale, base, 3, 1e-6, 1e-6) == "mix_stats_sinkhorn_bf16x3"
+    assert (
+        mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6)
+        == "mix_stats_sinkhorn"
+    )
+    assert (
+        mhc.hc_mix_stats_sinkhorn_bf16x3(x, None, scale, base, 3, 1e-6, 1e-6)
+        == "mix_stats_sinkhorn_bf16x3"
+    )
     assert calls == ["mix_stats", "mix_stats_sinkhorn", "mix_stats_sinkhorn_bf16x3"]
 
 
@@ -182,7 +228,9 @@ def test_upstream_functions_ask_the_hook_first(monkeypatch):
 def _bf16x3_call(m, k, seed):
     x, fn, scale, base = _inputs(m, k, seed)
     parts = mhc.split_bf16_hc_weight(fn.contiguous())
-    return lambda: mhc.hc_mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6)
+    return lambda: mhc.hc_mix_stats_sinkhorn_bf16x3(
+        x, parts, scale, base, 3, 1e-6, 1e-6
+    )
 
 
 def test_bf16x3_one_pass_is_upstream_bit_for_bit():
@@ -192,15 +240,30 @@ def test_bf16x3_one_pass_is_upstream_bit_for_bit():
 
     from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass_bf16x3
 
-    m, k, block = 33, 1024, mhc._HC_MIX_BF16X3_BLOCK_M  # 16 slices of one 64-wide block each
+    m, k, block = (
+        33,
+        1024,
+        mhc._HC_MIX_BF16X3_BLOCK_M,
+    )  # 16 slices of one 64-wide block each
     x, fn, _, _ = _inputs(m, k, seed=m)
     parts = mhc.split_bf16_hc_weight(fn.contiguous())
     slices = mhc._HC_MIX_COMPENSATED_SLICES
     part = torch.empty((slices, m, MIX), device=x.device, dtype=torch.float32)
     sq = torch.empty((slices, m), device=x.device, dtype=torch.float32)
     mhc._hc_mix_stats_bf16x3_kernel[(1, slices)](
-        x, *parts, part, sq, m, K=k, K_PER_SLICE=k // slices, MIX_COLS=MIX, MIX_PAD=triton.next_power_of_2(MIX),
-        BLOCK_K=mhc._HC_MIX_BLOCK_K, BLOCK_M=block, num_warps=4, num_stages=3,
+        x,
+        *parts,
+        part,
+        sq,
+        m,
+        K=k,
+        K_PER_SLICE=k // slices,
+        MIX_COLS=MIX,
+        MIX_PAD=triton.next_power_of_2(MIX),
+        BLOCK_K=mhc._HC_MIX_BLOCK_K,
+        BLOCK_M=block,
+        num_warps=4,
+        num_stages=3,
     )
     want_mix, want_sq = torch.zeros_like(part[0]), torch.zeros_like(sq[0])
     for s in range(slices):
@@ -213,22 +276,33 @@ def test_bf16x3_hopper_64_row_tiles_stay_stock(active, sm90):
     """SM90 at 32..4095 rows (upstream's 64-row tile): the hook leaves the call to upstream."""
     x, fn, scale, base = _inputs(33, 1024)
     parts = mhc.split_bf16_hc_weight(fn.contiguous())
-    assert hcf.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC) is None
+    assert (
+        hcf.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC) is None
+    )
     assert active.state == {}
 
 
 def test_tf32x3_mixes_and_sinkhorn_are_upstream_bit_for_bit(active):
-    x, fn, scale, base = _inputs(11, 1024, seed=3)  # 16 slices; 16-row tiles, 5 masked rows
+    x, fn, scale, base = _inputs(
+        11, 1024, seed=3
+    )  # 16 slices; 16-row tiles, 5 masked rows
     hcf._ACTIVE = None
     stock_mix = mhc.hc_mix_stats(x, fn, 1e-6)
     stock_sk = mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6)
     hcf._ACTIVE = active
     assert _same(mhc.hc_mix_stats(x, fn, 1e-6), stock_mix)
-    assert _same(mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6), stock_sk)
-    assert active.state == {("tf32x3", 16): "verified", ("tf32x3-sinkhorn", 16): "verified"}
+    assert _same(
+        mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6), stock_sk
+    )
+    assert active.state == {
+        ("tf32x3", 16): "verified",
+        ("tf32x3-sinkhorn", 16): "verified",
+    }
 
 
-def test_self_check_sends_a_differing_kernel_back_to_stock_for_good(active, monkeypatch, caplog):
+def test_self_check_sends_a_differing_kernel_back_to_stock_for_good(
+    active, monkeypatch, caplog
+):
     from sglang.kernels.ops.layernorm import mhc_one_pass
 
     real = mhc_one_pass.hc_mix_one_pass
@@ -247,7 +321,9 @@ def test_self_check_sends_a_differing_kernel_back_to_stock_for_good(active, monk
     hcf._ACTIVE = active
     with caplog.at_level(logging.ERROR, logger=hcf.__name__):
         got = mhc.hc_mix_stats(x, fn, 1e-6)
-    assert _same(got, stock)  # the call that found the difference returns upstream's result
+    assert _same(
+        got, stock
+    )  # the call that found the difference returns upstream's result
     assert active.state == {("tf32x3", 8): "stock"}
     # the injection reached the compared output: exactly the 24 mixes of the shifted row differ
     assert "differs from upstream's in 24 of 120 values" in caplog.text
@@ -278,15 +354,20 @@ def test_a_threshold_no_prefill_forward_reaches_refuses_to_load(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(rc, "max_prefill_buffer_tokens", lambda: 8192)
-    with pytest.raises(RuntimeError, match=r"would serve bf16x3 from 65536 rows.*more than 8192 rows "
-                                           r"\(--chunked-prefill-size\), so it would never run"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"would serve bf16x3 from 65536 rows.*more than 8192 rows "
+        r"\(--chunked-prefill-size\), so it would never run",
+    ):
         hcf.configure_hc_fused_stats("auto")
     with pytest.raises(RuntimeError, match="more than 8192 rows"):
         hcf.configure_hc_fused_stats("8193")
     assert hcf._ACTIVE is None
     assert hcf.configure_hc_fused_stats("8192").min_rows["bf16x3"] == 8192
     monkeypatch.setattr(hcf, "_ACTIVE", None)
-    monkeypatch.setattr(rc, "max_prefill_buffer_tokens", lambda: 0)  # chunked prefill off: no ceiling
+    monkeypatch.setattr(
+        rc, "max_prefill_buffer_tokens", lambda: 0
+    )  # chunked prefill off: no ceiling
     assert hcf.configure_hc_fused_stats("auto").min_rows["bf16x3"] == 65536
 
 
@@ -311,8 +392,10 @@ def test_benchmark_threshold_rule():
     from bench_hc_fused import MARGIN, min_rows
 
     def rows(ratios, bitwise=True):
-        return [{"route": "bf16x3", "rows": 512 * 2**i, "ratio": r, "bitwise": bitwise}
-                for i, r in enumerate(ratios)]
+        return [
+            {"route": "bf16x3", "rows": 512 * 2**i, "ratio": r, "bitwise": bitwise}
+            for i, r in enumerate(ratios)
+        ]
 
     assert min_rows(rows([0.2, 0.9, 1.05, MARGIN, 1.2]), "bf16x3") == 2048
     assert min_rows(rows([1.1, 0.9, 1.1]), "bf16x3") == 2048
@@ -336,7 +419,10 @@ def test_gpu_bf16x3_bitwise_eager_and_graph(active, m):
     if torch.cuda.get_device_capability() == (9, 0) and m < 4096:
         x, fn, scale, base = _inputs(m, K41, seed=m)
         parts = mhc.split_bf16_hc_weight(fn.contiguous())
-        assert hcf.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC) is None
+        assert (
+            hcf.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC)
+            is None
+        )
         assert active.state == {}
         return
     hcf._ACTIVE = None
@@ -387,5 +473,7 @@ def test_gpu_tf32x3_bitwise(active, m):
     stock_sk = mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 20, 1e-6, 1e-6)
     hcf._ACTIVE = active
     assert _same(mhc.hc_mix_stats(x, fn, 1e-6), stock_mix)
-    assert _same(mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 20, 1e-6, 1e-6), stock_sk)
+    assert _same(
+        mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 20, 1e-6, 1e-6), stock_sk
+    )
     assert set(active.state.values()) == {"verified"}

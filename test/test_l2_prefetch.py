@@ -33,8 +33,18 @@ def _forward(planner, key, spans):
     return mode, prefetched, planner.end()
 
 
-W = {n: (0x1000 * (i + 1) << 20, size, n) for i, (n, size) in enumerate(
-    [("embed", 8 * MB), ("qkv", 4 * MB), ("router", 2 * MB), ("shared", 5 * MB), ("o", 30 * MB)])}
+W = {
+    n: (0x1000 * (i + 1) << 20, size, n)
+    for i, (n, size) in enumerate(
+        [
+            ("embed", 8 * MB),
+            ("qkv", 4 * MB),
+            ("router", 2 * MB),
+            ("shared", 5 * MB),
+            ("o", 30 * MB),
+        ]
+    )
+}
 SPANS = [[W["embed"]], [W["router"], W["shared"]], [W["o"]], [W["qkv"]]]
 
 
@@ -44,7 +54,11 @@ def test_learn_then_prefetch_the_first_budget_bytes_of_each_span():
     mode, prefetched, status = _forward(p, ("decode", 8), SPANS)
     assert (mode, status) == ("apply", "match")
     router, shared, o, qkv = W["router"], W["shared"], W["o"], W["qkv"]
-    assert prefetched == [[(router[0], 2 * MB), (shared[0], 4 * MB)], [(o[0], 6 * MB)], [(qkv[0], 4 * MB)]]
+    assert prefetched == [
+        [(router[0], 2 * MB), (shared[0], 4 * MB)],
+        [(o[0], 6 * MB)],
+        [(qkv[0], 4 * MB)],
+    ]
 
 
 def test_mismatch_disables_the_key_and_logs(caplog):
@@ -53,7 +67,10 @@ def test_mismatch_disables_the_key_and_logs(caplog):
     other = [SPANS[0], [W["shared"], W["router"]], SPANS[2], SPANS[3]]
     with caplog.at_level(logging.WARNING, logger="sglang.srt.distributed.l2_prefetch"):
         assert _forward(p, "k", other)[2] == "mismatch"
-    assert "MISMATCH for 'k': span 0 read ['shared', 'router'] where the plan has ['router', 'shared']" in caplog.text
+    assert (
+        "MISMATCH for 'k': span 0 read ['shared', 'router'] where the plan has ['router', 'shared']"
+        in caplog.text
+    )
     assert _forward(p, "k", SPANS) == (None, [[], [], []], None)  # for good
     assert p.mode_for("k") is None and "k" not in p.plans
 
@@ -84,9 +101,15 @@ def test_weight_of_refuses_a_strided_view():
 
 
 def test_chunk_table():
-    addrs, sizes = chunk_table([(0x10000, 2 * CHUNK_BYTES + 100), (0x900000, 15)], "cpu")
+    addrs, sizes = chunk_table(
+        [(0x10000, 2 * CHUNK_BYTES + 100), (0x900000, 15)], "cpu"
+    )
     assert addrs.tolist() == [0x10000, 0x10000 + CHUNK_BYTES, 0x10000 + 2 * CHUNK_BYTES]
-    assert sizes.tolist() == [CHUNK_BYTES, CHUNK_BYTES, 96]  # 100 rounded down to 16; 15 -> nothing
+    assert sizes.tolist() == [
+        CHUNK_BYTES,
+        CHUNK_BYTES,
+        96,
+    ]  # 100 rounded down to 16; 15 -> nothing
     assert addrs.dtype == torch.int64 and sizes.dtype == torch.int32
     with pytest.raises(ValueError, match="16-byte aligned"):
         chunk_table([(0x10008, 64)], "cpu")
@@ -100,8 +123,13 @@ def test_prefetcher_defaults_to_the_current_cuda_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("stream", device))
     pf = L2Prefetcher(L2PrefetchPlanner(budget_bytes=4 * MB))
-    assert pf.device == torch.device("cuda", 3) and pf.stream == ("stream", torch.device("cuda", 3))
-    assert L2Prefetcher(L2PrefetchPlanner(budget_bytes=MB), "cuda:1").device == torch.device("cuda", 1)
+    assert pf.device == torch.device("cuda", 3) and pf.stream == (
+        "stream",
+        torch.device("cuda", 3),
+    )
+    assert L2Prefetcher(
+        L2PrefetchPlanner(budget_bytes=MB), "cuda:1"
+    ).device == torch.device("cuda", 1)
 
 
 # ------------------------------------------------------------------------------------ GPU
@@ -117,7 +145,9 @@ def test_gpu_kernel_emits_the_bulk_prefetch_and_changes_nothing():
     k.l2_prefetch(addrs, sizes)
     torch.cuda.synchronize()
     assert torch.equal(w.view(torch.int16), before.view(torch.int16))
-    compiled = k._l2_prefetch_kernel[(1,)](addrs, sizes, addrs.numel(), LANES=k.LANES, num_warps=1)
+    compiled = k._l2_prefetch_kernel[(1,)](
+        addrs, sizes, addrs.numel(), LANES=k.LANES, num_warps=1
+    )
     assert "cp.async.bulk.prefetch.L2.global" in compiled.asm["ptx"]
 
 
@@ -125,7 +155,9 @@ def test_gpu_kernel_emits_the_bulk_prefetch_and_changes_nothing():
 def test_gpu_prefetcher_in_a_captured_graph():
     from sglang.srt.distributed.l2_prefetch import L2Prefetcher
 
-    ws = [torch.randn(2048, 1536, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    ws = [
+        torch.randn(2048, 1536, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    ]
     x = torch.randn(4, 2048, device="cuda", dtype=torch.bfloat16)
     pf = L2Prefetcher(L2PrefetchPlanner(budget_bytes=4 * MB))
 

@@ -43,7 +43,9 @@ def noisy_stream(rng, p_max, length):
         if rng.random() < 0.5:
             seq += [rng.randrange(alphabet) for _ in range(rng.randint(1, 10))]
         else:
-            pattern = [rng.randrange(alphabet) for _ in range(rng.randint(1, p_max + 2))]
+            pattern = [
+                rng.randrange(alphabet) for _ in range(rng.randint(1, p_max + 2))
+            ]
             seq += (pattern * 40)[: rng.randint(1, 6 * p_max + 10)]
     return seq[:length]
 
@@ -55,7 +57,9 @@ def test_detector_stops_where_a_rescan_does(p_max):
         n_min = rng.choice([3 * p_max, 3 * p_max + 1, 4 * p_max, 5 * p_max + 3])
         seq = noisy_stream(rng, p_max, 250)
         guard, start, found = la.LoopGuard(p_max, n_min), 0, None
-        while start < len(seq) and found is None:  # accepts of 1..4 tokens, as speculative decoding
+        while (
+            start < len(seq) and found is None
+        ):  # accepts of 1..4 tokens, as speculative decoding
             stop = min(len(seq), start + rng.randint(1, 4))
             found, start = guard.feed(seq, start, stop), stop
         assert found == rescan_first_loop(seq, p_max, n_min), (trial, p_max, n_min, seq)
@@ -92,24 +96,32 @@ def test_english_text_is_never_aborted(limits):
 
 
 def test_smallest_period():
-    assert [la.smallest_period(s) for s in ("abcabcab", "aaaa", "abcd", "abab", "a")] == [3, 1, 4, 2, 1]
+    assert [
+        la.smallest_period(s) for s in ("abcabcab", "aaaa", "abcd", "abab", "a")
+    ] == [3, 1, 4, 2, 1]
 
 
 # ---------------------------------------------------------------- through Req
 
 
 def on(p=8, n=32):
-    return SimpleNamespace(enable_loop_abort=True, loop_abort_max_period=p, loop_abort_min_tokens=n)
+    return SimpleNamespace(
+        enable_loop_abort=True, loop_abort_max_period=p, loop_abort_min_tokens=n
+    )
 
 
-OFF = SimpleNamespace(enable_loop_abort=False, loop_abort_max_period=None, loop_abort_min_tokens=None)
+OFF = SimpleNamespace(
+    enable_loop_abort=False, loop_abort_max_period=None, loop_abort_min_tokens=None
+)
 
 
 @pytest.fixture(autouse=True)
 def tp_rank_0():
     from sglang.srt.runtime_context import get_parallel
 
-    with get_parallel().override(tp_rank=0):  # a scheduler process has its rank; a test states it
+    with get_parallel().override(
+        tp_rank=0
+    ):  # a scheduler process has its rank; a test states it
         yield
 
 
@@ -141,15 +153,20 @@ def test_req_finishes_with_loop_reason():
     assert isinstance(req.finished_reason, la.FINISH_LOOP)
     assert req.finished_len == 32 and len(req.output_ids) == 32
     assert req.finished_reason.to_json() == {
-        "type": "loop", "period": 3, "length": 32,
-        "message": "repetition loop: the last 32 output tokens repeat a 3-token pattern"}
+        "type": "loop",
+        "period": 3,
+        "length": 32,
+        "message": "repetition loop: the last 32 output tokens repeat a 3-token pattern",
+    }
 
 
 def test_multi_token_accept_stops_mid_run():
     req = make_req()
     decode(req, LOOP, step=5)  # 35 tokens accepted when the 32nd completes the loop
     assert isinstance(req.finished_reason, la.FINISH_LOOP) and req.finished_len == 32
-    assert len(req.output_ids) == 35  # trimmed to finished_len by the output path, as a stop token
+    assert (
+        len(req.output_ids) == 35
+    )  # trimmed to finished_len by the output path, as a stop token
 
 
 def test_eos_and_length_keep_priority_and_limits():
@@ -168,7 +185,10 @@ def test_min_new_tokens_defers_the_finish():
 
 
 def test_opt_outs_and_overrides():
-    for req in (make_req(ignore_eos=True), make_req(custom_params={"loop_abort": False})):
+    for req in (
+        make_req(ignore_eos=True),
+        make_req(custom_params={"loop_abort": False}),
+    ):
         assert req.loop_guard is None
         decode(req, LOOP)
         assert isinstance(req.finished_reason, FINISH_LENGTH) or not req.finished()
@@ -180,7 +200,10 @@ def test_opt_outs_and_overrides():
     assert isinstance(req.finished_reason, la.FINISH_LOOP) and req.finished_len == 60
 
 
-@pytest.mark.parametrize("bad", ["yes", {"max_period": 8, "min_tokens": 10}, {"period": 3}, {"max_period": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    ["yes", {"max_period": 8, "min_tokens": 10}, {"period": 3}, {"max_period": 0}],
+)
 def test_bad_override_fails_the_request(bad):
     req = make_req(custom_params={"loop_abort": bad})
     assert req.loop_guard is None
@@ -201,35 +224,65 @@ def test_flag_off_leaves_req_as_upstream():
 def test_flag_syntax():
     from sglang.srt.arg_groups import loop_abort_args as la_args
 
-    assert la_args.parse_loop_abort_max_period("64") == 64 and la_args.parse_loop_abort_min_tokens(500) == 500
+    assert (
+        la_args.parse_loop_abort_max_period("64") == 64
+        and la_args.parse_loop_abort_min_tokens(500) == 500
+    )
     for bad in ("0", "-3", "1.5", "x", "4097"):
-        with pytest.raises(argparse.ArgumentTypeError, match="--loop-abort-max-period .* an integer 1..4096"):
+        with pytest.raises(
+            argparse.ArgumentTypeError,
+            match="--loop-abort-max-period .* an integer 1..4096",
+        ):
             la_args.parse_loop_abort_max_period(bad)
-    with pytest.raises(argparse.ArgumentTypeError, match="--loop-abort-min-tokens '0' .* an integer >= 1"):
+    with pytest.raises(
+        argparse.ArgumentTypeError,
+        match="--loop-abort-min-tokens '0' .* an integer >= 1",
+    ):
         la_args.parse_loop_abort_min_tokens("0")
     assert la.resolve_limits(None, None) == (128, 512)
     assert la.resolve_limits(16, None) == (16, 64)
-    with pytest.raises(ValueError, match=r"--loop-abort-min-tokens 100 < 3 x --loop-abort-max-period 64.*>= 192"):
+    with pytest.raises(
+        ValueError,
+        match=r"--loop-abort-min-tokens 100 < 3 x --loop-abort-max-period 64.*>= 192",
+    ):
         la.resolve_limits(64, 100)
 
 
 def cfg(**kw):
-    base = dict(enable_loop_abort=False, loop_abort_max_period=None, loop_abort_min_tokens=None,
-                is_embedding=False, disaggregation_mode="null")
+    base = dict(
+        enable_loop_abort=False,
+        loop_abort_max_period=None,
+        loop_abort_min_tokens=None,
+        is_embedding=False,
+        disaggregation_mode="null",
+    )
     return SimpleNamespace(**{**base, **kw})
 
 
 def test_refusals():
     la.validate_loop_abort(cfg())
-    la.validate_loop_abort(cfg(enable_loop_abort=True, loop_abort_max_period=8, loop_abort_min_tokens=32))
-    with pytest.raises(ValueError, match="--loop-abort-min-tokens without --enable-loop-abort would do nothing"):
+    la.validate_loop_abort(
+        cfg(enable_loop_abort=True, loop_abort_max_period=8, loop_abort_min_tokens=32)
+    )
+    with pytest.raises(
+        ValueError,
+        match="--loop-abort-min-tokens without --enable-loop-abort would do nothing",
+    ):
         la.validate_loop_abort(cfg(loop_abort_min_tokens=600))
     with pytest.raises(ValueError, match="embedding"):
         la.validate_loop_abort(cfg(enable_loop_abort=True, is_embedding=True))
     with pytest.raises(ValueError, match="prefill server"):
-        la.validate_loop_abort(cfg(enable_loop_abort=True, disaggregation_mode="prefill"))
+        la.validate_loop_abort(
+            cfg(enable_loop_abort=True, disaggregation_mode="prefill")
+        )
     with pytest.raises(ValueError, match="3 x --loop-abort-max-period"):
-        la.validate_loop_abort(cfg(enable_loop_abort=True, loop_abort_max_period=64, loop_abort_min_tokens=100))
+        la.validate_loop_abort(
+            cfg(
+                enable_loop_abort=True,
+                loop_abort_max_period=64,
+                loop_abort_min_tokens=100,
+            )
+        )
 
 
 def test_flags_on_the_command_line():
@@ -237,8 +290,17 @@ def test_flags_on_the_command_line():
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    ns = parser.parse_args(["--model-path", "m", "--enable-loop-abort", "--loop-abort-max-period", "16"])
-    assert ns.enable_loop_abort is True and ns.loop_abort_max_period == 16 and ns.loop_abort_min_tokens is None
+    ns = parser.parse_args(
+        ["--model-path", "m", "--enable-loop-abort", "--loop-abort-max-period", "16"]
+    )
+    assert (
+        ns.enable_loop_abort is True
+        and ns.loop_abort_max_period == 16
+        and ns.loop_abort_min_tokens is None
+    )
     defaults = parser.parse_args(["--model-path", "m"])
-    assert (defaults.enable_loop_abort, defaults.loop_abort_max_period, defaults.loop_abort_min_tokens) == (
-        False, None, None)
+    assert (
+        defaults.enable_loop_abort,
+        defaults.loop_abort_max_period,
+        defaults.loop_abort_min_tokens,
+    ) == (False, None, None)

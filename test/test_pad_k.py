@@ -16,8 +16,8 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-
 from conftest import HAS_CUDA
+
 from sglang.srt.layers.quantization.pad_k import (
     E8M0_ONE,
     KPad,
@@ -29,7 +29,9 @@ from sglang.srt.layers.quantization.pad_k import (
 def test_plan():
     assert plan_k_pad(576, 128, 32) == 640  # V4.1 TP4 shared-expert down_proj on b12x
     assert plan_k_pad(640, 128, 32) is None
-    assert plan_k_pad(576, 128, 128) == 640  # 128-wide blocks: the fifth block was partial
+    assert (
+        plan_k_pad(576, 128, 128) == 640
+    )  # 128-wide blocks: the fifth block was partial
     assert plan_k_pad(288, 128, 32) == 384  # TP8
     assert plan_k_pad(576, 64, 128) is None
     with pytest.raises(ValueError, match="cannot be re-blocked"):
@@ -65,7 +67,9 @@ def test_scales_refusals():
     with pytest.raises(ValueError, match="needs scales"):
         pad_block_scales_k(torch.ones(4, 19), (128, 576), (32, 32), 640)
     with pytest.raises(ValueError, match="not a plain block layout"):
-        pad_block_scales_k(torch.ones(4, 18, dtype=torch.int32), (128, 576), (32, 32), 640)
+        pad_block_scales_k(
+            torch.ones(4, 18, dtype=torch.int32), (128, 576), (32, 32), 640
+        )
     with pytest.raises(ValueError, match="not a multiple"):
         pad_block_scales_k(torch.ones(4, 18), (128, 576), (32, 32), 648)
 
@@ -106,7 +110,9 @@ def _block_fp8(n, k, block, seed):
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
     bn, bk = block
-    s = torch.exp2(torch.randint(-9, -3, (-(-n // bn), -(-k // bk)), generator=gen).float())
+    s = torch.exp2(
+        torch.randint(-9, -3, (-(-n // bn), -(-k // bk)), generator=gen).float()
+    )
     return w, s
 
 
@@ -124,16 +130,32 @@ def _torch_block_gemm(xq, xs, w, ws, block):
     m, k = xq.shape
     acc = torch.zeros(m, w.shape[0])
     for kb in range(k // bk):
-        part = xq[:, kb * bk:(kb + 1) * bk].float() @ w[:, kb * bk:(kb + 1) * bk].float().T
+        part = (
+            xq[:, kb * bk : (kb + 1) * bk].float()
+            @ w[:, kb * bk : (kb + 1) * bk].float().T
+        )
         wsc = ws[:, kb].repeat_interleave(bn)[: w.shape[0]]
         acc = acc + part * xs[:, kb : kb + 1] * wsc[None, :]
     return acc.to(torch.bfloat16)
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(A, B, C, As, Bs, M, N, stride_as, stride_bs,
-                           K_BLOCKS: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _block_fp8_gemm_kernel(
+    A,
+    B,
+    C,
+    As,
+    Bs,
+    M,
+    N,
+    stride_as,
+    stride_bs,
+    K_BLOCKS: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Upstream _w8a8_block_fp8_matmul's arithmetic: one fp32 accumulator, per K block
     acc += dot(a, b) * a_s * b_s (BLOCK_K = the scale block)."""
     pm, pn = tl.program_id(0), tl.program_id(1)
@@ -142,15 +164,24 @@ def _block_fp8_gemm_kernel(A, B, C, As, Bs, M, N, stride_as, stride_bs,
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(K_BLOCKS):
-        a = tl.load(A + rm[:, None] * (K_BLOCKS * BLOCK_K) + kb * BLOCK_K + rk[None, :],
-                    mask=rm[:, None] < M, other=0.0)
-        b = tl.load(B + rn[None, :] * (K_BLOCKS * BLOCK_K) + kb * BLOCK_K + rk[:, None],
-                    mask=rn[None, :] < N, other=0.0)
+        a = tl.load(
+            A + rm[:, None] * (K_BLOCKS * BLOCK_K) + kb * BLOCK_K + rk[None, :],
+            mask=rm[:, None] < M,
+            other=0.0,
+        )
+        b = tl.load(
+            B + rn[None, :] * (K_BLOCKS * BLOCK_K) + kb * BLOCK_K + rk[:, None],
+            mask=rn[None, :] < N,
+            other=0.0,
+        )
         a_s = tl.load(As + rm * stride_as + kb, mask=rm < M, other=0.0)
         b_s = tl.load(Bs + (rn // GROUP_N) * stride_bs + kb, mask=rn < N, other=0.0)
         acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-    tl.store(C + rm[:, None] * N + rn[None, :], acc.to(tl.bfloat16),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        C + rm[:, None] * N + rn[None, :],
+        acc.to(tl.bfloat16),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
 def _triton_block_gemm(xq, xs, w, ws, block):
@@ -160,26 +191,51 @@ def _triton_block_gemm(xq, xs, w, ws, block):
     assert k % bk == 0
     c = torch.empty(m, n, dtype=torch.bfloat16, device=xq.device)
     _block_fp8_gemm_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 32))](
-        xq, w, c, xs, ws, m, n, xs.stride(0), ws.stride(0),
-        K_BLOCKS=k // bk, GROUP_N=bn, BLOCK_M=16, BLOCK_N=32, BLOCK_K=bk)
+        xq,
+        w,
+        c,
+        xs,
+        ws,
+        m,
+        n,
+        xs.stride(0),
+        ws.stride(0),
+        K_BLOCKS=k // bk,
+        GROUP_N=bn,
+        BLOCK_M=16,
+        BLOCK_N=32,
+        BLOCK_K=bk,
+    )
     return c
 
 
-@pytest.mark.parametrize("gemm", [_torch_block_gemm, _triton_block_gemm], ids=["torch", "triton"])
-@pytest.mark.parametrize("n,k,granule,block", [(64, 96, 128, (32, 32)), (32, 384, 256, (128, 128))])
+@pytest.mark.parametrize(
+    "gemm", [_torch_block_gemm, _triton_block_gemm], ids=["torch", "triton"]
+)
+@pytest.mark.parametrize(
+    "n,k,granule,block", [(64, 96, 128, (32, 32)), (32, 384, 256, (128, 128))]
+)
 def test_padded_gemm_bitwise(gemm, n, k, granule, block):
     padded_k = plan_k_pad(k, granule, block[1])
     w, ws = _block_fp8(n, k, block, seed=n + k)
     pad = KPad("t", k, padded_k, rows=8, dtype=torch.bfloat16)
     wp, wsp = pad.pad_weights(w, ws, block)
-    assert torch.equal(wp[:, :k].view(torch.uint8), w.view(torch.uint8)) and not wp[:, k:].float().any()
+    assert (
+        torch.equal(wp[:, :k].view(torch.uint8), w.view(torch.uint8))
+        and not wp[:, k:].float().any()
+    )
     for m in (1, 3, 8):
-        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).to(torch.bfloat16)
+        x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 2).to(
+            torch.bfloat16
+        )
         xq, xs = _quant_groups(x, block[1])
         xpq, xps = _quant_groups(pad.pad_input(x), block[1])
         ref = gemm(xq, xs, w, ws, block)
         out = gemm(xpq, xps, wp, wsp, block)
-        assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (m, gemm.__name__)
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16)), (
+            m,
+            gemm.__name__,
+        )
 
 
 # ------------------------------------------------------------------------------------- GPU
@@ -191,20 +247,31 @@ def test_gpu_upstream_triton_block_fp8_k576_vs_640(monkeypatch, m):
     """Upstream's Triton block-fp8 GEMM (default config: its tuned K=576 file may split K, which
     no padding can match) on the padded shape gives the unpadded shape's bits."""
     from sglang.kernels.ops.gemm import fp8_kernel as gemm
-    from sglang.kernels.ops.quantization.fp8_kernel import _per_token_group_quant_8bit_raw
+    from sglang.kernels.ops.quantization.fp8_kernel import (
+        _per_token_group_quant_8bit_raw,
+    )
 
     monkeypatch.setattr(gemm, "get_w8a8_block_fp8_configs", lambda *a, **k: None)
     n, k, block = 5120, 576, [32, 32]
     padded_k = plan_k_pad(k, 128, 32)
     w, ws = _block_fp8(n, k, tuple(block), seed=1)
     w, ws = w.cuda(), ws.cuda()
-    pad = KPad("shared_experts.down_proj", k, padded_k, rows=64, dtype=torch.bfloat16, device="cuda")
+    pad = KPad(
+        "shared_experts.down_proj",
+        k,
+        padded_k,
+        rows=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     wp, wsp = pad.pad_weights(w, ws, tuple(block))
     x = (torch.randn(m, k, device="cuda") * 2).to(torch.bfloat16)
 
     def run(inp, weight, scale):
         q, s = _per_token_group_quant_8bit_raw(inp.contiguous(), 32)
-        return gemm.w8a8_block_fp8_matmul_triton(q, weight, s, scale, block, output_dtype=torch.bfloat16)
+        return gemm.w8a8_block_fp8_matmul_triton(
+            q, weight, s, scale, block, output_dtype=torch.bfloat16
+        )
 
     ref, out = run(x, w, ws), run(pad.pad_input(x), wp, wsp)
     assert (m > 64) == (pad.oversized_calls == 1)

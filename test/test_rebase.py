@@ -6,10 +6,19 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from fakefork import BASE, TAG, TAG312, Spec, lines, make_fork, make_wheel, set_line, snapshot, status
-from forklib import ForkError, REPO_ROOT
-from forklib import rebase
+from fakefork import (
+    BASE,
+    TAG,
+    TAG312,
+    Spec,
+    lines,
+    make_fork,
+    make_wheel,
+    set_line,
+    snapshot,
+    status,
+)
+from forklib import REPO_ROOT, ForkError, rebase
 from forklib.git import git
 from forklib.pin import load_pin
 from forklib.series import check_series, dropped_tests, load_series
@@ -21,13 +30,19 @@ SPECS = [
     Spec("merged", {"python/sglang/b.py": lambda t: set_line(t, 20, "b20 = 'ours'")}),
     Spec("conflict", {"python/sglang/c.py": lambda t: set_line(t, 10, "c10 = 'ours'")}),
     Spec("upstream", {"python/sglang/d.py": lambda t: set_line(t, 3, "d3 = 'fixed'")}),
-    Spec("clash", {"python/sglang/e.py": lambda t: set_line(t, 5, "from sglang.extra import X")},
-         owns={"python/sglang/extra.py": "X = 'ours'\n"}),
+    Spec(
+        "clash",
+        {"python/sglang/e.py": lambda t: set_line(t, 5, "from sglang.extra import X")},
+        owns={"python/sglang/extra.py": "X = 'ours'\n"},
+    ),
 ]
 TARGET = BASE | {
-    "sglang/b.py": "# new header\n# of three\n# lines\n" + lines("b"),  # moves our hunk: merged
+    "sglang/b.py": "# new header\n# of three\n# lines\n"
+    + lines("b"),  # moves our hunk: merged
     "sglang/c.py": set_line(lines("c"), 10, "c10 = 'upstream'"),  # same line: conflict
-    "sglang/d.py": set_line(lines("d"), 3, "d3 = 'fixed'"),  # our change, merged upstream
+    "sglang/d.py": set_line(
+        lines("d"), 3, "d3 = 'fixed'"
+    ),  # our change, merged upstream
     "sglang/extra.py": "X = 'upstream'\n",  # a file where ours lives: clash
 }
 
@@ -52,12 +67,18 @@ def test_every_class_then_continue_and_drop(fork, capsys):
     assert rebase.start("1.1.0", lay) == 1
     assert statuses(lay) == ["clean", "merged", "conflict", "pending", "pending"]
     printed = capsys.readouterr().out
-    assert "python/sglang/c.py:10: conflict with hunk @@ -7,7 +7,7 @@" in printed  # region and hunk
-    assert snapshot(lay.root) == before and status(lay.root) == ""  # nothing written yet
+    assert (
+        "python/sglang/c.py:10: conflict with hunk @@ -7,7 +7,7 @@" in printed
+    )  # region and hunk
+    assert (
+        snapshot(lay.root) == before and status(lay.root) == ""
+    )  # nothing written yet
 
     with pytest.raises(ForkError, match="unresolved conflicts"):
         rebase.resume(lay)
-    (lay.repo / "python/sglang/c.py").write_text(set_line(lines("c"), 10, "c10 = 'both'"))
+    (lay.repo / "python/sglang/c.py").write_text(
+        set_line(lines("c"), 10, "c10 = 'both'")
+    )
     git(lay.repo, "add", "python/sglang/c.py")
     assert rebase.resume(lay) == 1
     assert statuses(lay)[2:] == ["resolved", "upstream", "pending"]
@@ -77,14 +98,20 @@ def test_every_class_then_continue_and_drop(fork, capsys):
     assert not (lay.root / "python/sglang/extra.py").exists()  # its owner was dropped
     assert load_pin(lay.pin_file).version == "1.1.0"
     assert "c10 = 'both'" in series[2].path.read_text()
-    assert series[1].trailers["Why"] == ["test merged"]  # headers kept, only the base moved
+    assert series[1].trailers["Why"] == [
+        "test merged"
+    ]  # headers kept, only the base moved
     range_diff = (lay.dir / "range-diff.txt").read_text()
-    assert "! 3:" in range_diff and "c10 = 'both'" in range_diff  # the resolution is visible
+    assert (
+        "! 3:" in range_diff and "c10 = 'both'" in range_diff
+    )  # the resolution is visible
     assert "4:" in range_diff and "< -:  -------" in range_diff  # the dropped patch too
     check_series(series, lay.root)
     # The written series applies exactly (no offset) on the new release.
     wheel = lay.root.parent / "cache/wheels" / f"sglang-1.1.0-{TAG}.whl"
-    assemble(lay.root.parent / "verify", wheel, "1.1.0", series, stamp=False, src=lay.root)
+    assemble(
+        lay.root.parent / "verify", wheel, "1.1.0", series, stamp=False, src=lay.root
+    )
 
 
 def test_abort_leaves_repository_as_it_was(fork):
@@ -114,7 +141,9 @@ def test_interrupted_replay_writes_nothing_and_resumes(fork, monkeypatch):
         rebase.start("1.1.0", lay)
     assert snapshot(lay.root) == before and status(lay.root) == ""
     monkeypatch.setattr(rebase, "_pick", real_pick)
-    assert rebase.resume(lay) == 1  # the interrupted step is redone from its recorded HEAD
+    assert (
+        rebase.resume(lay) == 1
+    )  # the interrupted step is redone from its recorded HEAD
     assert statuses(lay)[:3] == ["clean", "merged", "conflict"]
 
 
@@ -123,7 +152,11 @@ def test_interrupted_write_back_restores_repository(tmp_path, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     lay = rebase.Layout(tmp_path / "fork")
     make_fork(lay.root, tmp_path / "cache", "1.0.0", BASE, SPECS[:2] + SPECS[4:])
-    make_wheel(tmp_path / "cache", "1.1.0", {k: v for k, v in TARGET.items() if k != "sglang/extra.py"})
+    make_wheel(
+        tmp_path / "cache",
+        "1.1.0",
+        {k: v for k, v in TARGET.items() if k != "sglang/extra.py"},
+    )
     before = snapshot(lay.root)
     real_move, moved = rebase._move_in, []
 
@@ -140,7 +173,11 @@ def test_interrupted_write_back_restores_repository(tmp_path, monkeypatch):
     monkeypatch.setattr(rebase, "_move_in", real_move)
     assert rebase.resume(lay) == 0
     assert load_pin(lay.pin_file).version == "1.1.0"
-    assert [p.name for p in load_series(lay.series_file)] == ["0001-clean", "0002-merged", "0003-clash"]
+    assert [p.name for p in load_series(lay.series_file)] == [
+        "0001-clean",
+        "0002-merged",
+        "0003-clash",
+    ]
 
 
 def test_backward_all_clean_records_hashes(tmp_path, monkeypatch, capsys):
@@ -174,12 +211,17 @@ def test_the_dockerfile_follows_the_release(tmp_path, monkeypatch, capsys):
     make_fork(lay.root, cache, "2.0.0", BASE, SPECS[:1])
     dockerfile = lay.root / "docker" / "Dockerfile"
     dockerfile.parent.mkdir()
-    dockerfile.write_text("# docker build -t sglang-dsv4:2.0.0 .\nARG SGLANG_IMAGE=lmsysorg/sglang:v2.0.0\n")
+    dockerfile.write_text(
+        "# docker build -t sglang-dsv4:2.0.0 .\nARG SGLANG_IMAGE=lmsysorg/sglang:v2.0.0\n"
+    )
     git(lay.root, "add", "-A")
     git(lay.root, "commit", "-qm", "docker")
     make_wheel(cache, "1.0.0", BASE)
     assert rebase.start("1.0.0", lay) == 0
-    assert dockerfile.read_text() == "# docker build -t sglang-dsv4:1.0.0 .\nARG SGLANG_IMAGE=lmsysorg/sglang:v1.0.0\n"
+    assert (
+        dockerfile.read_text()
+        == "# docker build -t sglang-dsv4:1.0.0 .\nARG SGLANG_IMAGE=lmsysorg/sglang:v1.0.0\n"
+    )
     assert "docker/Dockerfile" in capsys.readouterr().out
 
 
@@ -200,7 +242,9 @@ def test_clear_errors(fork):
     wheel.write_bytes(wheel.read_bytes() + b"tampered")
     with pytest.raises(ForkError, match="cannot fetch sglang==1.0.0"):
         rebase.start("1.1.0", lay)  # recorded when it entered the cache: fetched again
-    wheel.with_name(wheel.name + ".sha256").unlink()  # no record: nothing says which is right
+    wheel.with_name(
+        wheel.name + ".sha256"
+    ).unlink()  # no record: nothing says which is right
     with pytest.raises(ForkError, match="does not match the pinned"):
         rebase.start("1.1.0", lay)
     with pytest.raises(ForkError, match="no rebase in progress"):
@@ -212,20 +256,38 @@ def test_clear_errors(fork):
 
 def test_drift_record_is_the_tools_own_output(fork, capsys):
     """`tools/fork drift` writes the dry runs' printed output verbatim, with where and how
-    long they ran; a hand-written part of the record outside the generated block is kept."""
+    long they ran; a hand-written part of the record outside the generated block is kept.
+    """
     lay = fork
     record = lay.root / "drift.md"
-    record.write_text("# Drift\n\nkept by hand\n\n" + rebase.DRIFT_BEGIN + "\nold\n" + rebase.DRIFT_END + "\n\ntail by hand\n")
+    record.write_text(
+        "# Drift\n\nkept by hand\n\n"
+        + rebase.DRIFT_BEGIN
+        + "\nold\n"
+        + rebase.DRIFT_END
+        + "\n\ntail by hand\n"
+    )
     rebase.drift(["1.1.0"], lay.root, record=record)
-    printed = capsys.readouterr().out.replace(str(lay.root / "build/drift/1.1.0"), "build/drift/1.1.0")
+    printed = capsys.readouterr().out.replace(
+        str(lay.root / "build/drift/1.1.0"), "build/drift/1.1.0"
+    )
     text = record.read_text()
-    assert text.startswith("# Drift\n\nkept by hand\n") and text.endswith("tail by hand\n") and "\nold\n" not in text
-    table = printed[printed.index("sglang 1.0.0 -> 1.1.0"):printed.index("(dry run")]
+    assert (
+        text.startswith("# Drift\n\nkept by hand\n")
+        and text.endswith("tail by hand\n")
+        and "\nold\n" not in text
+    )
+    table = printed[printed.index("sglang 1.0.0 -> 1.1.0") : printed.index("(dry run")]
     assert table.strip() and table.strip() in text  # the tool's table, verbatim
-    assert "python/sglang/c.py:10: conflict with hunk @@ -7,7 +7,7 @@" in text  # every detail, not the first
+    assert (
+        "python/sglang/c.py:10: conflict with hunk @@ -7,7 +7,7 @@" in text
+    )  # every detail, not the first
     assert "CPU" in text and "Python" in text and "git" in text  # where it was measured
     assert str(lay.root) not in text  # no machine paths
-    assert not (lay.root / "build" / "rebase").exists() and status(lay.root) == "?? drift.md"
+    assert (
+        not (lay.root / "build" / "rebase").exists()
+        and status(lay.root) == "?? drift.md"
+    )
 
 
 @pytest.mark.slow
@@ -256,21 +318,40 @@ def _fork(tmp_path, monkeypatch, specs, target, version="1.1.0"):
     return lay
 
 
-def test_modify_delete_is_named_and_never_adopts_upstreams_file(tmp_path, monkeypatch, capsys):
+def test_modify_delete_is_named_and_never_adopts_upstreams_file(
+    tmp_path, monkeypatch, capsys
+):
     """A file the patch edits is gone in the target: say so, say what each choice means,
     and refuse to write back a patch that would own upstream's old file."""
-    specs = [Spec("gone", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'ours'"),
-                           "python/sglang/d.py": lambda t: set_line(t, 3, "d3 = 'ours'")})]
+    specs = [
+        Spec(
+            "gone",
+            {
+                "python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'ours'"),
+                "python/sglang/d.py": lambda t: set_line(t, 3, "d3 = 'ours'"),
+            },
+        )
+    ]
     target = {k: v for k, v in BASE.items() if k != "sglang/d.py"}
     lay = _fork(tmp_path, monkeypatch, specs, target)
     assert rebase.start("1.1.0", lay) == 1
     printed = capsys.readouterr().out
     assert "no markers" not in printed
-    assert "python/sglang/d.py: deleted (or renamed) in 1.1.0, edited by this patch" in printed
-    assert "git rm python/sglang/d.py" in printed  # drop our edit of a file that no longer exists
+    assert (
+        "python/sglang/d.py: deleted (or renamed) in 1.1.0, edited by this patch"
+        in printed
+    )
+    assert (
+        "git rm python/sglang/d.py" in printed
+    )  # drop our edit of a file that no longer exists
     assert "re-home" in printed
-    git(lay.repo, "add", "python/sglang/d.py")  # the wrong move: adopt upstream's old file
-    with pytest.raises(ForkError, match=r"python/sglang/d\.py.*upstream's file.*git rm -f python/sglang/d\.py"):
+    git(
+        lay.repo, "add", "python/sglang/d.py"
+    )  # the wrong move: adopt upstream's old file
+    with pytest.raises(
+        ForkError,
+        match=r"python/sglang/d\.py.*upstream's file.*git rm -f python/sglang/d\.py",
+    ):
         rebase.resume(lay)
     git(lay.repo, "rm", "-qf", "python/sglang/d.py")
     assert rebase.resume(lay) == 0
@@ -281,13 +362,17 @@ def test_modify_delete_is_named_and_never_adopts_upstreams_file(tmp_path, monkey
 def test_a_resolution_committed_by_hand_keeps_the_header(tmp_path, monkeypatch, capsys):
     lay = _fork(tmp_path, monkeypatch, SPECS[2:3], TARGET)
     assert rebase.start("1.1.0", lay) == 1
-    (lay.repo / "python/sglang/c.py").write_text(set_line(lines("c"), 10, "c10 = 'both'"))
+    (lay.repo / "python/sglang/c.py").write_text(
+        set_line(lines("c"), 10, "c10 = 'both'")
+    )
     git(lay.repo, "add", "python/sglang/c.py")
     git(lay.repo, "commit", "-qm", "fix the conflict")  # a message of the person's own
     assert rebase.resume(lay) == 0
     assert "kept the header of 0001-conflict" in capsys.readouterr().out
     (patch,) = load_series(lay.series_file)
-    assert patch.subject == "conflict: change things" and patch.trailers["Why"] == ["test conflict"]
+    assert patch.subject == "conflict: change things" and patch.trailers["Why"] == [
+        "test conflict"
+    ]
     assert "c10 = 'both'" in patch.path.read_text()
     check_series([patch], lay.root)
 
@@ -295,7 +380,9 @@ def test_a_resolution_committed_by_hand_keeps_the_header(tmp_path, monkeypatch, 
 def test_abort_after_a_finished_rebase_says_what_is_true(fork):
     lay = fork
     assert rebase.start("1.1.0", lay) == 1
-    (lay.repo / "python/sglang/c.py").write_text(set_line(lines("c"), 10, "c10 = 'both'"))
+    (lay.repo / "python/sglang/c.py").write_text(
+        set_line(lines("c"), 10, "c10 = 'both'")
+    )
     git(lay.repo, "add", "python/sglang/c.py")
     assert rebase.resume(lay, drop=["4", "5"]) == 0
     changed = status(lay.root)
@@ -305,70 +392,123 @@ def test_abort_after_a_finished_rebase_says_what_is_true(fork):
     msg = str(e.value)
     assert "already finished" in msg and "unchanged" not in msg
     assert "git checkout HEAD -- patches python/sglang upstream.toml" in msg
-    assert (lay.dir / "range-diff.txt").exists() and status(lay.root) == changed  # nothing lost
+    assert (lay.dir / "range-diff.txt").exists() and status(
+        lay.root
+    ) == changed  # nothing lost
 
 
 def test_every_conflict_region_is_named_with_its_hunk(tmp_path, monkeypatch, capsys):
     """Two hunks of one file conflict: both regions are listed as file:line with the patch
     hunk each came from; the scratch repository shows the base (zdiff3)."""
-    specs = [Spec("two", {"python/sglang/c.py": lambda t: set_line(set_line(t, 5, "c5 = 'ours'"), 25, "c25 = 'ours'")})]
-    target = BASE | {"sglang/c.py": set_line(set_line(lines("c"), 5, "c5 = 'up'"), 25, "c25 = 'up'")}
+    specs = [
+        Spec(
+            "two",
+            {
+                "python/sglang/c.py": lambda t: set_line(
+                    set_line(t, 5, "c5 = 'ours'"), 25, "c25 = 'ours'"
+                )
+            },
+        )
+    ]
+    target = BASE | {
+        "sglang/c.py": set_line(set_line(lines("c"), 5, "c5 = 'up'"), 25, "c25 = 'up'")
+    }
     lay = _fork(tmp_path, monkeypatch, specs, target)
     assert rebase.start("1.1.0", lay) == 1
     printed = capsys.readouterr().out
     text = (lay.repo / "python/sglang/c.py").read_text().splitlines()
     starts = [n + 1 for n, line in enumerate(text) if line.startswith("<<<<<<< ")]
     assert len(starts) == 2 and any(line.startswith("||||||| ") for line in text)
-    assert f"python/sglang/c.py:{starts[0]}: conflict with hunk @@ -2,7 +2,7 @@" in printed
-    assert f"python/sglang/c.py:{starts[1]}: conflict with hunk @@ -22,7 +22,7 @@" in printed
+    assert (
+        f"python/sglang/c.py:{starts[0]}: conflict with hunk @@ -2,7 +2,7 @@" in printed
+    )
+    assert (
+        f"python/sglang/c.py:{starts[1]}: conflict with hunk @@ -22,7 +22,7 @@"
+        in printed
+    )
 
 
 DEP_SPECS = [
-    Spec("helper", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'ours'")},
-         owns={"python/sglang/helper.py": "H = 1\n"}),
-    Spec("user", {"python/sglang/b.py": lambda t: set_line(t, 5, "from sglang.helper import H")},
-         owns={"python/sglang/user.py": "from sglang.helper import H\n"}),
+    Spec(
+        "helper",
+        {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'ours'")},
+        owns={"python/sglang/helper.py": "H = 1\n"},
+    ),
+    Spec(
+        "user",
+        {"python/sglang/b.py": lambda t: set_line(t, 5, "from sglang.helper import H")},
+        owns={"python/sglang/user.py": "from sglang.helper import H\n"},
+    ),
 ]
 
 
 def test_drop_refuses_while_another_patch_depends_on_it(tmp_path, monkeypatch, capsys):
-    lay = _fork(tmp_path, monkeypatch, DEP_SPECS, BASE | {"sglang/a.py": set_line(lines("a"), 5, "a5 = 'up'")})
+    lay = _fork(
+        tmp_path,
+        monkeypatch,
+        DEP_SPECS,
+        BASE | {"sglang/a.py": set_line(lines("a"), 5, "a5 = 'up'")},
+    )
     depends_on(lay.root, "0002-user", "0001-helper")
     assert rebase.start("1.1.0", lay) == 1
     # the stop offers the drop that the tool accepts: the patch with what depends on it
-    assert ("`tools/fork rebase --drop 0001-helper --drop 0002-user` (it and 0002-user, which depend on it "
-            "(their Depends: trailer), will be removed from the series)") in capsys.readouterr().out
-    with pytest.raises(ForkError, match=r"0002-user depends on 0001-helper.*--drop 0001-helper --drop 0002-user"):
+    assert (
+        "`tools/fork rebase --drop 0001-helper --drop 0002-user` (it and 0002-user, which depend on it "
+        "(their Depends: trailer), will be removed from the series)"
+    ) in capsys.readouterr().out
+    with pytest.raises(
+        ForkError,
+        match=r"0002-user depends on 0001-helper.*--drop 0001-helper --drop 0002-user",
+    ):
         rebase.resume(lay, drop=["1"])
     assert rebase.resume(lay, drop=["1", "2"]) == 0
     assert load_series(lay.series_file) == []
     # The series says what was dropped and whose tests no longer run (conftest skips them).
-    assert dropped_tests(lay.series_file) == {"test/test_x.py": ["0001-helper", "0002-user"]}
-    assert "# dropped in the rebase from 1.0.0 to 1.1.0: 0001-helper (tests: test/test_x.py)" in lay.series_file.read_text()
+    assert dropped_tests(lay.series_file) == {
+        "test/test_x.py": ["0001-helper", "0002-user"]
+    }
+    assert (
+        "# dropped in the rebase from 1.0.0 to 1.1.0: 0001-helper (tests: test/test_x.py)"
+        in lay.series_file.read_text()
+    )
 
 
 def test_the_refusal_offers_a_drop_the_tool_accepts_after_earlier_drops():
     """A refused --drop names the command to run now: the patches named plus their dependent,
     not the ones dropped earlier in the rebase (naming those again is refused)."""
-    state = {"next": 1, "patches": [
-        {"name": "0001-old", "status": "dropped", "depends": []},
-        {"name": "0002-helper", "status": "conflict", "depends": []},
-        {"name": "0003-user", "status": "pending", "depends": ["0002-helper"]},
-    ]}
+    state = {
+        "next": 1,
+        "patches": [
+            {"name": "0001-old", "status": "dropped", "depends": []},
+            {"name": "0002-helper", "status": "conflict", "depends": []},
+            {"name": "0003-user", "status": "pending", "depends": ["0002-helper"]},
+        ],
+    }
     with pytest.raises(ForkError) as refused:
         rebase._drops(state, ["2"])
-    assert "(`tools/fork rebase --drop 0002-helper --drop 0003-user`)" in str(refused.value)
+    assert "(`tools/fork rebase --drop 0002-helper --drop 0003-user`)" in str(
+        refused.value
+    )
     assert rebase._drops(state, ["2", "3"]) == [1, 2]
     # a chain: what depends on the dependent goes in the offer too (else it is refused again)
-    state["patches"].append({"name": "0004-user-of-user", "status": "pending", "depends": ["0003-user"]})
+    state["patches"].append(
+        {"name": "0004-user-of-user", "status": "pending", "depends": ["0003-user"]}
+    )
     with pytest.raises(ForkError) as refused:
         rebase._drops(state, ["2"])
-    assert "(`tools/fork rebase --drop 0002-helper --drop 0003-user --drop 0004-user-of-user`)" in str(refused.value)
+    assert (
+        "(`tools/fork rebase --drop 0002-helper --drop 0003-user --drop 0004-user-of-user`)"
+        in str(refused.value)
+    )
     assert rebase._drops(state, ["2", "3", "4"]) == [1, 2, 3]
 
 
 def depends_on(root, name, dep):
     """Add a Depends: trailer to a patch of a fake fork and commit it."""
     path = root / "patches" / f"{name}.patch"
-    path.write_text(path.read_text().replace("Tests: test/test_x.py\n", f"Tests: test/test_x.py\nDepends: {dep}\n", 1))
+    path.write_text(
+        path.read_text().replace(
+            "Tests: test/test_x.py\n", f"Tests: test/test_x.py\nDepends: {dep}\n", 1
+        )
+    )
     git(root, "commit", "-qam", f"{name} depends on {dep}")

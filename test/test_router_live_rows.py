@@ -30,9 +30,15 @@ def test_in_a_scope_the_router_gets_the_live_lengths_and_refusals_name_the_flag(
     with lr.live_rows_scope(lr.LiveRows(lens, 3, OWNER)):
         kw = lr.router_live_kwargs(torch.zeros(6, 4))
         assert kw["live_lens"] is lens and kw["live_stride"] == 3
-        with pytest.raises(RuntimeError, match=f"{OWNER}: a target-verify router got 5 rows, not a multiple"):
+        with pytest.raises(
+            RuntimeError,
+            match=f"{OWNER}: a target-verify router got 5 rows, not a multiple",
+        ):
             lr.router_live_kwargs(torch.zeros(5, 4))
-        with pytest.raises(RuntimeError, match=f"{OWNER}: .*MoE layer 7 runs the mega gate.*drop {OWNER}"):
+        with pytest.raises(
+            RuntimeError,
+            match=f"{OWNER}: .*MoE layer 7 runs the mega gate.*drop {OWNER}",
+        ):
             lr.refuse_dead_rows("the mega gate", 7)
     assert lr.router_live_kwargs(torch.zeros(5, 4)) == {}  # the scope closed
 

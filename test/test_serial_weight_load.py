@@ -19,25 +19,33 @@ import pytest
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmark" / "loading"))
+import os  # noqa: E402
+
 import bench_serial_weight_load as bench  # noqa: E402
 
 from sglang.srt.model_loader import serial_weight_load as swl  # noqa: E402
 
-import os  # noqa: E402
-
-CPU_ENV = {"SGLANG_USE_CPU_ENGINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tools" / "standins"), os.environ.get("PYTHONPATH", "")])}
+CPU_ENV = {
+    "SGLANG_USE_CPU_ENGINE": "1",
+    "PYTHONPATH": os.pathsep.join(
+        [str(REPO / "tools" / "standins"), os.environ.get("PYTHONPATH", "")]
+    ),
+}
 
 
 def test_serial_load_is_bitwise_the_pool_load_and_bounded(tmp_path):
-    ckpt = bench.write_checkpoint(tmp_path / "ckpt", layers=4, mib_per_matrix=4, shards=3)
+    ckpt = bench.write_checkpoint(
+        tmp_path / "ckpt", layers=4, mib_per_matrix=4, shards=3
+    )
     stock = bench.run_child(ckpt, serial=False, env=CPU_ENV)
     serial = bench.run_child(ckpt, serial=True, env=CPU_ENV)
     assert stock["params"] == serial["params"] == 3 + 3 * 4
     assert serial["digests"] == stock["digests"]
     shard_mib = max(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20
-    print(f"peak RSS above baseline: pool {stock['peak_rss_above_baseline_mib']} MiB, "
-          f"serial {serial['peak_rss_above_baseline_mib']} MiB (largest shard {shard_mib:.1f} MiB)")
+    print(
+        f"peak RSS above baseline: pool {stock['peak_rss_above_baseline_mib']} MiB, "
+        f"serial {serial['peak_rss_above_baseline_mib']} MiB (largest shard {shard_mib:.1f} MiB)"
+    )
     assert serial["peak_rss_above_baseline_mib"] <= shard_mib + 4 + 24
 
 
@@ -61,17 +69,28 @@ def test_wiring_in_the_v4_loader():
 
 
 def cfg(**kw):
-    return SimpleNamespace(**{"weight_loader_disable_async_load": False, "load_format": "auto", **kw})
+    return SimpleNamespace(
+        **{"weight_loader_disable_async_load": False, "load_format": "auto", **kw}
+    )
 
 
 def test_refusals():
     swl.validate_weight_loader_disable_async_load(cfg(), "LlamaForCausalLM")
-    swl.validate_weight_loader_disable_async_load(cfg(weight_loader_disable_async_load=True), "DeepseekV4ForCausalLM")
-    with pytest.raises(ValueError, match="LlamaForCausalLM loader does not copy weights on a thread pool"):
-        swl.validate_weight_loader_disable_async_load(cfg(weight_loader_disable_async_load=True), "LlamaForCausalLM")
+    swl.validate_weight_loader_disable_async_load(
+        cfg(weight_loader_disable_async_load=True), "DeepseekV4ForCausalLM"
+    )
+    with pytest.raises(
+        ValueError,
+        match="LlamaForCausalLM loader does not copy weights on a thread pool",
+    ):
+        swl.validate_weight_loader_disable_async_load(
+            cfg(weight_loader_disable_async_load=True), "LlamaForCausalLM"
+        )
     with pytest.raises(ValueError, match="dummy would do nothing"):
         swl.validate_weight_loader_disable_async_load(
-            cfg(weight_loader_disable_async_load=True, load_format="dummy"), "DeepseekV4ForCausalLM")
+            cfg(weight_loader_disable_async_load=True, load_format="dummy"),
+            "DeepseekV4ForCausalLM",
+        )
 
 
 def test_flag_on_the_command_line():
@@ -79,5 +98,10 @@ def test_flag_on_the_command_line():
 
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
-    assert parser.parse_args(["--model-path", "m"]).weight_loader_disable_async_load is False
-    assert parser.parse_args(["--model-path", "m", "--weight-loader-disable-async-load"]).weight_loader_disable_async_load
+    assert (
+        parser.parse_args(["--model-path", "m"]).weight_loader_disable_async_load
+        is False
+    )
+    assert parser.parse_args(
+        ["--model-path", "m", "--weight-loader-disable-async-load"]
+    ).weight_loader_disable_async_load

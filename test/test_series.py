@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
-
 from forklib import ForkError
 from forklib.git import out
 from forklib.pin import fetch_pinned, load_pin
@@ -35,8 +34,12 @@ def test_every_file_of_ours_is_owned_once(series):
     assert ownership_problems(series) == []
 
 
-def test_tree_differs_from_upstream_only_in_the_files_the_series_names(assembled, series):
-    changed = set(out(assembled.tree, "diff", "--name-only", assembled.base, "HEAD").split())
+def test_tree_differs_from_upstream_only_in_the_files_the_series_names(
+    assembled, series
+):
+    changed = set(
+        out(assembled.tree, "diff", "--name-only", assembled.base, "HEAD").split()
+    )
     named = {f for p in series for f in (*p.files, *p.owns)} | set(STAMP_FILES)
     assert changed == named
 
@@ -55,7 +58,9 @@ def _broken_copy(tmp_path: Path, series, edit) -> Path:
 
 
 def _first_hunk(text: str) -> tuple[str, str]:
-    m = re.search(r"^diff --git a/(\S+) .*?^(@@ -\d+,\d+ \+\d+,\d+ @@[^\n]*)$", text, re.M | re.S)
+    m = re.search(
+        r"^diff --git a/(\S+) .*?^(@@ -\d+,\d+ \+\d+,\d+ @@[^\n]*)$", text, re.M | re.S
+    )
     return m.group(1), m.group(2)
 
 
@@ -66,7 +71,12 @@ def test_hunk_that_no_longer_matches_names_patch_and_hunk(tmp_path, series):
         # Change one context line of the first hunk so it no longer matches upstream.
         start = text.index(header) + len(header) + 1
         line_end = text.index("\n", start)
-        return text[:start] + " # drifted" + text[start:line_end].lstrip(" ") + text[line_end:]
+        return (
+            text[:start]
+            + " # drifted"
+            + text[start:line_end].lstrip(" ")
+            + text[line_end:]
+        )
 
     broken = parse_patch(_broken_copy(tmp_path, series, edit))
     wheel = fetch_pinned(load_pin(), TAG)
@@ -80,8 +90,12 @@ def test_hunk_at_an_offset_is_an_error(tmp_path, series):
     path, header = _first_hunk(series[0].path.read_text())
     old, new = map(int, re.match(r"@@ -(\d+),\d+ \+(\d+)", header).groups())
 
-    def edit(text):  # the hunk's text is intact, its place moved 3 lines (as upstream drift does)
-        moved = header.replace(f"-{old},", f"-{old + 3},", 1).replace(f"+{new},", f"+{new + 3},", 1)
+    def edit(
+        text,
+    ):  # the hunk's text is intact, its place moved 3 lines (as upstream drift does)
+        moved = header.replace(f"-{old},", f"-{old + 3},", 1).replace(
+            f"+{new},", f"+{new + 3},", 1
+        )
         return text.replace(header, moved, 1)
 
     shifted = parse_patch(_broken_copy(tmp_path, series, edit))
@@ -94,12 +108,27 @@ def test_editing_tree_merges_a_drifted_patch(tmp_path, series):
     """`make tree` merges a patch that moved (git am -3) so `make refresh` can rewrite it exactly."""
     path, header = _first_hunk(series[0].path.read_text())
     old, new = map(int, re.match(r"@@ -(\d+),\d+ \+(\d+)", header).groups())
-    moved = header.replace(f"-{old},", f"-{old + 3},", 1).replace(f"+{new},", f"+{new + 3},", 1)
-    shifted = parse_patch(_broken_copy(tmp_path, series, lambda t: t.replace(header, moved, 1)))
+    moved = header.replace(f"-{old},", f"-{old + 3},", 1).replace(
+        f"+{new},", f"+{new + 3},", 1
+    )
+    shifted = parse_patch(
+        _broken_copy(tmp_path, series, lambda t: t.replace(header, moved, 1))
+    )
     wheel = fetch_pinned(load_pin(), TAG)
-    asm = assemble(tmp_path / "tree", wheel, load_pin().version, [shifted], stamp=False, three_way=True)
-    exact = assemble(tmp_path / "exact", wheel, load_pin().version, series[:1], stamp=False)
-    assert out(asm.tree, "rev-parse", "HEAD^{tree}") == out(exact.tree, "rev-parse", "HEAD^{tree}")
+    asm = assemble(
+        tmp_path / "tree",
+        wheel,
+        load_pin().version,
+        [shifted],
+        stamp=False,
+        three_way=True,
+    )
+    exact = assemble(
+        tmp_path / "exact", wheel, load_pin().version, series[:1], stamp=False
+    )
+    assert out(asm.tree, "rev-parse", "HEAD^{tree}") == out(
+        exact.tree, "rev-parse", "HEAD^{tree}"
+    )
 
 
 def test_editing_tree_continues_the_series_after_a_stop(tmp_path, series):
@@ -107,11 +136,15 @@ def test_editing_tree_continues_the_series_after_a_stop(tmp_path, series):
     from forklib.tree import continue_assembly
 
     wheel = fetch_pinned(load_pin(), TAG)
-    partial = assemble(tmp_path / "tree", wheel, load_pin().version, series[:1], stamp=False)
+    partial = assemble(
+        tmp_path / "tree", wheel, load_pin().version, series[:1], stamp=False
+    )
     applied = continue_assembly(partial.tree, load_pin().version, series)
     assert [a.patch.name for a in applied] == [p.name for p in series[1:]]
     full = assemble(tmp_path / "full", wheel, load_pin().version, series, stamp=False)
-    assert out(partial.tree, "rev-parse", "HEAD^{tree}") == out(full.tree, "rev-parse", "HEAD^{tree}")
+    assert out(partial.tree, "rev-parse", "HEAD^{tree}") == out(
+        full.tree, "rev-parse", "HEAD^{tree}"
+    )
 
 
 @pytest.mark.slow
@@ -124,15 +157,29 @@ def test_failed_build_packages_and_installs_nothing(tmp_path, series):
     # The whole series (every python/sglang file must stay owned), the first patch drifted.
     for p in series[1:]:
         (patches / p.path.name).write_text(p.path.read_text())
-    (patches / series[0].path.name).write_text(text[:start] + " # drifted" + text[start:])
-    for p in series[1:]:  # the rest unchanged: every file under python/sglang keeps its owner
+    (patches / series[0].path.name).write_text(
+        text[:start] + " # drifted" + text[start:]
+    )
+    for p in series[
+        1:
+    ]:  # the rest unchanged: every file under python/sglang keeps its owner
         (patches / p.path.name).write_text(p.path.read_text())
     (patches / "series").write_text("".join(p.path.name + "\n" for p in series))
     venv = tmp_path / "venv"
     r = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "fork"), "--series", str(patches / "series"),
-         "--build", str(tmp_path / "build"), "build", "--install", str(venv)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            str(REPO / "tools" / "fork"),
+            "--series",
+            str(patches / "series"),
+            "--build",
+            str(tmp_path / "build"),
+            "build",
+            "--install",
+            str(venv),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 1
     assert series[0].path.name in r.stderr and path in r.stderr
@@ -144,10 +191,22 @@ def test_failed_build_packages_and_installs_nothing(tmp_path, series):
 def test_build_is_a_no_op_when_nothing_changed(tmp_path):
     """`make` twice: the second run assembles, packages and installs nothing; a change to
     the series (here: its file list) builds again."""
+
     def build(series):
         return subprocess.run(
-            [sys.executable, str(REPO / "tools" / "fork"), "--series", str(series),
-             "--build", str(tmp_path / "build"), "build"], capture_output=True, text=True, check=True)
+            [
+                sys.executable,
+                str(REPO / "tools" / "fork"),
+                "--series",
+                str(series),
+                "--build",
+                str(tmp_path / "build"),
+                "build",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
 
     series = REPO / "patches" / "series"
     first = build(series)
@@ -167,9 +226,21 @@ def test_build_is_a_no_op_when_nothing_changed(tmp_path):
         (trimmed.parent / p).write_text((series.parent / p).read_text())
     trimmed.write_text("".join(p + "\n" for p in names[:-1]))
     third = subprocess.run(
-        [sys.executable, str(REPO / "tools" / "fork"), "--series", str(trimmed),
-         "--build", str(tmp_path / "build"), "build"], capture_output=True, text=True)
-    assert "up to date" not in third.stdout  # it ran (the trimmed series leaves files unowned)
+        [
+            sys.executable,
+            str(REPO / "tools" / "fork"),
+            "--series",
+            str(trimmed),
+            "--build",
+            str(tmp_path / "build"),
+            "build",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert (
+        "up to date" not in third.stdout
+    )  # it ran (the trimmed series leaves files unowned)
 
 
 def test_unknown_release_is_a_clear_error(tmp_path, monkeypatch):
@@ -188,7 +259,9 @@ def test_hash_mismatch_is_refused_and_the_file_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("FORK_CACHE", str(tmp_path))
     fake = cache_dir() / wheel_name("sglang", "9.9.9", TAG)
     fake.write_bytes(b"not the release")
-    with pytest.raises(ForkError, match=r"(?s)does not match the pinned.*kept.*upstream.toml"):
+    with pytest.raises(
+        ForkError, match=r"(?s)does not match the pinned.*kept.*upstream.toml"
+    ):
         fetch_wheel("sglang", "9.9.9", TAG, "0" * 64)
     assert fake.read_bytes() == b"not the release"
 
@@ -214,10 +287,15 @@ def test_a_wrong_pin_never_deletes_a_good_cached_wheel(tmp_path, monkeypatch):
     path = fetch_wheel("sglang", "9.9.9", TAG, good)
     assert path == cache_dir() / wheel_name("sglang", "9.9.9", TAG)
     _fake_pypi(monkeypatch, b"never fetched again")
-    with pytest.raises(ForkError, match=r"(?s)when it entered the cache.*does not match the pinned.*kept"):
+    with pytest.raises(
+        ForkError,
+        match=r"(?s)when it entered the cache.*does not match the pinned.*kept",
+    ):
         fetch_wheel("sglang", "9.9.9", TAG, "1" * 64)  # upstream.toml edited wrongly
     assert path.exists() and file_sha256(path) == good
-    assert fetch_wheel("sglang", "9.9.9", TAG, good) == path  # and it still serves the right pin
+    assert (
+        fetch_wheel("sglang", "9.9.9", TAG, good) == path
+    )  # and it still serves the right pin
 
 
 def test_a_download_is_verified_before_it_enters_the_cache(tmp_path, monkeypatch):
@@ -226,11 +304,15 @@ def test_a_download_is_verified_before_it_enters_the_cache(tmp_path, monkeypatch
     monkeypatch.setenv("FORK_CACHE", str(tmp_path))
     _fake_pypi(monkeypatch, b"a tampered release")
     with pytest.raises(ForkError, match="does not match the pinned"):
-        fetch_wheel("sglang", "9.9.9", TAG, hashlib.sha256(b"the real release").hexdigest())
+        fetch_wheel(
+            "sglang", "9.9.9", TAG, hashlib.sha256(b"the real release").hexdigest()
+        )
     assert [p.name for p in cache_dir().iterdir()] == []  # nothing entered the cache
 
 
-def test_a_cached_file_damaged_since_it_was_stored_is_fetched_again(tmp_path, monkeypatch):
+def test_a_cached_file_damaged_since_it_was_stored_is_fetched_again(
+    tmp_path, monkeypatch
+):
     from forklib.pin import fetch_wheel
 
     monkeypatch.setenv("FORK_CACHE", str(tmp_path))
@@ -259,7 +341,9 @@ def test_wheel_carries_upstream_compiled_files_unchanged():
     def so_files(path):
         with zipfile.ZipFile(path) as zf:
             return {
-                n: hashlib.sha256(zf.read(n)).hexdigest() for n in zf.namelist() if n.endswith(".so")
+                n: hashlib.sha256(zf.read(n)).hexdigest()
+                for n in zf.namelist()
+                if n.endswith(".so")
             }
 
     ours, theirs = so_files(_built_wheel()), so_files(upstream)
@@ -273,7 +357,17 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
     subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-compile", str(wheel)], check=True
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-compile",
+            str(wheel),
+        ],
+        check=True,
     )
     version = wheel.name.split("-")[1]
     # sglang/__init__ needs the whole dependency set; read what was installed instead.
@@ -282,7 +376,9 @@ def test_wheel_installs_into_a_fresh_venv(tmp_path):
         "print(d.version); print(d.locate_file('sglang/_version.py').read_text()); "
         "print(d.locate_file('sglang/_fork_manifest.json').read_text())"
     )
-    r = subprocess.run([str(py), "-c", probe], capture_output=True, text=True, check=True)
+    r = subprocess.run(
+        [str(py), "-c", probe], capture_output=True, text=True, check=True
+    )
     assert r.stdout.splitlines()[0] == version
     assert f"__version__ = version = {version!r}" in r.stdout
     assert f'"version": "{version}"' in r.stdout
@@ -314,7 +410,9 @@ def _table_rows(text: str) -> list[list[list[str]]]:
 
 def _readme_flag_rows() -> list[list[str]]:
     tables = [t for t in _table_rows(README.read_text()) if t[0] == FLAG_TABLE_HEADER]
-    assert len(tables) == 1, f"README.md needs one flag table headed {' | '.join(FLAG_TABLE_HEADER)}"
+    assert (
+        len(tables) == 1
+    ), f"README.md needs one flag table headed {' | '.join(FLAG_TABLE_HEADER)}"
     return tables[0][1:]
 
 
@@ -327,8 +425,12 @@ def test_every_flag_is_in_the_readme_flag_table_with_its_patch(series):
         documented[flag] = row[3]
     declared = {f: p.name[:4] for p in series for f in p.flags}
     assert set(declared) - set(documented) == set()
-    wrong = {f: documented[f] for f, n in declared.items() if not documented[f].startswith(n)}
-    assert wrong == {}, f"patch column does not start with the declaring patch's number: {wrong}"
+    wrong = {
+        f: documented[f] for f, n in declared.items() if not documented[f].startswith(n)
+    }
+    assert (
+        wrong == {}
+    ), f"patch column does not start with the declaring patch's number: {wrong}"
 
 
 def test_every_readme_flag_row_links_its_docs_page():
@@ -341,8 +443,13 @@ def test_every_readme_flag_row_links_its_docs_page():
 def test_readme_stays_short():
     text = README.read_text()
     assert len(text.splitlines()) < README_MAX_LINES
-    long = [c[:60] + "..." for table in _table_rows(text) for row in table for c in row
-            if len(c) > README_MAX_CELL]
+    long = [
+        c[:60] + "..."
+        for table in _table_rows(text)
+        for row in table
+        for c in row
+        if len(c) > README_MAX_CELL
+    ]
     assert long == [], f"README table cells over {README_MAX_CELL} characters"
 
 
@@ -354,19 +461,25 @@ def test_readme_links_resolve():
 
 # ---------------------------------------------------------------------------- refresh and tree (issue 19)
 
-from fakefork import BASE, TAG as FAKE_TAG, Spec, make_fork, set_line, snapshot  # noqa: E402
+from fakefork import BASE
+from fakefork import TAG as FAKE_TAG  # noqa: E402
+from fakefork import Spec, make_fork, set_line, snapshot
 
 FAKE_SPECS = [
     Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
-    Spec("module", {"python/sglang/e.py": lambda t: set_line(t, 5, "from sglang.extra import X")},
-         owns={"python/sglang/extra.py": "X = 'ours'\n"}),
+    Spec(
+        "module",
+        {"python/sglang/e.py": lambda t: set_line(t, 5, "from sglang.extra import X")},
+        owns={"python/sglang/extra.py": "X = 'ours'\n"},
+    ),
 ]
 
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
     """A fake fork and its editing tree (``make tree``): (fork root, build/tree)."""
-    from forklib.pin import fetch_pinned, load_pin as load
+    from forklib.pin import fetch_pinned
+    from forklib.pin import load_pin as load
     from forklib.series import load_series
 
     monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
@@ -375,8 +488,15 @@ def fake(tmp_path, monkeypatch):
     make_fork(root, tmp_path / "cache", "1.0.0", BASE, FAKE_SPECS)
     pin = load(root / "upstream.toml")
     tree = root / "build" / "tree"
-    assemble(tree, fetch_pinned(pin, FAKE_TAG), pin.version, load_series(root / "patches/series"),
-             stamp=False, src=root, three_way=True)
+    assemble(
+        tree,
+        fetch_pinned(pin, FAKE_TAG),
+        pin.version,
+        load_series(root / "patches/series"),
+        stamp=False,
+        src=root,
+        three_way=True,
+    )
     return root, tree
 
 
@@ -389,7 +509,9 @@ def _commit(tree, message, edits):
     git(tree, "commit", "-q", "-F", "-", input=message)
 
 
-HEADER = "Server-Args: none\nWhy: a test\nUpstream-Status: not sent\nTests: test/test_x.py\n"
+HEADER = (
+    "Server-Args: none\nWhy: a test\nUpstream-Status: not sent\nTests: test/test_x.py\n"
+)
 
 
 def test_refresh_refuses_an_edit_of_a_file_another_patch_owns(fake):
@@ -397,8 +519,15 @@ def test_refresh_refuses_an_edit_of_a_file_another_patch_owns(fake):
 
     root, tree = fake
     before = snapshot(root)
-    _commit(tree, "third: touch extra\n\nBody.\n\n" + HEADER, {"python/sglang/extra.py": "X = 'changed'\n"})
-    with pytest.raises(ForkError, match=r"(?s)edits python/sglang/extra.py, which 0002-module owns.*git commit --fixup="):
+    _commit(
+        tree,
+        "third: touch extra\n\nBody.\n\n" + HEADER,
+        {"python/sglang/extra.py": "X = 'changed'\n"},
+    )
+    with pytest.raises(
+        ForkError,
+        match=r"(?s)edits python/sglang/extra.py, which 0002-module owns.*git commit --fixup=",
+    ):
         refresh(tree, root)
     assert snapshot(root) == before  # nothing written
 
@@ -406,20 +535,32 @@ def test_refresh_refuses_an_edit_of_a_file_another_patch_owns(fake):
 def test_editing_tree_never_folds_a_patch_into_the_one_before(fake, tmp_path):
     """A patch whose change is already in the tree makes no commit under git am -3: refuse,
     never amend the previous patch's commit with its files."""
-    from forklib.pin import fetch_pinned, load_pin as load
+    from forklib.pin import fetch_pinned
+    from forklib.pin import load_pin as load
     from forklib.series import load_series
 
     root, _ = fake
     first, module = load_series(root / "patches/series")
     head, sep, _ = module.path.read_text().partition("\n---\n")
-    module.path.write_text(head + sep + first.path.read_text().partition("\n---\n")[2])  # 0001's edit again
+    module.path.write_text(
+        head + sep + first.path.read_text().partition("\n---\n")[2]
+    )  # 0001's edit again
     pin = load(root / "upstream.toml")
     tree = tmp_path / "again"
     with pytest.raises(PatchError, match="0002-module.patch changes nothing"):
-        assemble(tree, fetch_pinned(pin, FAKE_TAG), pin.version, load_series(root / "patches/series"),
-                 stamp=False, src=root, three_way=True)
+        assemble(
+            tree,
+            fetch_pinned(pin, FAKE_TAG),
+            pin.version,
+            load_series(root / "patches/series"),
+            stamp=False,
+            src=root,
+            three_way=True,
+        )
     assert out(tree, "log", "-1", "--format=%s") == "first: change things"
-    assert out(tree, "diff", "--name-only", "HEAD^", "HEAD").split() == ["python/sglang/a.py"]
+    assert out(tree, "diff", "--name-only", "HEAD^", "HEAD").split() == [
+        "python/sglang/a.py"
+    ]
 
 
 def test_a_commit_without_a_body_keeps_its_trailers(fake):
@@ -427,7 +568,11 @@ def test_a_commit_without_a_body_keeps_its_trailers(fake):
     from forklib.tree import refresh
 
     root, tree = fake
-    _commit(tree, "third: no body\n\n" + HEADER, {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")})
+    _commit(
+        tree,
+        "third: no body\n\n" + HEADER,
+        {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")},
+    )
     refresh(tree, root)
     third = load_series(root / "patches/series")[2]
     assert third.trailers["Why"] == ["a test"] and header_problems(third, root) == []
@@ -438,8 +583,14 @@ def test_refresh_writes_nothing_until_the_series_checks(fake):
 
     root, tree = fake
     before = snapshot(root)
-    _commit(tree, "third: no Why\n\nBody.\n\nServer-Args: none\nUpstream-Status: not sent\nTests: test/test_x.py\n",
-            {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0"), "python/sglang/new.py": "N = 1\n"})
+    _commit(
+        tree,
+        "third: no Why\n\nBody.\n\nServer-Args: none\nUpstream-Status: not sent\nTests: test/test_x.py\n",
+        {
+            "python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0"),
+            "python/sglang/new.py": "N = 1\n",
+        },
+    )
     with pytest.raises(ForkError, match="0003-third-no-Why.patch: no Why: trailer"):
         refresh(tree, root)
     assert snapshot(root) == before
@@ -447,7 +598,8 @@ def test_refresh_writes_nothing_until_the_series_checks(fake):
 
 def test_refresh_keeps_the_series_comments_on_dropped_patches(fake):
     """A rebase that dropped a patch leaves a comment in patches/series naming it and its tests
-    (conftest skips them); a later `make refresh` (porting a patch after the rebase) keeps it."""
+    (conftest skips them); a later `make refresh` (porting a patch after the rebase) keeps it.
+    """
     from forklib.series import dropped_tests
     from forklib.tree import refresh
 
@@ -455,17 +607,27 @@ def test_refresh_keeps_the_series_comments_on_dropped_patches(fake):
     series = root / "patches" / "series"
     note = "# dropped in the rebase from 2.0.0 to 1.0.0: 0009-gone (tests: test/test_gone.py)\n"
     series.write_text(series.read_text() + note)
-    _commit(tree, "third: a port\n\nBody.\n\n" + HEADER, {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")})
+    _commit(
+        tree,
+        "third: a port\n\nBody.\n\n" + HEADER,
+        {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")},
+    )
     refresh(tree, root)
-    assert series.read_text().endswith(note) and dropped_tests(series) == {"test/test_gone.py": ["0009-gone"]}
+    assert series.read_text().endswith(note) and dropped_tests(series) == {
+        "test/test_gone.py": ["0009-gone"]
+    }
 
 
 def test_no_test_hard_codes_the_pinned_release():
     """After `make rebase TO=<release>` the tests must pass unedited: they read the release
     from upstream.toml (issue 19, item 6)."""
     pinned = load_pin().version
-    hits = [f"{f.name}:{n}" for f in sorted((REPO / "test").glob("*.py"))
-            for n, line in enumerate(f.read_text().splitlines(), 1) if pinned in line]
+    hits = [
+        f"{f.name}:{n}"
+        for f in sorted((REPO / "test").glob("*.py"))
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if pinned in line
+    ]
     assert hits == []
 
 
@@ -478,7 +640,9 @@ def test_no_module_of_ours_binds_a_top_level_name_twice(series):
         for own in (o for o in patch.owns if o.endswith(".py")):
             seen: dict[str, int] = {}
             for node in ast.parse((REPO / own).read_text()).body:
-                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if isinstance(
+                    node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+                ):
                     names = [node.name]
                 elif isinstance(node, ast.Import):
                     names = [a.asname or a.name.split(".")[0] for a in node.names]
@@ -488,7 +652,9 @@ def test_no_module_of_ours_binds_a_top_level_name_twice(series):
                     continue
                 for name in names:
                     if name in seen:
-                        problems.append(f"{own}:{node.lineno}: {name} bound again (first at line {seen[name]})")
+                        problems.append(
+                            f"{own}:{node.lineno}: {name} bound again (first at line {seen[name]})"
+                        )
                     seen.setdefault(name, node.lineno)
     assert problems == []
 
@@ -509,13 +675,24 @@ def _build_hashes(name: str, text: str) -> list[str]:
     for n, line in enumerate(text.splitlines(), 1):
         for allowed in (a for f, a in BUILD_HASH_ALLOWED if f == name):
             line = line.replace(allowed, "")
-        hits += [f"{name}:{n}: {m.group()}" for r in (FORK_BUILD_RE, BUILD_HASH_RE) for m in r.finditer(line)]
+        hits += [
+            f"{name}:{n}: {m.group()}"
+            for r in (FORK_BUILD_RE, BUILD_HASH_RE)
+            for m in r.finditer(line)
+        ]
     return hits
 
 
 def test_the_build_hash_check_catches_what_it_is_for():
-    found = _build_hashes("x", "measured at build e1f555d\n9.9.9+fork.7.170b0a5 (the run at bffc136)")
-    assert [h.split(": ")[1] for h in found] == ["e1f555d", "+fork.7.170b0a5", "170b0a5", "bffc136"]
+    found = _build_hashes(
+        "x", "measured at build e1f555d\n9.9.9+fork.7.170b0a5 (the run at bffc136)"
+    )
+    assert [h.split(": ")[1] for h in found] == [
+        "e1f555d",
+        "+fork.7.170b0a5",
+        "170b0a5",
+        "bffc136",
+    ]
     clean = "e4m3 0xB3A2 prmt 0x9180 sha256 " + "0a" * 32 + " 1234567 defaced accede"
     assert _build_hashes("x", clean) == []
 
@@ -531,10 +708,17 @@ def test_no_build_hash_in_our_modules_or_patch_headers(series):
 
 
 # Tests of the tools and of the series as a whole; every other test file belongs to a patch.
-TOOL_TESTS = {"test/test_series.py", "test/test_rebase.py", "test/test_export.py",
-              "test/test_e2e_cpu.py", "test/test_e2e_tools.py", "test/test_gpu_bundle_smoke.py",
-              "test/test_docker.py", "test/test_gb10_validate.py",
-              "test/test_benchmark_readmes.py"}
+TOOL_TESTS = {
+    "test/test_series.py",
+    "test/test_rebase.py",
+    "test/test_export.py",
+    "test/test_e2e_cpu.py",
+    "test/test_e2e_tools.py",
+    "test/test_gpu_bundle_smoke.py",
+    "test/test_docker.py",
+    "test/test_gb10_validate.py",
+    "test/test_benchmark_readmes.py",
+}
 
 
 def test_every_test_file_belongs_to_a_patch_or_the_tools(series):
@@ -542,7 +726,9 @@ def test_every_test_file_belongs_to_a_patch_or_the_tools(series):
     patch can say which tests go with it (conftest skips them then)."""
     from forklib.series import dropped_tests
 
-    named = {t for p in series for t in p.trailers.get("Tests", [])} | set(dropped_tests())
+    named = {t for p in series for t in p.trailers.get("Tests", [])} | set(
+        dropped_tests()
+    )
     files = {f"test/{f.name}" for f in (REPO / "test").glob("test_*.py")}
     assert sorted(files - named - TOOL_TESTS) == []
 
@@ -566,7 +752,9 @@ def test_a_patch_that_only_adds_our_files_round_trips(tmp_path):
     git(tree, "commit", "-qam", "edit upstream\n\nServer-Args: none")
     (tree / "python" / "sglang" / "ours.py").write_text("y = 1\n")
     git(tree, "add", "-A")
-    git(tree, "commit", "-qm", "add a module of ours\n\nBody line.\n\nServer-Args: none")
+    git(
+        tree, "commit", "-qm", "add a module of ours\n\nBody line.\n\nServer-Args: none"
+    )
     commit = out(tree, "rev-parse", "HEAD")
     owns = owned_files(tree, commit)
     assert owns == ["python/sglang/ours.py"]
@@ -582,5 +770,7 @@ def test_a_patch_that_only_adds_our_files_round_trips(tmp_path):
     (src / "python" / "sglang" / "ours.py").write_text("y = 1\n")
     git(tree, "checkout", "-q", "--detach", base)
     again = apply_patch(tree, patch, src)
-    assert out(tree, "log", "-1", "--format=%B", again).startswith("add a module of ours\n\nBody line.")
+    assert out(tree, "log", "-1", "--format=%B", again).startswith(
+        "add a module of ours\n\nBody line."
+    )
     assert commit_patch(tree, again, owns) == text

@@ -39,21 +39,30 @@ def thinking_of(request, defaults=None):
     return (request.chat_template_kwargs or {}).get("thinking")
 
 
-@pytest.mark.parametrize("kw, expected", [
-    ({}, None),
-    ({"chat_template_kwargs": {"thinking": True}}, True),
-    ({"chat_template_kwargs": {"thinking": False}}, False),
-    ({"chat_template_kwargs": {"enable_thinking": True}}, True),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, False),
-    ({"thinking": {"type": "enabled"}}, True),
-    ({"thinking": {"type": "disabled", "budget_tokens": 100}}, False),
-    ({"thinking": True}, True),
-    ({"reasoning_effort": "high"}, True),
-    ({"reasoning_effort": 0.3}, True),
-    ({"reasoning_effort": "none"}, False),
-    ({"reasoning": {"effort": "low"}}, True),
-    ({"chat_template_kwargs": {"enable_thinking": True, "thinking": True}, "reasoning_effort": "max"}, True),
-])
+@pytest.mark.parametrize(
+    "kw, expected",
+    [
+        ({}, None),
+        ({"chat_template_kwargs": {"thinking": True}}, True),
+        ({"chat_template_kwargs": {"thinking": False}}, False),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, True),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, False),
+        ({"thinking": {"type": "enabled"}}, True),
+        ({"thinking": {"type": "disabled", "budget_tokens": 100}}, False),
+        ({"thinking": True}, True),
+        ({"reasoning_effort": "high"}, True),
+        ({"reasoning_effort": 0.3}, True),
+        ({"reasoning_effort": "none"}, False),
+        ({"reasoning": {"effort": "low"}}, True),
+        (
+            {
+                "chat_template_kwargs": {"enable_thinking": True, "thinking": True},
+                "reasoning_effort": "max",
+            },
+            True,
+        ),
+    ],
+)
 def test_each_switch(kw, expected):
     assert thinking_of(req(**kw)) is expected
 
@@ -70,24 +79,50 @@ def test_request_beats_server_defaults():
     assert thinking_of(req(), {"enable_thinking": True}) is True
     assert thinking_of(req(), {"reasoning_effort": "high"}) is True
     assert thinking_of(req(), {"thinking": False, "reasoning_effort": "none"}) is False
-    assert thinking_of(req(chat_template_kwargs={"enable_thinking": False}), {"thinking": True}) is False
+    assert (
+        thinking_of(
+            req(chat_template_kwargs={"enable_thinking": False}), {"thinking": True}
+        )
+        is False
+    )
     assert thinking_of(req(), {"other": 1}) is None
     assert thinking_of(req(), None) is None
 
 
 def test_other_kwargs_are_kept():
     r = req(chat_template_kwargs={"enable_thinking": True, "foo": 1})
-    assert thinking_of(r) is True and r.chat_template_kwargs == {"enable_thinking": True, "foo": 1, "thinking": True}
+    assert thinking_of(r) is True and r.chat_template_kwargs == {
+        "enable_thinking": True,
+        "foo": 1,
+        "thinking": True,
+    }
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"chat_template_kwargs": {"enable_thinking": True}, "thinking": {"type": "disabled"}},
-     r"disagree: chat_template_kwargs.enable_thinking \(on\), thinking.type=disabled \(off\)"),
-    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, "disagree"),
-    ({"thinking": {"type": "adaptive"}}, "'enabled' or 'disabled'"),
-    ({"thinking": "on"}, "thinking must be true or false"),
-    ({"chat_template_kwargs": {"enable_thinking": 1}}, "enable_thinking must be true or false"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            {
+                "chat_template_kwargs": {"enable_thinking": True},
+                "thinking": {"type": "disabled"},
+            },
+            r"disagree: chat_template_kwargs.enable_thinking \(on\), thinking.type=disabled \(off\)",
+        ),
+        (
+            {
+                "reasoning_effort": "none",
+                "chat_template_kwargs": {"enable_thinking": True},
+            },
+            "disagree",
+        ),
+        ({"thinking": {"type": "adaptive"}}, "'enabled' or 'disabled'"),
+        ({"thinking": "on"}, "thinking must be true or false"),
+        (
+            {"chat_template_kwargs": {"enable_thinking": 1}},
+            "enable_thinking must be true or false",
+        ),
+    ],
+)
 def test_refused_requests(kw, match):
     with pytest.raises(ValueError, match=match):
         apply_thinking_aliases(req(**kw), None)
@@ -97,11 +132,20 @@ def test_refused_requests(kw, match):
 
 def test_parsers_and_refusal():
     assert explicit_thinking_parsers() == ["deepseek-v3", "deepseek-v4", "deepseek-v41"]
-    validate_thinking_aliases(SimpleNamespace(enable_thinking_aliases=False, reasoning_parser=None))
-    validate_thinking_aliases(SimpleNamespace(enable_thinking_aliases=True, reasoning_parser="deepseek-v41"))
+    validate_thinking_aliases(
+        SimpleNamespace(enable_thinking_aliases=False, reasoning_parser=None)
+    )
+    validate_thinking_aliases(
+        SimpleNamespace(enable_thinking_aliases=True, reasoning_parser="deepseek-v41")
+    )
     for parser in (None, "qwen3"):
-        with pytest.raises(ValueError, match="--reasoning-parser deepseek-v3 / deepseek-v4 / deepseek-v41"):
-            validate_thinking_aliases(SimpleNamespace(enable_thinking_aliases=True, reasoning_parser=parser))
+        with pytest.raises(
+            ValueError,
+            match="--reasoning-parser deepseek-v3 / deepseek-v4 / deepseek-v41",
+        ):
+            validate_thinking_aliases(
+                SimpleNamespace(enable_thinking_aliases=True, reasoning_parser=parser)
+            )
 
 
 def test_flag_off_is_upstream():
@@ -111,9 +155,14 @@ def test_flag_off_is_upstream():
     from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 
     src = inspect.getsource(OpenAIServingChat._process_messages)
-    assert "if get_serving().enable_thinking_aliases:\n            apply_thinking_aliases(" in src
+    assert (
+        "if get_serving().enable_thinking_aliases:\n            apply_thinking_aliases("
+        in src
+    )
     r = req(chat_template_kwargs={"enable_thinking": True})
-    assert r.chat_template_kwargs == {"enable_thinking": True}  # no `thinking`: V4.1 would not think
+    assert r.chat_template_kwargs == {
+        "enable_thinking": True
+    }  # no `thinking`: V4.1 would not think
 
 
 def test_flag_on_the_command_line():
@@ -122,4 +171,9 @@ def test_flag_on_the_command_line():
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     assert parser.parse_args(["--model-path", "m"]).enable_thinking_aliases is False
-    assert parser.parse_args(["--model-path", "m", "--enable-thinking-aliases"]).enable_thinking_aliases is True
+    assert (
+        parser.parse_args(
+            ["--model-path", "m", "--enable-thinking-aliases"]
+        ).enable_thinking_aliases
+        is True
+    )

@@ -24,8 +24,8 @@ import types
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from sglang.kernels.ops.speculative.dspark.chain_verify_ref import chain_verify_ref
 from sglang.srt.speculative.dspark_components import dspark_verify_cap as vc
 
@@ -38,21 +38,38 @@ GAMMA = 5
 def test_parse_accepts_the_documented_forms():
     assert vc.verify_cap_spec("3").fixed == 3
     assert vc.verify_cap_spec("conf:0.1").thresholds == (0.1,)
-    assert vc.verify_cap_spec("conf:0.25,0.25,0.03,0.06").thresholds == (0.25, 0.25, 0.03, 0.06)
-    assert vc.parse_verify_cap("conf:0.1") == "conf:0.1"  # the type_parser keeps the text
+    assert vc.verify_cap_spec("conf:0.25,0.25,0.03,0.06").thresholds == (
+        0.25,
+        0.25,
+        0.03,
+        0.06,
+    )
+    assert (
+        vc.parse_verify_cap("conf:0.1") == "conf:0.1"
+    )  # the type_parser keeps the text
 
 
-@pytest.mark.parametrize("bad", ["0", "x", "conf:", "conf:1.5", "conf:-0.1", "conf:a,b", "2.5"])
+@pytest.mark.parametrize(
+    "bad", ["0", "x", "conf:", "conf:1.5", "conf:-0.1", "conf:a,b", "2.5"]
+)
 def test_parse_rejects_malformed_values_listing_the_forms(bad):
     with pytest.raises(argparse.ArgumentTypeError, match="accepted forms"):
         vc.parse_verify_cap(bad)
-    with pytest.raises(argparse.ArgumentTypeError, match="accepted forms"):  # Engine(...) skips argparse
+    with pytest.raises(
+        argparse.ArgumentTypeError, match="accepted forms"
+    ):  # Engine(...) skips argparse
         _validate(bad)
 
 
 def _validate(cap, **kw):
-    args = dict(cap=cap, cap_min=None, log_path=None, algorithm="DSPARK", gamma=GAMMA,
-                ragged_mode="static")
+    args = dict(
+        cap=cap,
+        cap_min=None,
+        log_path=None,
+        algorithm="DSPARK",
+        gamma=GAMMA,
+        ragged_mode="static",
+    )
     args.update(kw)
     return vc.validate_verify_cap(**args)
 
@@ -73,8 +90,16 @@ def test_validate_cross_flag_rules():
         ("3", {"max_running_requests": vc.MAX_REQUESTS + 1}, "at most 1024 requests"),
         (None, {"cap_min": 2}, "need --speculative-dspark-verify-cap"),
         ("3", {"cap_min": 2}, "with the fixed cap 3 every request verifies 3"),
-        ("conf:0.1", {"log_path": "/nonexistent-dir/cap.bin"}, "/nonexistent-dir is not a writable"),
-        ("3", {"moe_a2a_backend": "deepep", "tp_size": 4}, "--moe-a2a-backend deepep at tp 4"),
+        (
+            "conf:0.1",
+            {"log_path": "/nonexistent-dir/cap.bin"},
+            "/nonexistent-dir is not a writable",
+        ),
+        (
+            "3",
+            {"moe_a2a_backend": "deepep", "tp_size": 4},
+            "--moe-a2a-backend deepep at tp 4",
+        ),
         ("3", {"device": "npu:0"}, "NPU top-k route"),
     ]:
         with pytest.raises(ValueError, match=msg):
@@ -83,34 +108,74 @@ def test_validate_cross_flag_rules():
 
 def test_validate_accepts_what_the_cap_serves(tmp_path, monkeypatch):
     """A DeepSeek-V4 target (its architecture read from the model config only with the cap on),
-    an a2a backend on one rank (no scatter before the router), a log in a writable directory."""
+    an a2a backend on one rank (no scatter before the router), a log in a writable directory.
+    """
     import sglang.srt.arg_groups.model_override_base as mob
 
     arch, reads = {"a": "DeepseekV4ForCausalLM"}, []
-    monkeypatch.setattr(mob, "model_config_of", lambda sa: reads.append(sa) or types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(architectures=[arch["a"]])))
-    assert _validate("3", server_args=object(), moe_a2a_backend="deepep", tp_size=1).fixed == 3
+    monkeypatch.setattr(
+        mob,
+        "model_config_of",
+        lambda sa: reads.append(sa)
+        or types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(architectures=[arch["a"]])
+        ),
+    )
+    assert (
+        _validate("3", server_args=object(), moe_a2a_backend="deepep", tp_size=1).fixed
+        == 3
+    )
     arch["a"] = "Qwen3MoeForCausalLM"
-    with pytest.raises(ValueError, match="target is Qwen3MoeForCausalLM; only DeepseekV4ForCausalLM"):
+    with pytest.raises(
+        ValueError, match="target is Qwen3MoeForCausalLM; only DeepseekV4ForCausalLM"
+    ):
         _validate("3", server_args=object())
-    assert len(reads) == 2 and _validate(None, server_args=object()) is None and len(reads) == 2
-    assert _validate("conf:0.1", moe_a2a_backend="none", tp_size=8, log_path=str(tmp_path / "cap.bin"))
+    assert (
+        len(reads) == 2
+        and _validate(None, server_args=object()) is None
+        and len(reads) == 2
+    )
+    assert _validate(
+        "conf:0.1",
+        moe_a2a_backend="none",
+        tp_size=8,
+        log_path=str(tmp_path / "cap.bin"),
+    )
 
 
 def test_bad_flag_value_is_an_argparse_error():
     r = subprocess.run(
-        [sys.executable, "-W", "ignore", "-m", "sglang.launch_server", "--model-path", "m",
-         "--speculative-dspark-verify-cap", "conf:2"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "m",
+            "--speculative-dspark-verify-cap",
+            "conf:2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"PYTHONPATH": str(REPO / "tools" / "standins"), "PATH": "/usr/bin:/bin"},
     )
     assert r.returncode == 2
-    assert "argument --speculative-dspark-verify-cap" in r.stderr and "accepted forms" in r.stderr
+    assert (
+        "argument --speculative-dspark-verify-cap" in r.stderr
+        and "accepted forms" in r.stderr
+    )
 
 
 def test_stopping_rule_reads_earlier_positions_only():
-    conf = torch.tensor([[0.9, 0.9, 0.2, 0.9, 0.9], [0.05, 0.9, 0.9, 0.9, 0.9],
-                         [1.0, 1.0, 1.0, 1.0, 1.0]])
+    conf = torch.tensor(
+        [
+            [0.9, 0.9, 0.2, 0.9, 0.9],
+            [0.05, 0.9, 0.9, 0.9, 0.9],
+            [1.0, 1.0, 1.0, 1.0, 1.0],
+        ]
+    )
     thr = vc.threshold_vector(vc.verify_cap_spec("conf:0.5"), GAMMA)
     k = vc.drafts_from_confidence(conf, thr, k_min=1)
     assert k.tolist() == [2, 1, 5]
@@ -168,7 +233,10 @@ def _draft_block(cand, vocab):
 
     fields = DraftBlockResult.__struct_fields__
     kw = {f: None for f in fields}
-    kw.update(draft_tokens=cand[:, 1:], greedy_mask=torch.ones(cand.shape[0], dtype=torch.bool))
+    kw.update(
+        draft_tokens=cand[:, 1:],
+        greedy_mask=torch.ones(cand.shape[0], dtype=torch.bool),
+    )
     if "greedy_draft" in fields:
         kw["greedy_draft"] = True
     return DraftBlockResult(**kw)
@@ -191,22 +259,38 @@ def _reference_k_drafts(cand, logits, live):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_eager_accept_equals_a_k_draft_verify(seed):
-    from sglang.srt.speculative.dspark_components.dspark_verify import accept_draft_tokens
+    from sglang.srt.speculative.dspark_components.dspark_verify import (
+        accept_draft_tokens,
+    )
 
     bs = 12
     cand, logits = _greedy_case(bs, seed=seed)
-    live = torch.tensor([2, 3, 4, 5, 6, 1 + 1, 6, 3, 4, 5, 2, 6])[:bs]  # ragged, k = 1..5
+    live = torch.tensor([2, 3, 4, 5, 6, 1 + 1, 6, 3, 4, 5, 2, 6])[
+        :bs
+    ]  # ragged, k = 1..5
     _install(live)
     correct_len, bonus, _trim = accept_draft_tokens(
-        candidates=cand, target_logits=logits, draft_block=_draft_block(cand, 11),
-        sampling_info=None, draft_input=None, gamma=GAMMA, verify_num_draft_tokens=GAMMA + 1,
+        candidates=cand,
+        target_logits=logits,
+        draft_block=_draft_block(cand, 11),
+        sampling_info=None,
+        draft_input=None,
+        gamma=GAMMA,
+        verify_num_draft_tokens=GAMMA + 1,
     )
     ref_len, ref_bonus = _reference_k_drafts(cand, logits, live)
-    assert torch.equal(correct_len.long(), ref_len) and torch.equal(bonus.long(), ref_bonus)
+    assert torch.equal(correct_len.long(), ref_len) and torch.equal(
+        bonus.long(), ref_bonus
+    )
     vc.configure(None)  # flags off: upstream's result (no cap)
     full_len, _, _ = accept_draft_tokens(
-        candidates=cand, target_logits=logits, draft_block=_draft_block(cand, 11),
-        sampling_info=None, draft_input=None, gamma=GAMMA, verify_num_draft_tokens=GAMMA + 1,
+        candidates=cand,
+        target_logits=logits,
+        draft_block=_draft_block(cand, 11),
+        sampling_info=None,
+        draft_input=None,
+        gamma=GAMMA,
+        verify_num_draft_tokens=GAMMA + 1,
     )
     ref_full, _ = _reference_k_drafts(cand, logits, torch.full((bs,), GAMMA + 1))
     assert torch.equal(full_len.long(), ref_full)
@@ -214,18 +298,29 @@ def test_greedy_eager_accept_equals_a_k_draft_verify(seed):
 
 
 def test_greedy_static_graph_accept_is_capped():
-    from sglang.srt.speculative.dspark_components.dspark_verify import DsparkVerifyEpilogue
+    from sglang.srt.speculative.dspark_components.dspark_verify import (
+        DsparkVerifyEpilogue,
+    )
 
     bs = 8
     cand, logits = _greedy_case(bs, seed=5)
     live = torch.tensor([2, 3, 4, 5, 6, 2, 4, 6])
     _install(live)
-    ep = DsparkVerifyEpilogue(max_bs=16, verify_num_draft_tokens=GAMMA + 1, device="cpu",
-                              tp_sync=_NoSync(), fused_accept_tail=True)
+    ep = DsparkVerifyEpilogue(
+        max_bs=16,
+        verify_num_draft_tokens=GAMMA + 1,
+        device="cpu",
+        tp_sync=_NoSync(),
+        fused_accept_tail=True,
+    )
     assert not ep._serves_accept_tail(bs)  # the fused tail never trims: it steps aside
     seq_lens = torch.arange(bs, dtype=torch.int64) + 100
-    commit = ep._accept(candidates=cand, logits=logits, draft_tokens=cand[:, 1:].contiguous(),
-                        seq_lens=seq_lens)
+    commit = ep._accept(
+        candidates=cand,
+        logits=logits,
+        draft_tokens=cand[:, 1:].contiguous(),
+        seq_lens=seq_lens,
+    )
     ref_len, ref_bonus = _reference_k_drafts(cand, logits, live)
     out = ep.read_accept(bs)
     assert torch.equal(out.correct_len.long(), ref_len)
@@ -256,7 +351,9 @@ def _markov(seed):
 
 # What a dead verify row's logits come from under the cap: the anchor's experts, i.e. not the
 # target. Rows past the live length get this distribution; an exact rule never reads them.
-WRONG = torch.softmax(torch.randn((V, V), generator=torch.Generator().manual_seed(99)) * 3, 1)
+WRONG = torch.softmax(
+    torch.randn((V, V), generator=torch.Generator().manual_seed(99)) * 3, 1
+)
 
 
 def _cap_live(drafts, mode):
@@ -298,18 +395,28 @@ def _sample_sequences(P, Q, g, n_chains, *, block, cap, broken=None):
         uf = torch.rand((b,), generator=g)
         if broken == "trim_after":
             # upstream's cutoff for block verification: verify all, then trim to k
-            n, tok = chain_verify_ref(candidates=cand, target_probs=target,
-                                      draft_probs=draft_probs, uniforms=u, uniforms_final=uf,
-                                      block_verification=block)
+            n, tok = chain_verify_ref(
+                candidates=cand,
+                target_probs=target,
+                draft_probs=draft_probs,
+                uniforms=u,
+                uniforms_final=uf,
+                block_verification=block,
+            )
             k = live - 1
             trimmed = n > k
             n = torch.minimum(n, k)
-            tok = torch.where(trimmed, drafts.gather(1, k[:, None].clamp(max=GAMMA - 1))[:, 0], tok)
+            tok = torch.where(
+                trimmed, drafts.gather(1, k[:, None].clamp(max=GAMMA - 1))[:, 0], tok
+            )
         else:
             n, tok = chain_verify_ref(
-                candidates=cand, target_probs=target,
+                candidates=cand,
+                target_probs=target,
                 draft_probs=vc.mask_dead_draft_probs(draft_probs, live),
-                uniforms=u, uniforms_final=uf, block_verification=block,
+                uniforms=u,
+                uniforms_final=uf,
+                block_verification=block,
                 residual_from_target=broken == "residual_from_p",
             )
         emitted = torch.cat([drafts, torch.zeros((b, 1), dtype=torch.int64)], dim=1)
@@ -325,11 +432,13 @@ def _sample_sequences(P, Q, g, n_chains, *, block, cap, broken=None):
 
 def _chi_square_p(samples, P):
     idx = (samples[:, 0] * V + samples[:, 1]) * V + samples[:, 2]
-    counts = torch.bincount(idx, minlength=V ** N_TOKENS).double()
-    a, b, c = torch.meshgrid(torch.arange(V), torch.arange(V), torch.arange(V), indexing="ij")
+    counts = torch.bincount(idx, minlength=V**N_TOKENS).double()
+    a, b, c = torch.meshgrid(
+        torch.arange(V), torch.arange(V), torch.arange(V), indexing="ij"
+    )
     expect = (P[0, a] * P[a, b] * P[b, c]).reshape(-1).double() * samples.shape[0]
     stat = ((counts - expect) ** 2 / expect).sum()
-    df = torch.tensor((V ** N_TOKENS - 1) / 2.0, dtype=torch.float64)
+    df = torch.tensor((V**N_TOKENS - 1) / 2.0, dtype=torch.float64)
     return float(torch.special.gammaincc(df, stat / 2.0))
 
 
@@ -346,15 +455,26 @@ def test_emitted_tokens_follow_the_target(block, cap):
 
 def test_trim_after_block_acceptance_is_exact_in_distribution_too():
     P, Q, g = _markov(seed=11)
-    samples = _sample_sequences(P, Q, g, N_CHAINS, block=True, cap=2, broken="trim_after")
+    samples = _sample_sequences(
+        P, Q, g, N_CHAINS, block=True, cap=2, broken="trim_after"
+    )
     assert _chi_square_p(samples, P) > 1e-3
 
 
 @pytest.mark.parametrize(
     "block,cap,broken",
-    [(False, None, "residual_from_p"), (True, 2, "residual_from_p"), (False, "peek", None),
-     (True, "peek", None)],
-    ids=["token-wrong-residual", "block-wrong-residual", "token-cut-peeks", "block-cut-peeks"],
+    [
+        (False, None, "residual_from_p"),
+        (True, 2, "residual_from_p"),
+        (False, "peek", None),
+        (True, "peek", None),
+    ],
+    ids=[
+        "token-wrong-residual",
+        "block-wrong-residual",
+        "token-cut-peeks",
+        "block-cut-peeks",
+    ],
 )
 def test_the_same_test_catches_a_wrong_rule(block, cap, broken):
     P, Q, g = _markov(seed=11)
@@ -366,7 +486,9 @@ def test_the_same_test_catches_a_wrong_rule(block, cap, broken):
 
 
 def _kernel(cand, target, draft_probs, u, uf, block):
-    from sglang.kernels.ops.speculative.reject_sampling import chain_speculative_sampling_triton
+    from sglang.kernels.ops.speculative.reject_sampling import (
+        chain_speculative_sampling_triton,
+    )
 
     b, t = cand.shape
     d = cand.device
@@ -375,8 +497,21 @@ def _kernel(cand, target, draft_probs, u, uf, block):
     accept_num = torch.zeros((b,), dtype=torch.int32, device=d)
     ridx = torch.arange(b * t, dtype=torch.int64, device=d).view(b, t)
     chain_speculative_sampling_triton(
-        predicts, accept_index, accept_num, cand, ridx, None, None, u, uf, target, draft_probs,
-        1.0, 1.0, True, block_verification=block,
+        predicts,
+        accept_index,
+        accept_num,
+        cand,
+        ridx,
+        None,
+        None,
+        u,
+        uf,
+        target,
+        draft_probs,
+        1.0,
+        1.0,
+        True,
+        block_verification=block,
     )
     n = accept_num.long()
     tok = predicts.long()[accept_index.long()[torch.arange(b, device=d), n]]
@@ -398,15 +533,23 @@ def test_kernel_with_dead_q_matches_the_twin_and_a_k_draft_verify(block, device)
     target = torch.softmax(torch.randn((b, GAMMA + 1, vocab), generator=g) * 2, dim=-1)
     draft = torch.softmax(torch.randn((b, GAMMA, vocab), generator=g) * 2, dim=-1)
     cand = torch.zeros((b, GAMMA + 1), dtype=torch.int64)
-    cand[:, 1:] = torch.multinomial(draft.view(-1, vocab), 1, generator=g).view(b, GAMMA)
+    cand[:, 1:] = torch.multinomial(draft.view(-1, vocab), 1, generator=g).view(
+        b, GAMMA
+    )
     u = torch.rand((b, GAMMA), generator=g)
     uf = torch.rand((b,), generator=g)
     live = torch.randint(2, GAMMA + 2, (b,), generator=g)
     masked = vc.mask_dead_draft_probs(draft, live)
     dev = [x.to(device) for x in (cand, target, masked, u, uf)]
     kn, ktok = (x.cpu() for x in _kernel(*dev, block))
-    rn, rtok = chain_verify_ref(candidates=cand, target_probs=target, draft_probs=masked,
-                                uniforms=u, uniforms_final=uf, block_verification=block)
+    rn, rtok = chain_verify_ref(
+        candidates=cand,
+        target_probs=target,
+        draft_probs=masked,
+        uniforms=u,
+        uniforms_final=uf,
+        block_verification=block,
+    )
     assert torch.equal(kn, rn) and torch.equal(ktok, rtok)
     assert bool((kn <= live - 1).all())
     # = the same rule on a block of k drafts (same uniforms for the first k coins).
@@ -415,9 +558,13 @@ def test_kernel_with_dead_q_matches_the_twin_and_a_k_draft_verify(block, device)
         if not bool(rows.any()):
             continue
         tn, ttok = chain_verify_ref(
-            candidates=cand[rows, : k + 1], target_probs=target[rows, : k + 1],
-            draft_probs=draft[rows, :k], uniforms=u[rows, :k], uniforms_final=uf[rows],
-            block_verification=block)
+            candidates=cand[rows, : k + 1],
+            target_probs=target[rows, : k + 1],
+            draft_probs=draft[rows, :k],
+            uniforms=u[rows, :k],
+            uniforms_final=uf[rows],
+            block_verification=block,
+        )
         assert torch.equal(tn, kn[rows]) and torch.equal(ttok, ktok[rows]), k
 
 
@@ -430,10 +577,21 @@ def test_a_deprecation_warning_from_our_modules_fails_the_tests():
     import warnings
 
     with pytest.raises(DeprecationWarning):
-        warnings.warn_explicit("old API", DeprecationWarning, "dspark_verify_cap.py", 1,
-                               module="sglang.srt.speculative.dspark_components.dspark_verify_cap")
+        warnings.warn_explicit(
+            "old API",
+            DeprecationWarning,
+            "dspark_verify_cap.py",
+            1,
+            module="sglang.srt.speculative.dspark_components.dspark_verify_cap",
+        )
     with pytest.warns(DeprecationWarning):
-        warnings.warn_explicit("old API", DeprecationWarning, "topk.py", 1, module="sglang.srt.layers.moe.topk")
+        warnings.warn_explicit(
+            "old API",
+            DeprecationWarning,
+            "topk.py",
+            1,
+            module="sglang.srt.layers.moe.topk",
+        )
 
 
 def test_live_lengths_are_broadcast_over_the_parallel_contexts_tp_group():
@@ -442,10 +600,14 @@ def test_live_lengths_are_broadcast_over_the_parallel_contexts_tp_group():
 
     group = types.SimpleNamespace(world_size=2)
     with get_parallel().override(tp_group=group):
-        cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.5"), gamma=GAMMA, device="cpu")
+        cap = vc.VerifyCap(
+            spec=vc.verify_cap_spec("conf:0.5"), gamma=GAMMA, device="cpu"
+        )
         assert cap._group() is group
     cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.5"), gamma=GAMMA, device="cpu")
-    assert cap._group() is None  # no parallel state in this process: one rank, no broadcast
+    assert (
+        cap._group() is None
+    )  # no parallel state in this process: one rank, no broadcast
 
 
 def test_our_modules_call_no_getter_upstream_deprecates(series):
@@ -456,7 +618,12 @@ def test_our_modules_call_no_getter_upstream_deprecates(series):
     from sglang.srt.distributed import parallel_state
 
     deprecated = set(parallel_state._CONTEXT_NAME_OF)
-    calls = [f"{own}:{node.lineno}: {node.id}" for p in series for own in p.owns if own.endswith(".py")
-             for node in ast.walk(ast.parse((REPO / own).read_text()))
-             if isinstance(node, ast.Name) and node.id in deprecated]
+    calls = [
+        f"{own}:{node.lineno}: {node.id}"
+        for p in series
+        for own in p.owns
+        if own.endswith(".py")
+        for node in ast.walk(ast.parse((REPO / own).read_text()))
+        if isinstance(node, ast.Name) and node.id in deprecated
+    ]
     assert calls == []

@@ -34,9 +34,17 @@ def _batch(verify: bool):
 
 
 def _stock(scores, bias, topk, non_padded, packed):
-    return moe_fused_gate(scores, bias, topk, scoring_func="sqrtsoftplus", renormalize=True,
-                          routed_scaling_factor=1.5, apply_routed_scaling_factor_on_output=True,
-                          num_token_non_padded=non_padded, packed_out=packed)
+    return moe_fused_gate(
+        scores,
+        bias,
+        topk,
+        scoring_func="sqrtsoftplus",
+        renormalize=True,
+        routed_scaling_factor=1.5,
+        apply_routed_scaling_factor_on_output=True,
+        num_token_non_padded=non_padded,
+        packed_out=packed,
+    )
 
 
 def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: int = 3):
@@ -46,16 +54,21 @@ def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: in
     )
 
     g = torch.Generator(device="cpu").manual_seed(bs)
-    cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.3"), gamma=GAMMA, k_min=1,
-                       device=device)  # before capture, as the worker builds it
+    cap = vc.VerifyCap(
+        spec=vc.verify_cap_spec("conf:0.3"), gamma=GAMMA, k_min=1, device=device
+    )  # before capture, as the worker builds it
     vc.configure(cap)
     m = bs * STRIDE
     bias = (0.1 * torch.randn((n_experts,), generator=g)).to(torch.bfloat16).to(device)
     scores = torch.zeros((m, n_experts), device=device)
     conf = torch.zeros((bs, GAMMA), device=device)
-    non_padded = torch.tensor([m - STRIDE if bs > 1 else m], dtype=torch.int32, device=device)
+    non_padded = torch.tensor(
+        [m - STRIDE if bs > 1 else m], dtype=torch.int32, device=device
+    )
     packed = torch.empty((m, topk), dtype=torch.int32, device=device)
-    masks = _fused_gate_masks_padded_rows("sqrtsoftplus")  # CUDA: the router masks padding
+    masks = _fused_gate_masks_padded_rows(
+        "sqrtsoftplus"
+    )  # CUDA: the router masks padding
     ref_pad = non_padded if masks else None
     out = {}
 
@@ -63,9 +76,17 @@ def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: in
         cap.begin_step(bs, conf)
         with vc.verify_cap_router_scope(_batch(True)):
             w, i = biased_topk_jit_kernel_impl(
-                scores, scores, bias, topk, True, scoring_func="sqrtsoftplus",
-                routed_scaling_factor=1.5, num_token_non_padded=non_padded,
-                apply_routed_scaling_factor_on_output=True, packed_out=packed)
+                scores,
+                scores,
+                bias,
+                topk,
+                True,
+                scoring_func="sqrtsoftplus",
+                routed_scaling_factor=1.5,
+                num_token_non_padded=non_padded,
+                apply_routed_scaling_factor_on_output=True,
+                packed_out=packed,
+            )
         out["w"], out["i"] = w, i
 
     if graph:
@@ -91,17 +112,26 @@ def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: in
         src = torch.where(dead, rows // STRIDE * STRIDE, rows)
         seen_dead |= bool(dead.any())
         for got, want in zip((out["w"], out["i"], packed), ref):
-            assert torch.equal(got, want[src]), "live rows stock, dead rows = their anchor"
+            assert torch.equal(
+                got, want[src]
+            ), "live rows stock, dead rows = their anchor"
         # Padded rows (the last request when bs > 1) stay masked as in stock.
         if masks:
-            assert bool((out["i"][non_padded.item():] == -1).all())
+            assert bool((out["i"][non_padded.item() :] == -1).all())
     assert seen_dead
     # A decode forward in the same process: no live lengths, the stock call.
     with vc.verify_cap_router_scope(_batch(False)):
         w, i = biased_topk_jit_kernel_impl(
-            scores, scores, bias, topk, True, scoring_func="sqrtsoftplus",
-            routed_scaling_factor=1.5, num_token_non_padded=non_padded,
-            apply_routed_scaling_factor_on_output=True)
+            scores,
+            scores,
+            bias,
+            topk,
+            True,
+            scoring_func="sqrtsoftplus",
+            routed_scaling_factor=1.5,
+            num_token_non_padded=non_padded,
+            apply_routed_scaling_factor_on_output=True,
+        )
     ws, is_ = _stock(scores, bias, topk, ref_pad, None)
     assert torch.equal(w, ws) and torch.equal(i, is_)
 
@@ -131,7 +161,9 @@ def _run_hash(device: str, bs: int, graph: bool):
     cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.3"), gamma=GAMMA, device=device)
     vc.configure(cap)
     m, n_experts, vocab = bs * STRIDE, 64, 50
-    tid2eid = torch.randint(0, n_experts, (vocab, 6), generator=g, dtype=torch.int32).to(device)
+    tid2eid = torch.randint(
+        0, n_experts, (vocab, 6), generator=g, dtype=torch.int32
+    ).to(device)
     logits = torch.zeros((m, n_experts), device=device)
     ids_in = torch.zeros((m,), dtype=torch.int64, device=device)
     conf = torch.zeros((bs, GAMMA), device=device)
@@ -185,8 +217,12 @@ def test_routes_without_the_live_length_refuse_a_capped_verify():
 
     vc.configure(vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu"))
     logits = torch.randn((STRIDE, 16))
-    config = TopKConfig(top_k=2, scoring_func="sqrtsoftplus", torch_native=True,
-                        correction_bias=torch.zeros(16))
+    config = TopKConfig(
+        top_k=2,
+        scoring_func="sqrtsoftplus",
+        torch_native=True,
+        correction_bias=torch.zeros(16),
+    )
     # Outside a target verify (decode, prefill) every route runs as upstream's.
     with vc.verify_cap_router_scope(_batch(False)):
         select_experts(logits, logits, config)
@@ -194,7 +230,9 @@ def test_routes_without_the_live_length_refuse_a_capped_verify():
     with vc.verify_cap_router_scope(_batch(True)):
         with pytest.raises(RuntimeError, match="cannot take the live length"):
             select_experts(logits, logits, config)
-        with pytest.raises(RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"):
+        with pytest.raises(
+            RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"
+        ):
             lr.refuse_dead_rows("the DeepGEMM mega gate", 3)
     vc.configure(None)  # cap off: nothing refused
     with vc.verify_cap_router_scope(_batch(True)):
@@ -207,17 +245,23 @@ def test_mega_gate_predicate_answers_and_the_gate_itself_refuses(monkeypatch):
     from sglang.srt.layers.moe import mega_gate as mg
 
     monkeypatch.setattr(mg.envs.SGLANG_OPT_DEEPGEMM_MEGA_GATE, "get", lambda: True)
-    monkeypatch.setattr(mg, "get_forward", lambda: types.SimpleNamespace(sp_active=False))
+    monkeypatch.setattr(
+        mg, "get_forward", lambda: types.SimpleNamespace(sp_active=False)
+    )
     mode = types.SimpleNamespace(is_target_verify=lambda: True, is_decode=lambda: False)
     batch = types.SimpleNamespace(forward_mode=mode)
     topk = types.SimpleNamespace(routing_inputs=lambda: (None, None))
-    moe = types.SimpleNamespace(mega_gate_supported=True, layer_id=3, is_hash=False, topk=topk)
+    moe = types.SimpleNamespace(
+        mega_gate_supported=True, layer_id=3, is_hash=False, topk=topk
+    )
     hidden = torch.zeros((4, 8), dtype=torch.bfloat16)
     vc.configure(vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu"))
     try:
         with vc.verify_cap_router_scope(batch):
             assert mg.should_use_mega_gate(moe, hidden, batch) is True
-            with pytest.raises(RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"):
+            with pytest.raises(
+                RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"
+            ):
                 mg.run_mega_gate(moe, hidden, None, forward_batch=batch)
     finally:
         vc.configure(None)

@@ -22,9 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "standins"))
 sys.path.insert(0, str(REPO / "benchmark"))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 
-import harness  # noqa: E402
 from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern  # noqa: E402
 from sglang.srt.speculative.dspark_components.dspark_draft_head_fp8 import (  # noqa: E402
     MAX_ROWS,
@@ -37,7 +37,10 @@ ROWS = [1, 2, 4, 5, 8, 16, 17, 20, 32, 48, 64]
 
 
 def heads(n: int, copies: int):
-    ws = [(torch.randn(n, K, device="cuda") * 0.02).to(torch.bfloat16) for _ in range(copies)]
+    ws = [
+        (torch.randn(n, K, device="cuda") * 0.02).to(torch.bfloat16)
+        for _ in range(copies)
+    ]
     return ws, [kern.quantize_head_fp8(w) for w in ws]
 
 
@@ -46,8 +49,12 @@ def fp8_us(x, qs, configs, replays: int) -> float:
     cfg = configs.get(kern.triton.cdiv(m, kern.ROW_TILE)) if configs else None
     outs = [torch.empty((m, n), device="cuda", dtype=torch.bfloat16) for _ in qs]
     return harness.graph_us_per_call(
-        [partial(kern.draft_head_fp8_logits, x, q, s, out=o, config=cfg) for (q, s), o in zip(qs, outs)],
-        replays)
+        [
+            partial(kern.draft_head_fp8_logits, x, q, s, out=o, config=cfg)
+            for (q, s), o in zip(qs, outs)
+        ],
+        replays,
+    )
 
 
 def served_us(x, served, replays: int) -> float:
@@ -55,9 +62,13 @@ def served_us(x, served, replays: int) -> float:
 
 
 def stock_us(x, ws, replays: int) -> float:
-    outs = [torch.empty((x.shape[0], w.shape[0]), device="cuda", dtype=torch.bfloat16) for w in ws]
+    outs = [
+        torch.empty((x.shape[0], w.shape[0]), device="cuda", dtype=torch.bfloat16)
+        for w in ws
+    ]
     return harness.graph_us_per_call(
-        [partial(torch.matmul, x, w.T, out=o) for w, o in zip(ws, outs)], replays)
+        [partial(torch.matmul, x, w.T, out=o) for w, o in zip(ws, outs)], replays
+    )
 
 
 def measure(configs: dict[int, tuple] | None, replays: int, rows=ROWS) -> list[dict]:
@@ -70,17 +81,33 @@ def measure(configs: dict[int, tuple] | None, replays: int, rows=ROWS) -> list[d
             x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
             stock, mma = stock_us(x, ws, replays), fp8_us(x, qs, configs, replays)
             ours = served_us(x, served, replays) if m <= MAX_ROWS else mma
-            cfg = (configs or {}).get(kern.triton.cdiv(m, kern.ROW_TILE)) or kern.CONFIGS[
-                kern.triton.cdiv(m, kern.ROW_TILE)]
-            out.append({
-                "N": n, "rows": m, "served": m <= MAX_ROWS, "kernel": served[0].kernel if m <= MAX_ROWS else "mma.sync",
-                "cfg": "x".join(map(str, cfg)), "mma_us": mma,
-                "stock_us": stock, "stock_TBps": harness.tbps(bf16_bytes, stock),
-                "fp8_us": ours, "fp8_TBps": harness.tbps(fp8_bytes, ours), "ratio": stock / ours,
-                "floor_bf16_us": harness.floor_us(bf16_bytes), "floor_fp8_us": harness.floor_us(fp8_bytes),
-            })
-            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in out[-1].items()), flush=True)
+            cfg = (configs or {}).get(
+                kern.triton.cdiv(m, kern.ROW_TILE)
+            ) or kern.CONFIGS[kern.triton.cdiv(m, kern.ROW_TILE)]
+            out.append(
+                {
+                    "N": n,
+                    "rows": m,
+                    "served": m <= MAX_ROWS,
+                    "kernel": served[0].kernel if m <= MAX_ROWS else "mma.sync",
+                    "cfg": "x".join(map(str, cfg)),
+                    "mma_us": mma,
+                    "stock_us": stock,
+                    "stock_TBps": harness.tbps(bf16_bytes, stock),
+                    "fp8_us": ours,
+                    "fp8_TBps": harness.tbps(fp8_bytes, ours),
+                    "ratio": stock / ours,
+                    "floor_bf16_us": harness.floor_us(bf16_bytes),
+                    "floor_fp8_us": harness.floor_us(fp8_bytes),
+                }
+            )
+            print(
+                " ".join(
+                    f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in out[-1].items()
+                ),
+                flush=True,
+            )
         del ws, qs, served
         torch.cuda.empty_cache()
     return out
@@ -92,13 +119,36 @@ def main() -> None:
     args = p.parse_args()
     configs = None
     if args.configs:
-        configs = {int(k): tuple(v) for k, v in json.loads(args.configs.read_text()).items()}
+        configs = {
+            int(k): tuple(v) for k, v in json.loads(args.configs.read_text()).items()
+        }
     rows = measure(configs, args.replays)
     shipped = configs or kern.CONFIGS
-    harness.report("draft_head_fp8", ["N", "rows", "served", "kernel", "cfg", "mma_us", "stock_us", "stock_TBps", "fp8_us",
-                                      "fp8_TBps", "ratio", "floor_bf16_us", "floor_fp8_us"], rows, args.out,
-                   {"K": K, "max_rows_served": MAX_ROWS,
-                    "configs": {str(k): list(v) for k, v in shipped.items()}})
+    harness.report(
+        "draft_head_fp8",
+        [
+            "N",
+            "rows",
+            "served",
+            "kernel",
+            "cfg",
+            "mma_us",
+            "stock_us",
+            "stock_TBps",
+            "fp8_us",
+            "fp8_TBps",
+            "ratio",
+            "floor_bf16_us",
+            "floor_fp8_us",
+        ],
+        rows,
+        args.out,
+        {
+            "K": K,
+            "max_rows_served": MAX_ROWS,
+            "configs": {str(k): list(v) for k, v in shipped.items()},
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -25,9 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "standins"))
 sys.path.insert(0, str(REPO / "benchmark"))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 
-import harness  # noqa: E402
 from sglang.srt.speculative.dspark_components.dspark_verify import (  # noqa: E402
     AcceptOuts,
     DsparkVerifyEpilogue,
@@ -47,14 +47,18 @@ class _NoTpSync:
 
 def _clone_each(epi, bs):
     a = epi.read_accept(bs)
-    return AcceptOuts(**{f: getattr(a, f).clone() for f in AcceptOuts.__struct_fields__})
+    return AcceptOuts(
+        **{f: getattr(a, f).clone() for f in AcceptOuts.__struct_fields__}
+    )
 
 
 def _arena_snapshot(fence, bs):
     """The flag's first version (patch 0005 before the ring): clone the arena once,
     one typed view per dtype, one slice per field."""
     snap = fence.arena.clone()
-    typed = {dtype: snap.view(dtype) for dtype in {d for _, _, _, d, _ in fence._layout}}
+    typed = {
+        dtype: snap.view(dtype) for dtype in {d for _, _, _, d, _ in fence._layout}
+    }
     views = {}
     for name, _, offset, dtype, shape in fence._layout:
         start = offset // typed[dtype].element_size()
@@ -83,7 +87,9 @@ def _gpu_us(fn, n=200, reps=15) -> float:
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+            enable_timing=True
+        )
         torch.cuda._sleep(100_000_000)
         s.record()
         for _ in range(n):
@@ -103,10 +109,16 @@ def _ring_gpu_us(fence, n=200, reps=15) -> float:
 def main() -> None:
     args = harness.parse_args(__doc__)
     dev = torch.device("cuda")
-    stock = DsparkVerifyEpilogue(max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=dev,
-                                 tp_sync=_NoTpSync())
-    fenced = DsparkVerifyEpilogue(max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=dev,
-                                  tp_sync=_NoTpSync(), result_fence=True)
+    stock = DsparkVerifyEpilogue(
+        max_bs=MAX_BS, verify_num_draft_tokens=STRIDE, device=dev, tp_sync=_NoTpSync()
+    )
+    fenced = DsparkVerifyEpilogue(
+        max_bs=MAX_BS,
+        verify_num_draft_tokens=STRIDE,
+        device=dev,
+        tp_sync=_NoTpSync(),
+        result_fence=True,
+    )
     fence = fenced.result_fence
     ring_gpu = _ring_gpu_us(fence)
     # Host-only timing consumes slots no copy wrote: the drift check runs (its cost is in
@@ -130,18 +142,30 @@ def main() -> None:
                 gpu = _gpu_us(fn)
             base_host = host if base_host is None else base_host
             nbytes = 0 if gpu_kind is None else 2 * fence.nbytes
-            rows.append({
-                "bs": bs, "variant": name, "host_us": host, "extra_host_us": host - base_host,
-                "gpu_us": gpu, "bytes": nbytes, "floor_us": harness.floor_us(nbytes),
-            })
+            rows.append(
+                {
+                    "bs": bs,
+                    "variant": name,
+                    "host_us": host,
+                    "extra_host_us": host - base_host,
+                    "gpu_us": gpu,
+                    "bytes": nbytes,
+                    "floor_us": harness.floor_us(nbytes),
+                }
+            )
     harness.report(
         "folded_result_fence",
         ["bs", "variant", "host_us", "extra_host_us", "gpu_us", "bytes", "floor_us"],
-        rows, args.out,
-        {"max_bs": MAX_BS, "stride": STRIDE, "arena_bytes": fence.nbytes,
-         "note": "host_us: issue cost per step with the GPU busy; gpu_us: per step, 200 "
-                 "back to back (ring: 200 in-graph copies per replay); the ring's host "
-                 "figure includes its drift check (read-back every 64 steps)"},
+        rows,
+        args.out,
+        {
+            "max_bs": MAX_BS,
+            "stride": STRIDE,
+            "arena_bytes": fence.nbytes,
+            "note": "host_us: issue cost per step with the GPU busy; gpu_us: per step, 200 "
+            "back to back (ring: 200 in-graph copies per replay); the ring's host "
+            "figure includes its drift check (read-back every 64 steps)",
+        },
     )
 
 

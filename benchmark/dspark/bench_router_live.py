@@ -16,7 +16,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harness.py
 
-from harness import LAYERS, floor_us, graph_us_per_call, parse_args, report, tbps  # noqa: E402
+from harness import (  # noqa: E402
+    LAYERS,
+    floor_us,
+    graph_us_per_call,
+    parse_args,
+    report,
+    tbps,
+)
 
 from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate  # noqa: E402
 
@@ -25,9 +32,16 @@ REPEATS = 5
 
 
 def gate(scores, bias, **kw):
-    return moe_fused_gate(scores, bias, TOPK, scoring_func="sqrtsoftplus", renormalize=True,
-                          routed_scaling_factor=1.5, apply_routed_scaling_factor_on_output=True,
-                          **kw)
+    return moe_fused_gate(
+        scores,
+        bias,
+        TOPK,
+        scoring_func="sqrtsoftplus",
+        renormalize=True,
+        routed_scaling_factor=1.5,
+        apply_routed_scaling_factor_on_output=True,
+        **kw,
+    )
 
 
 def main() -> None:
@@ -42,20 +56,48 @@ def main() -> None:
         # Interleaved repeats, median: at ~3 us a call, drift between two runs is ~2 %.
         times = {"stock": [], "live": []}
         for _ in range(REPEATS):
-            times["stock"].append(graph_us_per_call([lambda s=s: gate(s, bias) for s in scores],
-                                                    args.replays))
-            times["live"].append(graph_us_per_call(
-                [lambda s=s: gate(s, bias, live_lens=live, live_stride=STRIDE) for s in scores],
-                args.replays))
+            times["stock"].append(
+                graph_us_per_call(
+                    [lambda s=s: gate(s, bias) for s in scores], args.replays
+                )
+            )
+            times["live"].append(
+                graph_us_per_call(
+                    [
+                        lambda s=s: gate(s, bias, live_lens=live, live_stride=STRIDE)
+                        for s in scores
+                    ],
+                    args.replays,
+                )
+            )
         stock, ours = (statistics.median(times[k]) for k in ("stock", "live"))
         nbytes = m * N * 4 + m * TOPK * 8
-        rows.append({"bs": bs, "M": m, "stock_us": stock, "live_us": ours, "ratio": ours / stock,
-                     "floor_us": floor_us(nbytes), "stock_TBps": tbps(nbytes, stock),
-                     "per_step_delta_us_43_layers": (ours - stock) * LAYERS})
-    report("router_live", list(rows[0]), rows, args.out,
-           {"layers": LAYERS, "experts": N, "topk": TOPK, "stride": STRIDE,
+        rows.append(
+            {
+                "bs": bs,
+                "M": m,
+                "stock_us": stock,
+                "live_us": ours,
+                "ratio": ours / stock,
+                "floor_us": floor_us(nbytes),
+                "stock_TBps": tbps(nbytes, stock),
+                "per_step_delta_us_43_layers": (ours - stock) * LAYERS,
+            }
+        )
+    report(
+        "router_live",
+        list(rows[0]),
+        rows,
+        args.out,
+        {
+            "layers": LAYERS,
+            "experts": N,
+            "topk": TOPK,
+            "stride": STRIDE,
             "repeats": REPEATS,
-            "what": "stock moe_fused_gate vs the same kernel with live_lens (random live lengths 2..6)"})
+            "what": "stock moe_fused_gate vs the same kernel with live_lens (random live lengths 2..6)",
+        },
+    )
 
 
 if __name__ == "__main__":

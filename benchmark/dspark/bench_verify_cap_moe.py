@@ -29,17 +29,25 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harness.py
 
-from harness import LAYERS, parse_args, graph_us_per_call, report  # noqa: E402
+from harness import LAYERS, graph_us_per_call, parse_args, report  # noqa: E402
 
-from sglang.kernels.ops.moe.fused_moe_triton_kernels import invoke_fused_moe_kernel  # noqa: E402
+from sglang.kernels.ops.moe.fused_moe_triton_kernels import (  # noqa: E402
+    invoke_fused_moe_kernel,
+)
 from sglang.kernels.ops.moe.moe_fused_gate import moe_fused_gate  # noqa: E402
 
 HIDDEN, N, TOPK, STRIDE = 7168, 384, 6, 6
 INTER_RANK = 3072 // 4  # moe_intermediate_size 3072 at TP4
 WEIGHT_SETS = 4
 BLOCK = [128, 128]
-CONFIG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1,
-          "num_warps": 4, "num_stages": 3}
+CONFIG = {
+    "BLOCK_SIZE_M": 16,
+    "BLOCK_SIZE_N": 128,
+    "BLOCK_SIZE_K": 128,
+    "GROUP_SIZE_M": 1,
+    "num_warps": 4,
+    "num_stages": 3,
+}
 
 
 def align(ids: torch.Tensor, block_m: int):
@@ -57,33 +65,52 @@ def align(ids: torch.Tensor, block_m: int):
         expert_ids[pos // block_m : pos // block_m + nblk] = e
         pos += nblk * block_m
     dev = ids.device
-    return sorted_ids.to(dev), expert_ids.to(dev), torch.tensor([pos], dtype=torch.int32, device=dev)
+    return (
+        sorted_ids.to(dev),
+        expert_ids.to(dev),
+        torch.tensor([pos], dtype=torch.int32, device=dev),
+    )
 
 
 def fp8(shape, dev):
-    return torch.empty(shape, dtype=torch.uint8, device=dev).random_(0, 120).view(torch.float8_e4m3fn)
+    return (
+        torch.empty(shape, dtype=torch.uint8, device=dev)
+        .random_(0, 120)
+        .view(torch.float8_e4m3fn)
+    )
 
 
 def main() -> None:
     args = parse_args(__doc__)
     torch.manual_seed(0)
     dev = "cuda"
-    gates = [torch.randn(N, HIDDEN, device=dev, dtype=torch.bfloat16) / HIDDEN ** 0.5
-             for _ in range(LAYERS)]
+    gates = [
+        torch.randn(N, HIDDEN, device=dev, dtype=torch.bfloat16) / HIDDEN**0.5
+        for _ in range(LAYERS)
+    ]
     bias = torch.zeros(N, device=dev, dtype=torch.bfloat16)
     w13 = [fp8((N, 2 * INTER_RANK, HIDDEN), dev) for _ in range(WEIGHT_SETS)]
     w2 = [fp8((N, HIDDEN, INTER_RANK), dev) for _ in range(WEIGHT_SETS)]
-    s13 = [torch.rand(N, 2 * INTER_RANK // 128, HIDDEN // 128, device=dev) * 1e-3
-           for _ in range(WEIGHT_SETS)]
-    s2 = [torch.rand(N, HIDDEN // 128, INTER_RANK // 128, device=dev) * 1e-3
-          for _ in range(WEIGHT_SETS)]
+    s13 = [
+        torch.rand(N, 2 * INTER_RANK // 128, HIDDEN // 128, device=dev) * 1e-3
+        for _ in range(WEIGHT_SETS)
+    ]
+    s2 = [
+        torch.rand(N, HIDDEN // 128, INTER_RANK // 128, device=dev) * 1e-3
+        for _ in range(WEIGHT_SETS)
+    ]
     rows = []
     for bs in (1, 4, 16):
         m = bs * STRIDE
-        hidden = [torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        hidden = [
+            torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16)
+            for _ in range(LAYERS)
+        ]
         scores = [(h @ w.t()).float() for h, w in zip(hidden, gates)]
         a1, a1s = fp8((m, HIDDEN), dev), torch.rand(m, HIDDEN // 128, device=dev) * 1e-2
-        a2, a2s = fp8((m * TOPK, INTER_RANK), dev), torch.rand(m * TOPK, INTER_RANK // 128, device=dev)
+        a2, a2s = fp8((m * TOPK, INTER_RANK), dev), torch.rand(
+            m * TOPK, INTER_RANK // 128, device=dev
+        )
         c1 = torch.empty(m, TOPK, 2 * INTER_RANK, device=dev, dtype=torch.bfloat16)
         c2 = torch.empty(m, TOPK, HIDDEN, device=dev, dtype=torch.bfloat16)
 
@@ -91,11 +118,23 @@ def main() -> None:
             out = []
             for s in scores:
                 kw = {} if live is None else dict(live_lens=live, live_stride=STRIDE)
-                w, ids = moe_fused_gate(s, bias, TOPK, scoring_func="sqrtsoftplus",
-                                        routed_scaling_factor=1.5,
-                                        apply_routed_scaling_factor_on_output=True, **kw)
-                out.append((w, ids, *align(ids, CONFIG["BLOCK_SIZE_M"]),
-                            int(torch.unique(ids).numel())))
+                w, ids = moe_fused_gate(
+                    s,
+                    bias,
+                    TOPK,
+                    scoring_func="sqrtsoftplus",
+                    routed_scaling_factor=1.5,
+                    apply_routed_scaling_factor_on_output=True,
+                    **kw,
+                )
+                out.append(
+                    (
+                        w,
+                        ids,
+                        *align(ids, CONFIG["BLOCK_SIZE_M"]),
+                        int(torch.unique(ids).numel()),
+                    )
+                )
             return out
 
         def calls(routing):
@@ -103,13 +142,63 @@ def main() -> None:
             for layer, (w, ids, sorted_ids, expert_ids, npad, _) in enumerate(routing):
                 j = layer % WEIGHT_SETS
 
-                def fn(w=w, ids=ids, sorted_ids=sorted_ids, expert_ids=expert_ids, npad=npad, j=j):
-                    invoke_fused_moe_kernel(a1, w13[j], None, c1, a1s, s13[j], None, w, ids,
-                                            sorted_ids, expert_ids, npad, False, TOPK, CONFIG,
-                                            tl.bfloat16, True, False, False, False, False, BLOCK)
-                    invoke_fused_moe_kernel(a2, w2[j], None, c2, a2s, s2[j], None, w, ids,
-                                            sorted_ids, expert_ids, npad, True, 1, CONFIG,
-                                            tl.bfloat16, True, False, False, False, False, BLOCK)
+                def fn(
+                    w=w,
+                    ids=ids,
+                    sorted_ids=sorted_ids,
+                    expert_ids=expert_ids,
+                    npad=npad,
+                    j=j,
+                ):
+                    invoke_fused_moe_kernel(
+                        a1,
+                        w13[j],
+                        None,
+                        c1,
+                        a1s,
+                        s13[j],
+                        None,
+                        w,
+                        ids,
+                        sorted_ids,
+                        expert_ids,
+                        npad,
+                        False,
+                        TOPK,
+                        CONFIG,
+                        tl.bfloat16,
+                        True,
+                        False,
+                        False,
+                        False,
+                        False,
+                        BLOCK,
+                    )
+                    invoke_fused_moe_kernel(
+                        a2,
+                        w2[j],
+                        None,
+                        c2,
+                        a2s,
+                        s2[j],
+                        None,
+                        w,
+                        ids,
+                        sorted_ids,
+                        expert_ids,
+                        npad,
+                        True,
+                        1,
+                        CONFIG,
+                        tl.bfloat16,
+                        True,
+                        False,
+                        False,
+                        False,
+                        False,
+                        BLOCK,
+                    )
+
                 fns.append(fn)
             return fns
 
@@ -120,26 +209,50 @@ def main() -> None:
             e = int(free[-1][1][0, 0])
             j = (LAYERS - 1) % WEIGHT_SETS
             a = a1[0].float() * a1s[0].repeat_interleave(128)
-            wt = w13[j][e].float() * s13[j][e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            wt = w13[j][e].float() * s13[j][e].repeat_interleave(
+                128, 0
+            ).repeat_interleave(128, 1)
             ref, got = wt @ a, c1[0, 0].float()
             err = float((got - ref).abs().max() / ref.abs().max())
             print(f"GEMM1 check: max rel err {err:.2e}", flush=True)
-            assert err < 2e-2, "fused_moe_kernel output does not match the dequantized GEMM"
+            assert (
+                err < 2e-2
+            ), "fused_moe_kernel output does not match the dequantized GEMM"
         e_free = sum(r[-1] for r in free) / LAYERS
         for k in range(1, STRIDE):
             capped = plan(torch.full((1024,), k + 1, device=dev))
             t_cap = graph_us_per_call(calls(capped), args.replays)
             e_cap = sum(r[-1] for r in capped) / LAYERS
-            rows.append({"bs": bs, "k": k, "experts_no_cap": e_free, "experts_cap": e_cap,
-                         "moe_us_no_cap": t_free, "moe_us_cap": t_cap,
-                         "speedup": t_free / t_cap,
-                         "saved_us_per_step_43_layers": (t_free - t_cap) * LAYERS})
+            rows.append(
+                {
+                    "bs": bs,
+                    "k": k,
+                    "experts_no_cap": e_free,
+                    "experts_cap": e_cap,
+                    "moe_us_no_cap": t_free,
+                    "moe_us_cap": t_cap,
+                    "speedup": t_free / t_cap,
+                    "saved_us_per_step_43_layers": (t_free - t_cap) * LAYERS,
+                }
+            )
             print(rows[-1], flush=True)
-    report("verify_cap_moe", list(rows[0]), rows, args.out,
-           {"layers": LAYERS, "hidden": HIDDEN, "experts": N, "topk": TOPK,
-            "inter_per_rank": INTER_RANK, "weight_sets": WEIGHT_SETS, "config": CONFIG,
+    report(
+        "verify_cap_moe",
+        list(rows[0]),
+        rows,
+        args.out,
+        {
+            "layers": LAYERS,
+            "hidden": HIDDEN,
+            "experts": N,
+            "topk": TOPK,
+            "inter_per_rank": INTER_RANK,
+            "weight_sets": WEIGHT_SETS,
+            "config": CONFIG,
             "kernel": "sglang fused_moe_kernel, fp8 w8a8 128x128 block scales, w13 + w2",
-            "routing": "random router weights and hidden states (not a checkpoint)"})
+            "routing": "random router weights and hidden states (not a checkpoint)",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "standins"))
 sys.path.insert(0, str(REPO / "benchmark"))
 
-import torch  # noqa: E402
-
 import engram_stack as stack  # noqa: E402
 import harness  # noqa: E402
+import torch  # noqa: E402
+
 from sglang.srt.layers import engram_prefetch as ep  # noqa: E402
 
 HIDDEN, DIM = 5120, 256
@@ -36,8 +36,14 @@ TOKENS = [1, 4, 16, 64, 128]
 class Step:
     """One decode step of the stand-in stack; ``prefetch`` None = upstream's inline lookups."""
 
-    def __init__(self, tokens, engrams, engram_layers, cols, rows, weights, proj, prefetch):
-        self.engrams, self.engram_layers, self.prefetch = engrams, engram_layers, prefetch
+    def __init__(
+        self, tokens, engrams, engram_layers, cols, rows, weights, proj, prefetch
+    ):
+        self.engrams, self.engram_layers, self.prefetch = (
+            engrams,
+            engram_layers,
+            prefetch,
+        )
         self.weights, self.proj, self.rows = weights, proj, rows
         self.ids = stack.hash_ids(tokens, len(engrams), cols, rows, "cuda", seed=tokens)
         self.x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -55,7 +61,11 @@ class Step:
             if i in self.engram_layers:
                 e = self.engrams[self.engram_layers.index(i)]
                 col = self.ids[:, e.layer_hash_index]
-                emb = got.rows(e, col, self.batch) if got is not None else e.embed_rows(col, self.batch, False)
+                emb = (
+                    got.rows(e, col, self.batch)
+                    if got is not None
+                    else e.embed_rows(col, self.batch, False)
+                )
                 gathered.append(emb)
                 h = h + emb.flatten(-2) @ self.proj
             h = torch.tanh(torch.nn.functional.linear(h, w))
@@ -66,36 +76,78 @@ class Step:
 def lookups(step: Step):
     def call():
         step.hasher()
-        return [e.embed_rows(step.ids[:, e.layer_hash_index], step.batch, False) for e in step.engrams]
+        return [
+            e.embed_rows(step.ids[:, e.layer_hash_index], step.batch, False)
+            for e in step.engrams
+        ]
+
     return call
 
 
 def measure(args) -> list[dict]:
     layers = args.layers
-    weights = [torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
-    proj = torch.randn(args.cols * DIM, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.01
+    weights = [
+        torch.randn(HIDDEN, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.02
+        for _ in range(layers)
+    ]
+    proj = (
+        torch.randn(args.cols * DIM, HIDDEN, device="cuda", dtype=torch.bfloat16) * 0.01
+    )
     out = []
     for layout in args.layouts:
         if layout == "device":
-            embeds = [stack.device_embedding(args.rows, DIM, "cuda", seed=i) for i in range(len(args.engram_layers))]
+            embeds = [
+                stack.device_embedding(args.rows, DIM, "cuda", seed=i)
+                for i in range(len(args.engram_layers))
+            ]
         else:
-            embeds = [stack.HostEmbedding(args.rows, DIM, seed=i) for i in range(len(args.engram_layers))]
+            embeds = [
+                stack.HostEmbedding(args.rows, DIM, seed=i)
+                for i in range(len(args.engram_layers))
+            ]
         engrams = [stack.EngramLookup(e, i) for i, e in enumerate(embeds)]
-        prefetch = ep.build_engram_prefetch("on", [type("L", (), {"engram": e})() for e in engrams])
+        prefetch = ep.build_engram_prefetch(
+            "on", [type("L", (), {"engram": e})() for e in engrams]
+        )
         for tokens in TOKENS:
-            mk = lambda p: Step(tokens, engrams, args.engram_layers, args.cols, args.rows, weights, proj, p)  # noqa: E731
+            mk = lambda p: Step(
+                tokens,
+                engrams,
+                args.engram_layers,
+                args.cols,
+                args.rows,
+                weights,
+                proj,
+                p,
+            )  # noqa: E731
             stock_step, our_step = mk(None), mk(prefetch)
             stock_step(), our_step()  # same ids sequence: compare the first step's rows
-            bitwise = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
-                          for a, b in zip(stock_step.gathered, our_step.gathered))
+            bitwise = all(
+                torch.equal(a.view(torch.int16), b.view(torch.int16))
+                for a, b in zip(stock_step.gathered, our_step.gathered)
+            )
             stock = harness.graph_us_per_call([stock_step], args.replays)
             ours = harness.graph_us_per_call([our_step], args.replays)
             gather = harness.graph_us_per_call([lookups(mk(None))], args.replays)
-            out.append({"layout": layout, "tokens": tokens, "bitwise": bitwise, "stock_us": stock,
-                        "ours_us": ours, "ratio": stock / ours, "saved_us": stock - ours,
-                        "lookups_us": gather})
-            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in out[-1].items()),
-                  flush=True)
+            out.append(
+                {
+                    "layout": layout,
+                    "tokens": tokens,
+                    "bitwise": bitwise,
+                    "stock_us": stock,
+                    "ours_us": ours,
+                    "ratio": stock / ours,
+                    "saved_us": stock - ours,
+                    "lookups_us": gather,
+                }
+            )
+            print(
+                " ".join(
+                    f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in out[-1].items()
+                ),
+                flush=True,
+            )
         del embeds, engrams, prefetch
         torch.cuda.empty_cache()
     return out
@@ -104,16 +156,46 @@ def measure(args) -> list[dict]:
 def main() -> None:
     p = harness.arg_parser(__doc__)
     p.add_argument("--layers", type=int, default=harness.LAYERS)
-    p.add_argument("--engram-layers", type=lambda s: [int(v) for v in s.split(",")], default=[1, 14])
-    p.add_argument("--cols", type=int, default=16, help="hash columns per token: (max n-gram - 1) x heads")
-    p.add_argument("--rows", type=int, default=1 << 24, help="table rows per Engram layer")
+    p.add_argument(
+        "--engram-layers",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[1, 14],
+    )
+    p.add_argument(
+        "--cols",
+        type=int,
+        default=16,
+        help="hash columns per token: (max n-gram - 1) x heads",
+    )
+    p.add_argument(
+        "--rows", type=int, default=1 << 24, help="table rows per Engram layer"
+    )
     p.add_argument("--layouts", type=lambda s: s.split(","), default=["device", "host"])
     args = p.parse_args()
     rows = measure(args)
-    harness.report("engram_prefetch", ["layout", "tokens", "bitwise", "stock_us", "ours_us", "ratio",
-                                       "saved_us", "lookups_us"], rows, args.out,
-                   {"layers": args.layers, "engram_layers": args.engram_layers, "hash_cols": args.cols,
-                    "head_dim": DIM, "table_rows": args.rows, "hidden": HIDDEN})
+    harness.report(
+        "engram_prefetch",
+        [
+            "layout",
+            "tokens",
+            "bitwise",
+            "stock_us",
+            "ours_us",
+            "ratio",
+            "saved_us",
+            "lookups_us",
+        ],
+        rows,
+        args.out,
+        {
+            "layers": args.layers,
+            "engram_layers": args.engram_layers,
+            "hash_cols": args.cols,
+            "head_dim": DIM,
+            "table_rows": args.rows,
+            "hidden": HIDDEN,
+        },
+    )
 
 
 if __name__ == "__main__":

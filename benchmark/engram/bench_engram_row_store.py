@@ -34,12 +34,26 @@ REC = DIM + DIM // 32
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("benchmark/results"))
-    p.add_argument("--dir", default=os.environ.get("ENGRAM_STORE_DIR", "."),
-                   help="where the table file goes (local NVMe; a temporary folder inside it is removed after)")
-    p.add_argument("--rows", type=int, default=2_000_000, help="table rows (2M = 528 MB on disk)")
-    p.add_argument("--cols", type=int, default=16, help="hash columns per token ((max n-gram - 1) x heads)")
-    p.add_argument("--steps", type=int, default=60, help="timed decode/verify steps per row")
-    p.add_argument("--caches", default="0,0.05,0.25", help="cache sizes as fractions of the table")
+    p.add_argument(
+        "--dir",
+        default=os.environ.get("ENGRAM_STORE_DIR", "."),
+        help="where the table file goes (local NVMe; a temporary folder inside it is removed after)",
+    )
+    p.add_argument(
+        "--rows", type=int, default=2_000_000, help="table rows (2M = 528 MB on disk)"
+    )
+    p.add_argument(
+        "--cols",
+        type=int,
+        default=16,
+        help="hash columns per token ((max n-gram - 1) x heads)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=60, help="timed decode/verify steps per row"
+    )
+    p.add_argument(
+        "--caches", default="0,0.05,0.25", help="cache sizes as fractions of the table"
+    )
     return p.parse_args()
 
 
@@ -64,7 +78,9 @@ class Workload:
             return self.g.integers(0, self.rows, n)
         z = self.g.zipf(1.1, n).astype(np.uint64)
         col = np.tile(np.arange(cols, dtype=np.uint64), tokens)
-        h = (z * np.uint64(0x9E3779B97F4A7C15) + col * np.uint64(0xBF58476D1CE4E5B9)) >> np.uint64(17)
+        h = (
+            z * np.uint64(0x9E3779B97F4A7C15) + col * np.uint64(0xBF58476D1CE4E5B9)
+        ) >> np.uint64(17)
         return (h % np.uint64(self.rows)).astype(np.int64)
 
 
@@ -86,7 +102,9 @@ def main():
         def stock(idx):
             out = torch.empty(idx.numel(), DIM, dtype=torch.bfloat16, device=dev)
             return engram_gather(wd.data_ptr(), sd.data_ptr(), idx, out, DIM, 32)
+
     else:
+
         def stock(idx):
             return rs.dequant_rows_cpu(w_u8, s_u8, idx)
 
@@ -105,15 +123,26 @@ def main():
         probe.load_rows(scale, scale=True)
         write_s = time.perf_counter() - t0
         probe.finish_load(share=False)
-        print(f"wrote {args.rows} rows ({args.rows * REC / 2**20:.0f} MiB) in {write_s:.1f} s; "
-              f"reads: {'O_DIRECT' if probe.direct else 'buffered (no O_DIRECT here)'}")
-        shapes = [("decode bs4", 4, args.steps), ("verify bs4 x4", 16, args.steps),
-                  ("prefill 2048", 2048, max(3, args.steps // 20))]
+        print(
+            f"wrote {args.rows} rows ({args.rows * REC / 2**20:.0f} MiB) in {write_s:.1f} s; "
+            f"reads: {'O_DIRECT' if probe.direct else 'buffered (no O_DIRECT here)'}"
+        )
+        shapes = [
+            ("decode bs4", 4, args.steps),
+            ("verify bs4 x4", 16, args.steps),
+            ("prefill 2048", 2048, max(3, args.steps // 20)),
+        ]
         for dist in ("zipf", "uniform"):
             for frac in (float(x) for x in args.caches.split(",")):
                 for name, tokens, steps in shapes:
-                    st = rs.EngramRowStore(workdir, "bench", 0, args.rows, DIM,
-                                           cache_bytes=int(frac * args.rows * REC))
+                    st = rs.EngramRowStore(
+                        workdir,
+                        "bench",
+                        0,
+                        args.rows,
+                        DIM,
+                        cache_bytes=int(frac * args.rows * REC),
+                    )
                     st._written_s = 0.0  # the file above
                     st.finish_load(share=False)
                     wl = Workload(dist, args.rows, seed=1)
@@ -136,46 +165,83 @@ def main():
                         ref = stock(idx)
                         sync()
                         c = time.perf_counter()
-                        if i < 3 and not torch.equal(got.view(torch.int16), ref.view(torch.int16)):
-                            raise SystemExit(f"{name} {dist} cache {frac}: rows differ from the in-memory table")
+                        if i < 3 and not torch.equal(
+                            got.view(torch.int16), ref.view(torch.int16)
+                        ):
+                            raise SystemExit(
+                                f"{name} {dist} cache {frac}: rows differ from the in-memory table"
+                            )
                         t_store.append(b - a)
                         t_host.append(st.stats["lookup_s"] - h0)
                         t_stock.append(c - b)
                     d = {k: st.stats[k] - base[k] for k in st.stats}
-                    us_store, us_stock = statistics.median(t_store) * 1e6, statistics.median(t_stock) * 1e6
+                    us_store, us_stock = (
+                        statistics.median(t_store) * 1e6,
+                        statistics.median(t_stock) * 1e6,
+                    )
                     pos = tokens * args.cols
-                    rows_out.append({
-                        "shape": name, "dist": dist, "cache_frac": frac,
-                        "cache_mib": round(st.capacity * REC / 2**20, 1),
-                        "rows_per_step": pos, "steps": steps,
-                        "stock_us": round(us_stock, 1), "store_us": round(us_store, 1),
-                        "store_over_stock": round(us_store / us_stock, 2),
-                        "store_rows_per_s": round(pos / (us_store * 1e-6)),
-                        "store_host_us": round(statistics.median(t_host) * 1e6, 1),
-                        "hit_rate": round(d["hits"] / d["unique"], 4) if d["unique"] else 0.0,
-                        "read_kib_per_step": round(d["read_bytes"] / steps / 1024, 1),
-                        "reads_per_step": round(d["reads"] / steps, 1),
-                        "uncached_per_step": round(d["uncached"] / steps, 1),
-                    })
+                    rows_out.append(
+                        {
+                            "shape": name,
+                            "dist": dist,
+                            "cache_frac": frac,
+                            "cache_mib": round(st.capacity * REC / 2**20, 1),
+                            "rows_per_step": pos,
+                            "steps": steps,
+                            "stock_us": round(us_stock, 1),
+                            "store_us": round(us_store, 1),
+                            "store_over_stock": round(us_store / us_stock, 2),
+                            "store_rows_per_s": round(pos / (us_store * 1e-6)),
+                            "store_host_us": round(statistics.median(t_host) * 1e6, 1),
+                            "hit_rate": (
+                                round(d["hits"] / d["unique"], 4)
+                                if d["unique"]
+                                else 0.0
+                            ),
+                            "read_kib_per_step": round(
+                                d["read_bytes"] / steps / 1024, 1
+                            ),
+                            "reads_per_step": round(d["reads"] / steps, 1),
+                            "uncached_per_step": round(d["uncached"] / steps, 1),
+                        }
+                    )
                     r = rows_out[-1]
-                    print(f"{dist:8s} cache {frac:5.2f} {name:14s} stock {r['stock_us']:9.1f} us  store "
-                          f"{r['store_us']:9.1f} us ({r['store_over_stock']:6.2f}x, host {r['store_host_us']:8.1f})  hit {r['hit_rate']:.3f}  "
-                          f"{r['store_rows_per_s']:>9d} rows/s  {r['read_kib_per_step']:8.1f} KiB read/step")
+                    print(
+                        f"{dist:8s} cache {frac:5.2f} {name:14s} stock {r['stock_us']:9.1f} us  store "
+                        f"{r['store_us']:9.1f} us ({r['store_over_stock']:6.2f}x, host {r['store_host_us']:8.1f})  hit {r['hit_rate']:.3f}  "
+                        f"{r['store_rows_per_s']:>9d} rows/s  {r['read_kib_per_step']:8.1f} KiB read/step"
+                    )
                     os.close(st.fd)
                     if st.pool is not None:
                         st.pool.shutdown()
-        meta = {"table_rows": args.rows, "record_bytes": REC, "hash_cols": args.cols,
-                "o_direct": probe.direct, "write_s": round(write_s, 2),
-                "write_mib_per_s": round(args.rows * REC / 2**20 / write_s, 1),
-                "note": "one Engram layer's lookup per step; stock = the table in memory "
-                        "(CUDA: engram_gather over a device table; CPU: upstream's torch lookup); "
-                        "rows checked bitwise against stock"}
+        meta = {
+            "table_rows": args.rows,
+            "record_bytes": REC,
+            "hash_cols": args.cols,
+            "o_direct": probe.direct,
+            "write_s": round(write_s, 2),
+            "write_mib_per_s": round(args.rows * REC / 2**20 / write_s, 1),
+            "note": "one Engram layer's lookup per step; stock = the table in memory "
+            "(CUDA: engram_gather over a device table; CPU: upstream's torch lookup); "
+            "rows checked bitwise against stock",
+        }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"engram_row_store-{tag}.json"
-    path.write_text(json.dumps({"benchmark": "engram_row_store", "device": device,
-                                "torch": torch.__version__, **meta, "rows": rows_out}, indent=1) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "benchmark": "engram_row_store",
+                "device": device,
+                "torch": torch.__version__,
+                **meta,
+                "rows": rows_out,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {path}")
 
 

@@ -15,9 +15,13 @@ FP8_BLOCK = 32
 def _tp1(monkeypatch=None):
     import sglang.srt.layers.engram as engram_mod
 
-    tp1 = lambda: SimpleNamespace(tp_size=1, tp_rank=0, attn_dp_size=1, tp_group=None)  # noqa: E731
+    tp1 = lambda: SimpleNamespace(
+        tp_size=1, tp_rank=0, attn_dp_size=1, tp_group=None
+    )  # noqa: E731
     # The published server arguments' offload section, Engram row store off (no server here).
-    offload = SimpleNamespace(engram_row_store_dir=None, engram_row_store_cache_gib=None)
+    offload = SimpleNamespace(
+        engram_row_store_dir=None, engram_row_store_cache_gib=None
+    )
     exec_ns = lambda: SimpleNamespace(offload=offload)  # noqa: E731
     for name, stub in (("get_parallel", tp1), ("get_exec", exec_ns)):
         if monkeypatch is not None:
@@ -27,7 +31,9 @@ def _tp1(monkeypatch=None):
     return engram_mod
 
 
-def random_table(rows: int, dim: int, device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_table(
+    rows: int, dim: int, device, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 e4m3 rows (every finite code equally likely) and e8m0 scale bytes 2**-17..2**2,
     generated on ``device`` in slices (no float copy of the table is ever held)."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -45,7 +51,9 @@ def random_table(rows: int, dim: int, device, seed: int) -> tuple[torch.Tensor, 
 def device_embedding(rows: int, dim: int, device, seed: int, monkeypatch=None):
     """An upstream EngramEmbedding (TP1, device table) with random fp8 rows and e8m0 scales."""
     engram_mod = _tp1(monkeypatch)
-    embed = engram_mod.EngramEmbedding(rows, dim, layer_id=seed, column_bounds=(0, rows))
+    embed = engram_mod.EngramEmbedding(
+        rows, dim, layer_id=seed, column_bounds=(0, rows)
+    )
     w, s = random_table(rows, dim, device, seed)
     embed.weight.data = w
     embed.scale.data = s.view(torch.float8_e8m0fnu)
@@ -77,9 +85,13 @@ class HostEmbedding:
         return self.weight.data_ptr(), self.scale.data_ptr()
 
     def new_rows(self, indices):
-        return torch.empty(*indices.shape, self.dim, dtype=torch.bfloat16, device=indices.device)
+        return torch.empty(
+            *indices.shape, self.dim, dtype=torch.bfloat16, device=indices.device
+        )
 
-    def _owned_rows(self, indices):  # pragma: no cover - the shared layout never reaches it
+    def _owned_rows(
+        self, indices
+    ):  # pragma: no cover - the shared layout never reaches it
         raise AssertionError("shared host tables gather through engram_gather")
 
     def _reduce_owned_rows(self, values):  # pragma: no cover
@@ -88,7 +100,9 @@ class HostEmbedding:
     def __call__(self, indices, forward_batch=None, *, cp_all_tokens=False):
         import sglang.srt.layers.engram as engram_mod
 
-        return engram_mod.EngramEmbedding.forward(self, indices, forward_batch, cp_all_tokens=cp_all_tokens)
+        return engram_mod.EngramEmbedding.forward(
+            self, indices, forward_batch, cp_all_tokens=cp_all_tokens
+        )
 
 
 class EngramLookup:

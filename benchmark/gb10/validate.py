@@ -44,11 +44,17 @@ E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--feature", action="append", choices=["mxfp8", "moe", "roce", "engram"],
-                   help="repeatable (default: mxfp8, moe, engram)")
+    p.add_argument(
+        "--feature",
+        action="append",
+        choices=["mxfp8", "moe", "roce", "engram"],
+        help="repeatable (default: mxfp8, moe, engram)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmark" / "results")
     p.add_argument("--replays", type=int, default=30)
-    p.add_argument("--engram-dir", default=".", help="local NVMe folder for the engram benchmark")
+    p.add_argument(
+        "--engram-dir", default=".", help="local NVMe folder for the engram benchmark"
+    )
     return p.parse_args(argv)
 
 
@@ -57,7 +63,9 @@ def parse_args(argv=None):
 
 def dequant_e2m1(packed: torch.Tensor, scale_e8m0: torch.Tensor) -> torch.Tensor:
     """MXFP4 bytes [..., K/2] (low nibble first) with E8M0 scales [..., K/32] -> fp32 [..., K]."""
-    table = torch.tensor(E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=packed.device)
+    table = torch.tensor(
+        E2M1 + tuple(-v for v in E2M1), dtype=torch.float32, device=packed.device
+    )
     lo, hi = packed & 0xF, packed >> 4
     vals = table[torch.stack([lo, hi], -1).flatten(-2).long()]
     scale = torch.exp2(scale_e8m0.view(torch.uint8).float() - 127)
@@ -65,7 +73,12 @@ def dequant_e2m1(packed: torch.Tensor, scale_e8m0: torch.Tensor) -> torch.Tensor
 
 
 def dequant_block_fp8(w: torch.Tensor, s: torch.Tensor, block=32) -> torch.Tensor:
-    return w.float() * s.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+    return (
+        w.float()
+        * s.float()
+        .repeat_interleave(block, 0)
+        .repeat_interleave(block, 1)[: w.shape[0], : w.shape[1]]
+    )
 
 
 def moe_reference(x, w13, w2, ids, weights, limit):
@@ -81,7 +94,9 @@ def moe_reference(x, w13, w2, ids, weights, limit):
             up, gate = h[:n], h[n:]
             if limit:
                 gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-            out[t] += float(weights[t, j]) * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+            out[t] += float(weights[t, j]) * (
+                w2[e] @ (torch.nn.functional.silu(gate) * up)
+            )
     return out
 
 
@@ -102,8 +117,16 @@ def check_b12x(flag, api, attr):
 
 def v41_block_fp8(n, k, device, seed):
     g = torch.Generator(device=device).manual_seed(seed)
-    w = (torch.randn(n, k, generator=g, device=device) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
-    s = torch.exp2(torch.randint(-12, -4, ((n + 31) // 32, (k + 31) // 32), generator=g, device=device).float())
+    w = (
+        (torch.randn(n, k, generator=g, device=device) * 64)
+        .clamp(-448, 448)
+        .to(torch.float8_e4m3fn)
+    )
+    s = torch.exp2(
+        torch.randint(
+            -12, -4, ((n + 31) // 32, (k + 31) // 32), generator=g, device=device
+        ).float()
+    )
     return w, s
 
 
@@ -113,25 +136,47 @@ def run_mxfp8(args, rows_out):
 
     check_b12x("--block-fp8-mxfp8-backend b12x", "gemm.block_fp8_linear", "plan")
     dev = torch.device("cuda")
-    shapes = [("shared_experts.down_proj", 5120, 576), ("shared_experts.gate_up_proj", 1152, 5120),
-              ("self_attn.wq_a", 1024, 5120), ("self_attn.wkv", 512, 5120)]
+    shapes = [
+        ("shared_experts.down_proj", 5120, 576),
+        ("shared_experts.gate_up_proj", 1152, 5120),
+        ("self_attn.wq_a", 1024, 5120),
+        ("self_attn.wkv", 512, 5120),
+    ]
     for name, n, k in shapes:
         w, s = v41_block_fp8(n, k, dev, n + k)
-        layer = SimpleNamespace(weight=torch.nn.Parameter(w, requires_grad=False),
-                                weight_scale_inv=torch.nn.Parameter(s, requires_grad=False), prefix=name)
+        layer = SimpleNamespace(
+            weight=torch.nn.Parameter(w, requires_grad=False),
+            weight_scale_inv=torch.nn.Parameter(s, requires_grad=False),
+            prefix=name,
+        )
         lin = bf.B12xBlockFp8Linear((32, 32), bf.plan_capacities(64, 2048))
         assert lin.prepare(layer), name
         ref_w = dequant_block_fp8(w, s)
         for m in (1, 2, 4, 8, 16, 32, 64, 2048):
             x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
             ours = lin.apply(layer, x, None)
-            stock = triton_w8a8_block_fp8_linear(x, w, [32, 32], s, act_scale_ue8m0=True)
+            stock = triton_w8a8_block_fp8_linear(
+                x, w, [32, 32], s, act_scale_ue8m0=True
+            )
             ref = x.float() @ ref_w.T
-            row = {"feature": "mxfp8", "shape": f"{name} N{n} K{k}", "rows": m,
-                   "ours_rel_err": rel_err(ours, ref), "stock_rel_err": rel_err(stock, ref),
-                   "ours_us": graph_us_per_call([lambda: lin.apply(layer, x, None)], args.replays),
-                   "stock_us": graph_us_per_call([lambda: triton_w8a8_block_fp8_linear(
-                       x, w, [32, 32], s, act_scale_ue8m0=True)], args.replays)}
+            row = {
+                "feature": "mxfp8",
+                "shape": f"{name} N{n} K{k}",
+                "rows": m,
+                "ours_rel_err": rel_err(ours, ref),
+                "stock_rel_err": rel_err(stock, ref),
+                "ours_us": graph_us_per_call(
+                    [lambda: lin.apply(layer, x, None)], args.replays
+                ),
+                "stock_us": graph_us_per_call(
+                    [
+                        lambda: triton_w8a8_block_fp8_linear(
+                            x, w, [32, 32], s, act_scale_ue8m0=True
+                        )
+                    ],
+                    args.replays,
+                ),
+            }
             row["speedup"] = row["stock_us"] / row["ours_us"]
             # MXFP8 activations on both sides: ours within 2x stock's error of the fp32 result
             row["ok"] = row["ours_rel_err"] <= max(2 * row["stock_rel_err"], 1e-2)
@@ -147,32 +192,60 @@ def run_moe(args, rows_out):
     dev = torch.device("cuda")
     E, K, N, TOPK, LIMIT = 384, 5120, 576, 6, 10.0
     g = torch.Generator(device=dev).manual_seed(0)
-    w13 = torch.randint(0, 256, (E, 2 * N, K // 2), dtype=torch.uint8, device=dev, generator=g)
-    w2 = torch.randint(0, 256, (E, K, N // 2), dtype=torch.uint8, device=dev, generator=g)
-    s13 = torch.randint(118, 124, (E, 2 * N, K // 32), dtype=torch.uint8, device=dev, generator=g)
-    s2 = torch.randint(118, 124, (E, K, N // 32), dtype=torch.uint8, device=dev, generator=g)
+    w13 = torch.randint(
+        0, 256, (E, 2 * N, K // 2), dtype=torch.uint8, device=dev, generator=g
+    )
+    w2 = torch.randint(
+        0, 256, (E, K, N // 2), dtype=torch.uint8, device=dev, generator=g
+    )
+    s13 = torch.randint(
+        118, 124, (E, 2 * N, K // 32), dtype=torch.uint8, device=dev, generator=g
+    )
+    s2 = torch.randint(
+        118, 124, (E, K, N // 32), dtype=torch.uint8, device=dev, generator=g
+    )
     ref13, ref2 = dequant_e2m1(w13, s13), dequant_e2m1(w2, s2)
     P = torch.nn.Parameter
-    layer = SimpleNamespace(w13_weight=P(w13, requires_grad=False), w2_weight=P(w2, requires_grad=False),
-                            w13_weight_scale_inv=P(s13.view(torch.float8_e8m0fnu), requires_grad=False),
-                            w2_weight_scale_inv=P(s2.view(torch.float8_e8m0fnu), requires_grad=False))
+    layer = SimpleNamespace(
+        w13_weight=P(w13, requires_grad=False),
+        w2_weight=P(w2, requires_grad=False),
+        w13_weight_scale_inv=P(s13.view(torch.float8_e8m0fnu), requires_grad=False),
+        w2_weight_scale_inv=P(s2.view(torch.float8_e8m0fnu), requires_grad=False),
+    )
     counts = bm.plan_token_counts([1, 2, 4, 8, 16], [1, 4], 2048)
-    method = bm.Mxfp4B12xMoEMethod(SimpleNamespace(process_weights_after_loading=lambda layer: None),
-                                   "model.layers.0.mlp.experts", counts)
-    method.create_moe_runner(layer, SimpleNamespace(top_k=TOPK, swiglu_limit=LIMIT, num_fused_shared_experts=0))
+    method = bm.Mxfp4B12xMoEMethod(
+        SimpleNamespace(process_weights_after_loading=lambda layer: None),
+        "model.layers.0.mlp.experts",
+        counts,
+    )
+    method.create_moe_runner(
+        layer,
+        SimpleNamespace(top_k=TOPK, swiglu_limit=LIMIT, num_fused_shared_experts=0),
+    )
     method.process_weights_after_loading(layer)
     for m in (1, 2, 4, 5, 8, 16, 20, 64, 512):
         x = (torch.randn(m, K, device=dev) * 0.1).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, device=dev)[:TOPK] for _ in range(m)]).to(torch.int32)
+        ids = torch.stack([torch.randperm(E, device=dev)[:TOPK] for _ in range(m)]).to(
+            torch.int32
+        )
         w = torch.softmax(torch.randn(m, TOPK, device=dev), -1)
-        d = SimpleNamespace(hidden_states=x, topk_output=StandardTopKOutput(w, ids, None))
+        d = SimpleNamespace(
+            hidden_states=x, topk_output=StandardTopKOutput(w, ids, None)
+        )
         ours = method.apply(None, d).hidden_states
         ref = moe_reference(x, ref13, ref2, ids, w, LIMIT) if m <= 64 else None
-        row = {"feature": "moe", "shape": f"E{E} N{N} K{K} top{TOPK}", "rows": m,
-               "ours_rel_err": None if ref is None else rel_err(ours, ref),
-               "ours_us": graph_us_per_call([lambda: method.apply(None, d)], args.replays), "stock_us": None,
-               "note": "stock cannot start on 576-wide experts on SM12x (FlashInfer CUTLASS needs % 128)"}
-        row["ok"] = row["ours_rel_err"] is None or row["ours_rel_err"] < 5e-2  # MXFP8 activations
+        row = {
+            "feature": "moe",
+            "shape": f"E{E} N{N} K{K} top{TOPK}",
+            "rows": m,
+            "ours_rel_err": None if ref is None else rel_err(ours, ref),
+            "ours_us": graph_us_per_call([lambda: method.apply(None, d)], args.replays),
+            "stock_us": None,
+            "note": "stock cannot start on 576-wide experts on SM12x (FlashInfer CUTLASS needs % 128)",
+        }
+        row["ok"] = (
+            row["ours_rel_err"] is None or row["ours_rel_err"] < 5e-2
+        )  # MXFP8 activations
         rows_out.append(row)
         print(row)
 
@@ -194,17 +267,37 @@ def run_roce(args, rows_out):
     dev = torch.device("cuda", torch.cuda.current_device())
     cpu = dist.new_group(backend="gloo")
     gather = rg.RoceGather(cpu, dev)
-    for rows, hidden, dtype in ((1, 5120, torch.bfloat16), (4, 5120, torch.bfloat16), (16, 5120, torch.bfloat16),
-                                (64, 5120, torch.bfloat16), (20, 32320, torch.bfloat16), (4, 6, torch.int32)):
+    for rows, hidden, dtype in (
+        (1, 5120, torch.bfloat16),
+        (4, 5120, torch.bfloat16),
+        (16, 5120, torch.bfloat16),
+        (64, 5120, torch.bfloat16),
+        (20, 32320, torch.bfloat16),
+        (4, 6, torch.int32),
+    ):
         x = (torch.randn(rows, hidden, device=dev) * (rank + 1)).to(dtype)
-        ours, stock = torch.empty(world * rows, hidden, dtype=dtype, device=dev), torch.empty(world * rows, hidden, dtype=dtype, device=dev)
+        ours, stock = torch.empty(
+            world * rows, hidden, dtype=dtype, device=dev
+        ), torch.empty(world * rows, hidden, dtype=dtype, device=dev)
         took = gather.gather_into(ours, x)
         dist.all_gather_into_tensor(stock, x)
         torch.cuda.synchronize()
-        row = {"feature": "roce", "shape": f"{rows}x{hidden} {dtype}", "rows": rows, "world": world,
-               "on_roce": took, "bitwise": bool(torch.equal(ours, stock)) if took else None,
-               "ours_us": timed_on_roce(gather, lambda: gather.gather_into(ours, x), args.replays) if took else None,
-               "stock_us": graph_us_per_call([lambda: dist.all_gather_into_tensor(stock, x)], args.replays)}
+        row = {
+            "feature": "roce",
+            "shape": f"{rows}x{hidden} {dtype}",
+            "rows": rows,
+            "world": world,
+            "on_roce": took,
+            "bitwise": bool(torch.equal(ours, stock)) if took else None,
+            "ours_us": (
+                timed_on_roce(gather, lambda: gather.gather_into(ours, x), args.replays)
+                if took
+                else None
+            ),
+            "stock_us": graph_us_per_call(
+                [lambda: dist.all_gather_into_tensor(stock, x)], args.replays
+            ),
+        }
         row["ok"] = row["bitwise"] is not False
         if row["ours_us"]:
             row["speedup"] = row["stock_us"] / row["ours_us"]
@@ -215,8 +308,17 @@ def run_roce(args, rows_out):
 
 def run_engram(args, rows_out):
     out = args.out / "engram_row_store_gb10"
-    r = subprocess.run([sys.executable, str(REPO / "benchmark" / "engram" / "bench_engram_row_store.py"),
-                        "--dir", args.engram_dir, "--out", str(out)], check=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmark" / "engram" / "bench_engram_row_store.py"),
+            "--dir",
+            args.engram_dir,
+            "--out",
+            str(out),
+        ],
+        check=True,
+    )
     for f in sorted(out.glob("engram_row_store-*.json")):
         for row in json.loads(f.read_text())["rows"]:
             rows_out.append({"feature": "engram", **row, "ok": True})
@@ -230,20 +332,35 @@ def main(argv=None):
         raise SystemExit("needs a CUDA GPU (a GB10 or an RTX Blackwell)")
     rows = []
     for f in features:
-        {"mxfp8": run_mxfp8, "moe": run_moe, "roce": run_roce, "engram": run_engram}[f](args, rows)
+        {"mxfp8": run_mxfp8, "moe": run_moe, "roce": run_roce, "engram": run_engram}[f](
+            args, rows
+        )
     if os.environ.get("RANK", "0") != "0":
         return 0
     name = torch.cuda.get_device_name()
-    from sglang.srt.utils.b12x_pin import B12X_VERSION
-
     import importlib.metadata as md
+
+    from sglang.srt.utils.b12x_pin import B12X_VERSION
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"gb10_validate-{name.replace(' ', '_')}.json"
-    path.write_text(json.dumps({"benchmark": "gb10_validate", "device": name, "torch": torch.__version__,
-                                "b12x": md.version("b12x"), "b12x_pinned": B12X_VERSION,
-                                "features": features, "all_ok": all(r.get("ok") for r in rows),
-                                "rows": rows}, indent=1, default=str) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "benchmark": "gb10_validate",
+                "device": name,
+                "torch": torch.__version__,
+                "b12x": md.version("b12x"),
+                "b12x_pinned": B12X_VERSION,
+                "features": features,
+                "all_ok": all(r.get("ok") for r in rows),
+                "rows": rows,
+            },
+            indent=1,
+            default=str,
+        )
+        + "\n"
+    )
     print(f"wrote {path}; all ok: {all(r.get('ok') for r in rows)}")
     return 0
 

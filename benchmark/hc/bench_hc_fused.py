@@ -23,9 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "standins"))
 sys.path.insert(0, str(REPO / "benchmark"))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 
-import harness  # noqa: E402
 from sglang.kernels.ops.layernorm import mhc  # noqa: E402
 from sglang.srt.models import deepseek_v4_hc_fused as hcf  # noqa: E402
 
@@ -47,8 +47,12 @@ def _weights():
 
 def _calls(route, xs, fn, parts, scale, base):
     if route == "bf16x3":
-        return [partial(mhc.hc_mix_stats_sinkhorn_bf16x3, x, parts, scale, base, 20, 1e-6, 1e-6)
-                for x in xs]
+        return [
+            partial(
+                mhc.hc_mix_stats_sinkhorn_bf16x3, x, parts, scale, base, 20, 1e-6, 1e-6
+            )
+            for x in xs
+        ]
     return [partial(mhc.hc_mix_stats, x, fn, 1e-6) for x in xs]
 
 
@@ -59,7 +63,10 @@ def measure(replays: int) -> tuple[list[dict], dict]:
         for m in ROWS:
             x_bytes = m * K * 2
             copies = max(2, math.ceil(STREAM_BYTES / x_bytes))
-            xs = [(torch.randn(m, K, device="cuda") * 3).to(torch.bfloat16) for _ in range(copies)]
+            xs = [
+                (torch.randn(m, K, device="cuda") * 3).to(torch.bfloat16)
+                for _ in range(copies)
+            ]
             calls = _calls(route, xs, fn, parts, scale, base)
             hcf._ACTIVE = None
             stock = harness.graph_us_per_call(calls, replays)
@@ -69,16 +76,27 @@ def measure(replays: int) -> tuple[list[dict], dict]:
             bitwise = set(feature.state.values()) == {"verified"}
             ours = harness.graph_us_per_call(calls, replays) if bitwise else None
             hcf._ACTIVE = None
-            rows_out.append({
-                "route": route, "rows": m, "copies": copies, "bitwise": bitwise,
-                "stock_us": stock, "ours_us": ours,
-                "ratio": stock / ours if ours else None,
-                "stock_TBps": harness.tbps(x_bytes, stock),
-                "ours_TBps": harness.tbps(x_bytes, ours) if ours else None,
-                "floor_us": harness.floor_us(x_bytes),
-            })
-            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                           for k, v in rows_out[-1].items()), flush=True)
+            rows_out.append(
+                {
+                    "route": route,
+                    "rows": m,
+                    "copies": copies,
+                    "bitwise": bitwise,
+                    "stock_us": stock,
+                    "ours_us": ours,
+                    "ratio": stock / ours if ours else None,
+                    "stock_TBps": harness.tbps(x_bytes, stock),
+                    "ours_TBps": harness.tbps(x_bytes, ours) if ours else None,
+                    "floor_us": harness.floor_us(x_bytes),
+                }
+            )
+            print(
+                " ".join(
+                    f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in rows_out[-1].items()
+                ),
+                flush=True,
+            )
             del xs, calls
             torch.cuda.empty_cache()
     return rows_out, {route: min_rows(rows_out, route) for route in hcf.ROUTES}
@@ -98,11 +116,29 @@ def main() -> None:
     args = harness.parse_args(__doc__)
     rows, thresholds = measure(args.replays)
     print(f"min_rows (ours >= {MARGIN}x from there on): {thresholds}")
-    harness.report("hc_fused", ["route", "rows", "copies", "bitwise", "stock_us", "ours_us", "ratio",
-                                "stock_TBps", "ours_TBps", "floor_us"],
-                   rows, args.out,
-                   {"K": K, "margin": MARGIN, "min_rows": thresholds,
-                    "device_name": torch.cuda.get_device_name()})
+    harness.report(
+        "hc_fused",
+        [
+            "route",
+            "rows",
+            "copies",
+            "bitwise",
+            "stock_us",
+            "ours_us",
+            "ratio",
+            "stock_TBps",
+            "ours_TBps",
+            "floor_us",
+        ],
+        rows,
+        args.out,
+        {
+            "K": K,
+            "margin": MARGIN,
+            "min_rows": thresholds,
+            "device_name": torch.cuda.get_device_name(),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools" / "standins"))
 sys.path.insert(0, str(REPO / "benchmark"))
 
+import harness  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-import harness  # noqa: E402
-from sglang.srt.distributed.l2_prefetch import L2Prefetcher, L2PrefetchPlanner  # noqa: E402
+from sglang.srt.distributed.l2_prefetch import (  # noqa: E402
+    L2Prefetcher,
+    L2PrefetchPlanner,
+)
 
 K = 5120
 MB = 1 << 20
@@ -36,10 +39,14 @@ MB = 1 << 20
 
 @triton.jit
 def _spin_kernel(out_ptr, ns):
-    t0 = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    t0 = tl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+    )
     t = t0
     while t - t0 < ns:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
     tl.store(out_ptr, t - t0)
 
 
@@ -50,8 +57,16 @@ def spin(out, ns):
 def spans_us(weights, x, spin_ns, replays, prefetcher=None, key=None) -> float:
     """Median graph time of one span (spin + linear), LAYERS spans per graph."""
     scratch = torch.zeros(1, dtype=torch.int64, device="cuda")
-    outs = [None if w is None else torch.empty(x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16)
-            for w in weights]  # None: a span of the spin alone
+    outs = [
+        (
+            None
+            if w is None
+            else torch.empty(
+                x.shape[0], w.shape[0], device="cuda", dtype=torch.bfloat16
+            )
+        )
+        for w in weights
+    ]  # None: a span of the spin alone
 
     def span(i):
         if prefetcher is not None:
@@ -66,33 +81,65 @@ def spans_us(weights, x, spin_ns, replays, prefetcher=None, key=None) -> float:
         if prefetcher is not None and i == len(weights) - 1:
             prefetcher.end()
 
-    return harness.graph_us_per_call([partial(span, i) for i in range(len(weights))], replays)
+    return harness.graph_us_per_call(
+        [partial(span, i) for i in range(len(weights))], replays
+    )
 
 
 def measure(args) -> list[dict]:
     spin_ns = int(args.collective_us * 1000)
     rows = []
-    spin_only = spans_us([None] * harness.LAYERS, torch.zeros(1, K, device="cuda", dtype=torch.bfloat16),
-                         spin_ns, args.replays)
+    spin_only = spans_us(
+        [None] * harness.LAYERS,
+        torch.zeros(1, K, device="cuda", dtype=torch.bfloat16),
+        spin_ns,
+        args.replays,
+    )
     for mb in args.weight_mb:
         n = mb * MB // (K * 2)
-        weights = [torch.randn(n, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(harness.LAYERS)]
+        weights = [
+            torch.randn(n, K, device="cuda", dtype=torch.bfloat16) * 0.02
+            for _ in range(harness.LAYERS)
+        ]
         for m in args.rows:
             x = torch.randn(m, K, device="cuda", dtype=torch.bfloat16)
             cold = spans_us(weights, x, spin_ns, args.replays) - spin_only
-            warm = spans_us([weights[0]] * harness.LAYERS, x, spin_ns, args.replays) - spin_only
+            warm = (
+                spans_us([weights[0]] * harness.LAYERS, x, spin_ns, args.replays)
+                - spin_only
+            )
             for budget in args.budget_mb or sorted({mb, min(mb, 6)}):
                 pf = L2Prefetcher(L2PrefetchPlanner(budget_bytes=budget * MB))
-                pre = spans_us(weights, x, spin_ns, args.replays, pf, ("bench", mb, m, budget)) - spin_only
+                pre = (
+                    spans_us(
+                        weights, x, spin_ns, args.replays, pf, ("bench", mb, m, budget)
+                    )
+                    - spin_only
+                )
                 matched = pf.planner.mode_for(("bench", mb, m, budget)) == "apply"
-                rows.append({
-                    "weight_MB": mb, "rows": m, "budget_MB": budget, "collective_us": args.collective_us,
-                    "plan_matched": matched, "cold_us": cold, "prefetched_us": pre, "warm_us": warm,
-                    "prefetched_over_warm": pre / warm, "cold_over_prefetched": cold / pre,
-                    "goal_met": pre <= 1.10 * warm, "floor_us": harness.floor_us(mb * MB),
-                })
-                print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in rows[-1].items()),
-                      flush=True)
+                rows.append(
+                    {
+                        "weight_MB": mb,
+                        "rows": m,
+                        "budget_MB": budget,
+                        "collective_us": args.collective_us,
+                        "plan_matched": matched,
+                        "cold_us": cold,
+                        "prefetched_us": pre,
+                        "warm_us": warm,
+                        "prefetched_over_warm": pre / warm,
+                        "cold_over_prefetched": cold / pre,
+                        "goal_met": pre <= 1.10 * warm,
+                        "floor_us": harness.floor_us(mb * MB),
+                    }
+                )
+                print(
+                    " ".join(
+                        f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in rows[-1].items()
+                    ),
+                    flush=True,
+                )
         del weights
         torch.cuda.empty_cache()
     return rows
@@ -101,15 +148,38 @@ def measure(args) -> list[dict]:
 def main() -> None:
     p = harness.arg_parser(__doc__)
     p.add_argument("--collective-us", type=float, default=10.0)
-    p.add_argument("--weight-mb", type=lambda s: [int(v) for v in s.split(",")], default=[6, 24])
-    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16])
-    p.add_argument("--budget-mb", type=lambda s: [int(v) for v in s.split(",")], default=None,
-                   help="prefetch budgets to measure (default: the whole weight, and 6 MB of larger ones)")
+    p.add_argument(
+        "--weight-mb", type=lambda s: [int(v) for v in s.split(",")], default=[6, 24]
+    )
+    p.add_argument(
+        "--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 4, 16]
+    )
+    p.add_argument(
+        "--budget-mb",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=None,
+        help="prefetch budgets to measure (default: the whole weight, and 6 MB of larger ones)",
+    )
     args = p.parse_args()
     rows = measure(args)
-    harness.report("l2_prefetch", ["weight_MB", "rows", "budget_MB", "plan_matched", "cold_us", "prefetched_us",
-                                   "warm_us", "prefetched_over_warm", "cold_over_prefetched", "goal_met"],
-                   rows, args.out, {"layers": harness.LAYERS, "K": K, "collective_us": args.collective_us})
+    harness.report(
+        "l2_prefetch",
+        [
+            "weight_MB",
+            "rows",
+            "budget_MB",
+            "plan_matched",
+            "cold_us",
+            "prefetched_us",
+            "warm_us",
+            "prefetched_over_warm",
+            "cold_over_prefetched",
+            "goal_met",
+        ],
+        rows,
+        args.out,
+        {"layers": harness.LAYERS, "K": K, "collective_us": args.collective_us},
+    )
 
 
 if __name__ == "__main__":

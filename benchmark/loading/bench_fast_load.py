@@ -56,7 +56,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-if (REPO / "tools" / "standins").is_dir():  # import-only stand-ins (sgl_kernel, torchvision, ...)
+if (
+    REPO / "tools" / "standins"
+).is_dir():  # import-only stand-ins (sgl_kernel, torchvision, ...)
     sys.path.insert(0, str(REPO / "tools" / "standins"))
 
 import numpy as np  # noqa: E402
@@ -66,7 +68,13 @@ import torch  # noqa: E402
 H, I, EXPERTS, VOCAB = 7168, 2048, 256, 129280
 SHARD_BYTES = int(4.3e9)
 FAST_KINDS = ("fast", "fast-pinned")
-ITERATORS = ["stock-default", "stock-single", "stock-prefetch", "stock-no-mmap", *FAST_KINDS]
+ITERATORS = [
+    "stock-default",
+    "stock-single",
+    "stock-prefetch",
+    "stock-no-mmap",
+    *FAST_KINDS,
+]
 NOT_RUN = {
     "fastsafetensors": "package not installed (no network on the GPU host); its iterator "
     "also needs a CUDA device (it loads to cuda:<rank>)",
@@ -80,30 +88,46 @@ NOT_RUN = {
 
 def _layout(target_bytes: int):
     """[(name, safetensors dtype, shape)] of a V4-shaped checkpoint of about target_bytes."""
-    t = [("embed.weight", "BF16", (VOCAB, H)), ("head.weight", "BF16", (VOCAB, H)), ("norm.weight", "F32", (H,))]
+    t = [
+        ("embed.weight", "BF16", (VOCAB, H)),
+        ("head.weight", "BF16", (VOCAB, H)),
+        ("norm.weight", "F32", (H,)),
+    ]
     per_layer = EXPERTS * (2 * I * H // 2 + H * I // 2 + 2 * I * H // 32 + H * I // 32)
     layers = max(1, round((target_bytes - 2 * VOCAB * H * 2) / per_layer))
     for layer in range(layers):
         p = f"layers.{layer}"
         t += [
-            (f"{p}.attn_norm.weight", "F32", (H,)), (f"{p}.ffn_norm.weight", "F32", (H,)),
-            (f"{p}.attn.wq_a.weight", "BF16", (1536, H)), (f"{p}.attn.wkv.weight", "BF16", (576, H)),
-            (f"{p}.attn.wo_a.weight", "F8_E4M3", (8192, 1024)), (f"{p}.attn.wo_a.scale", "F8_E8M0", (256, 32)),
+            (f"{p}.attn_norm.weight", "F32", (H,)),
+            (f"{p}.ffn_norm.weight", "F32", (H,)),
+            (f"{p}.attn.wq_a.weight", "BF16", (1536, H)),
+            (f"{p}.attn.wkv.weight", "BF16", (576, H)),
+            (f"{p}.attn.wo_a.weight", "F8_E4M3", (8192, 1024)),
+            (f"{p}.attn.wo_a.scale", "F8_E8M0", (256, 32)),
             (f"{p}.ffn.gate.weight", "BF16", (EXPERTS, H)),
             (f"{p}.ffn.shared_experts.w1.weight", "U8", (I, H // 2)),
         ]
         for e in range(EXPERTS):
             q = f"{p}.ffn.experts.{e}"
             t += [
-                (f"{q}.w1.weight", "U8", (I, H // 2)), (f"{q}.w3.weight", "U8", (I, H // 2)),
-                (f"{q}.w2.weight", "U8", (H, I // 2)), (f"{q}.w1.scale", "F8_E8M0", (I, H // 32)),
-                (f"{q}.w3.scale", "F8_E8M0", (I, H // 32)), (f"{q}.w2.scale", "F8_E8M0", (H, I // 32)),
+                (f"{q}.w1.weight", "U8", (I, H // 2)),
+                (f"{q}.w3.weight", "U8", (I, H // 2)),
+                (f"{q}.w2.weight", "U8", (H, I // 2)),
+                (f"{q}.w1.scale", "F8_E8M0", (I, H // 32)),
+                (f"{q}.w3.scale", "F8_E8M0", (I, H // 32)),
+                (f"{q}.w2.scale", "F8_E8M0", (H, I // 32)),
             ]
     return t
 
 
 _SIZE = {"F32": 4, "BF16": 2, "F8_E4M3": 1, "F8_E8M0": 1, "U8": 1}
-_RANK = {"F32": 0, "BF16": 1, "F8_E8M0": 2, "F8_E4M3": 3, "U8": 4}  # safetensors writes wider dtypes first
+_RANK = {
+    "F32": 0,
+    "BF16": 1,
+    "F8_E8M0": 2,
+    "F8_E4M3": 3,
+    "U8": 4,
+}  # safetensors writes wider dtypes first
 
 
 def write_checkpoint(folder: Path, target_bytes: int) -> list[str]:
@@ -119,7 +143,9 @@ def write_checkpoint(folder: Path, target_bytes: int) -> list[str]:
         cur.append(t)
         size += nbytes
     shards.append(cur)
-    pool = np.random.default_rng(0).integers(0, 256, 1 << 28, dtype=np.uint8)  # 256 MiB of noise
+    pool = np.random.default_rng(0).integers(
+        0, 256, 1 << 28, dtype=np.uint8
+    )  # 256 MiB of noise
     files, weight_map, cursor = [], {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -127,7 +153,11 @@ def write_checkpoint(folder: Path, target_bytes: int) -> list[str]:
         header, off = {}, 0
         for name, dt, shape in shard:
             n = math.prod(shape) * _SIZE[dt]
-            header[name] = {"dtype": dt, "shape": list(shape), "data_offsets": [off, off + n]}
+            header[name] = {
+                "dtype": dt,
+                "shape": list(shape),
+                "data_offsets": [off, off + n],
+            }
             off += n
             weight_map[name] = fname
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -138,14 +168,19 @@ def write_checkpoint(folder: Path, target_bytes: int) -> list[str]:
             while left:
                 start = cursor % (len(pool) - (64 << 20))
                 n = min(left, 64 << 20)
-                f.write(memoryview(pool)[start:start + n])
+                f.write(memoryview(pool)[start : start + n])
                 cursor += 7919 * 4096 + n
                 left -= n
             f.flush()
             os.fsync(f.fileno())  # written back, so that DONTNEED can drop the pages
         files.append(str(folder / fname))
-        print(f"  wrote {fname}: {os.path.getsize(folder / fname) / 1e9:.2f} GB", flush=True)
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        print(
+            f"  wrote {fname}: {os.path.getsize(folder / fname) / 1e9:.2f} GB",
+            flush=True,
+        )
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
     return files
 
 
@@ -154,7 +189,14 @@ def write_checkpoint(folder: Path, target_bytes: int) -> list[str]:
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
@@ -204,12 +246,17 @@ class RankOwner:
 
     def keeps(self, name):
         e = _expert(name)
-        return self.split != "ep" or e is None or e * self.n // self.experts == self.rank
+        return (
+            self.split != "ep" or e is None or e * self.n // self.experts == self.rank
+        )
 
     def rank_slice(self, name, shape, dtype):
         from sglang.srt.model_loader.fast_load import RankSlice
 
-        if self.n > 1 and name in ("embed.weight", "head.weight"):  # vocab-parallel over attention TP
+        if self.n > 1 and name in (
+            "embed.weight",
+            "head.weight",
+        ):  # vocab-parallel over attention TP
             k = shape[0] // self.n
             return RankSlice(0, k * self.rank, k)
         if self.split != "tp" or _expert(name) is None:
@@ -245,12 +292,23 @@ def _weights(kind, files, owner, rank, n, threads, slab_mb):
     if kind in FAST_KINDS:
         from sglang.srt.model_loader.fast_load import FastLoader
 
-        loader = FastLoader(files, owner, num_threads=threads, slab_bytes=slab_mb << 20,
-                            index_path=os.path.join(os.path.dirname(files[0]), "model.safetensors.index.json"),
-                            log_progress=False, pin_memory=kind == "fast-pinned")
+        loader = FastLoader(
+            files,
+            owner,
+            num_threads=threads,
+            slab_bytes=slab_mb << 20,
+            index_path=os.path.join(
+                os.path.dirname(files[0]), "model.safetensors.index.json"
+            ),
+            log_progress=False,
+            pin_memory=kind == "fast-pinned",
+        )
         return iter(loader), loader
     if kind == "stock-default":
-        return wu.buffered_multi_thread_safetensors_weights_iterator(files, max_workers=8), None
+        return (
+            wu.buffered_multi_thread_safetensors_weights_iterator(files, max_workers=8),
+            None,
+        )
     if kind == "stock-single":
         return wu.safetensors_weights_iterator(files), None
     if kind == "stock-no-mmap":
@@ -267,9 +325,13 @@ def _weights(kind, files, owner, rank, n, threads, slab_mb):
     raise ValueError(kind)
 
 
-def rank_main(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier, queue):
+def rank_main(
+    kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier, queue
+):
     try:
-        queue.put(_rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier))
+        queue.put(
+            _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier)
+        )
     except BaseException:
         import traceback
 
@@ -281,11 +343,15 @@ def _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier)
     torch.set_num_threads(1)
     owner = RankOwner(split, rank, n, experts)
     device = torch.device(dest)
-    workers = min(32, (os.cpu_count() or 1) + 4)  # ThreadPoolExecutor()'s default, as load_weights uses
+    workers = min(
+        32, (os.cpu_count() or 1) + 4
+    )  # ThreadPoolExecutor()'s default, as load_weights uses
     chunk = 64 << 20
     local = threading.local()
     # one 64 MiB buffer per copy thread, allocated up front (outside the measured RSS growth)
-    buffers = [torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(workers)]
+    buffers = [
+        torch.empty(chunk, dtype=torch.uint8, device=device) for _ in range(workers)
+    ]
     for b in buffers:
         b.fill_(0)
     claimed = iter(range(workers))
@@ -296,10 +362,12 @@ def _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier)
         if buf is None:
             with claim_lock:
                 buf = local.buf = buffers[next(claimed)]
-        flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+        flat = (
+            (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
+        )
         for off in range(0, flat.numel(), chunk):
-            piece = flat[off:off + chunk]
-            buf[:piece.numel()].copy_(piece)
+            piece = flat[off : off + chunk]
+            buf[: piece.numel()].copy_(piece)
         return flat.numel()
 
     weights, loader = _weights(kind, files, owner, rank, n, threads, slab_mb)
@@ -326,18 +394,30 @@ def _rank(kind, files, split, rank, n, threads, slab_mb, dest, experts, barrier)
     sampler.stop.set()
     sampler.join()
     out = {
-        "rank": rank, "t0": t0, "t1": t1, "copied_bytes": copied,
+        "rank": rank,
+        "t0": t0,
+        "t1": t1,
+        "copied_bytes": copied,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "rss_before": base_rss, "peak_rss_anon": sampler.anon, "peak_rss_file": sampler.file,
+        "rss_before": base_rss,
+        "peak_rss_anon": sampler.anon,
+        "peak_rss_file": sampler.file,
     }
     if loader is not None:
         # let the release watcher (a daemon thread) finish before the process exits: the likely
         # source of the "terminate called ..." the fast rows printed at exit on the GPU host
         out["slabs_released"] = loader.wait_released(60)
         s = loader.stats
-        out.update(bytes_read=s.bytes_read, peak_slab_bytes=s.peak_live_bytes, files_opened=s.files_opened,
-                   tensors_sliced=s.tensors_sliced, loader_s=s.seconds, wait_read_s=s.wait_read_s,
-                   wait_budget_s=s.wait_budget_s, alloc_s=s.alloc_s)
+        out.update(
+            bytes_read=s.bytes_read,
+            peak_slab_bytes=s.peak_live_bytes,
+            files_opened=s.files_opened,
+            tensors_sliced=s.tensors_sliced,
+            loader_s=s.seconds,
+            wait_read_s=s.wait_read_s,
+            wait_budget_s=s.wait_budget_s,
+            alloc_s=s.alloc_s,
+        )
     return out
 
 
@@ -345,8 +425,25 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
     ctx = mp.get_context("spawn")
     barrier, queue = ctx.Barrier(n), ctx.Queue()
     resident = drop_page_cache(files)
-    procs = [ctx.Process(target=rank_main, args=(kind, files, split, r, n, threads, slab_mb, dest, EXPERTS, barrier, queue))
-             for r in range(n)]
+    procs = [
+        ctx.Process(
+            target=rank_main,
+            args=(
+                kind,
+                files,
+                split,
+                r,
+                n,
+                threads,
+                slab_mb,
+                dest,
+                EXPERTS,
+                barrier,
+                queue,
+            ),
+        )
+        for r in range(n)
+    ]
     for p in procs:
         p.start()
     results = []
@@ -360,28 +457,51 @@ def run(kind, files, split, n, threads, slab_mb, dest, total_bytes):
     results.sort(key=lambda r: r["rank"])
     wall = max(r["t1"] for r in results) - min(r["t0"] for r in results)
     row = {
-        "iterator": kind, "ranks": n, "split": split, "wall_s": round(wall, 2),
+        "iterator": kind,
+        "ranks": n,
+        "split": split,
+        "wall_s": round(wall, 2),
         "checkpoint_gbps": round(total_bytes / wall / 1e9, 3),
         "copied_gb_per_rank": [round(r["copied_bytes"] / 1e9, 3) for r in results],
         "peak_rss_gb_max_rank": round(max(r["peak_rss"] for r in results) / 1e9, 3),
-        "peak_rss_over_start_gb_max_rank": round(max(r["peak_rss"] - r["rss_before"] for r in results) / 1e9, 3),
-        "peak_rss_anon_gb_max_rank": round(max(r["peak_rss_anon"] for r in results) / 1e9, 3),
-        "peak_rss_file_gb_max_rank": round(max(r["peak_rss_file"] for r in results) / 1e9, 3),
+        "peak_rss_over_start_gb_max_rank": round(
+            max(r["peak_rss"] - r["rss_before"] for r in results) / 1e9, 3
+        ),
+        "peak_rss_anon_gb_max_rank": round(
+            max(r["peak_rss_anon"] for r in results) / 1e9, 3
+        ),
+        "peak_rss_file_gb_max_rank": round(
+            max(r["peak_rss_file"] for r in results) / 1e9, 3
+        ),
         "page_cache_resident_after_drop": round(resident, 4),
     }
     if kind in FAST_KINDS:
-        row.update(threads=threads, slab_mb=slab_mb,
-                   read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in results],
-                   peak_slab_gb_max_rank=round(max(r["peak_slab_bytes"] for r in results) / 1e9, 3),
-                   slabs_released_after_load=all(r["slabs_released"] for r in results),
-                   # where each rank's load went (FastLoadStats): storage, pacing, slab allocation
-                   seconds_per_rank={k: [round(r[k], 2) for r in results]
-                                     for k in ("loader_s", "wait_read_s", "wait_budget_s", "alloc_s")})
-    print(f"  {kind:15s} ranks={n} split={split:4s} {row['wall_s']:7.1f} s  {row['checkpoint_gbps']:6.2f} GB/s  "
-          f"peak RSS {row['peak_rss_gb_max_rank']:6.2f} GB (anon {row['peak_rss_anon_gb_max_rank']:.2f}, file "
-          f"{row['peak_rss_file_gb_max_rank']:.2f})  resident after drop {resident:.1%}", flush=True)
+        row.update(
+            threads=threads,
+            slab_mb=slab_mb,
+            read_gb_per_rank=[round(r["bytes_read"] / 1e9, 3) for r in results],
+            peak_slab_gb_max_rank=round(
+                max(r["peak_slab_bytes"] for r in results) / 1e9, 3
+            ),
+            slabs_released_after_load=all(r["slabs_released"] for r in results),
+            # where each rank's load went (FastLoadStats): storage, pacing, slab allocation
+            seconds_per_rank={
+                k: [round(r[k], 2) for r in results]
+                for k in ("loader_s", "wait_read_s", "wait_budget_s", "alloc_s")
+            },
+        )
+    print(
+        f"  {kind:15s} ranks={n} split={split:4s} {row['wall_s']:7.1f} s  {row['checkpoint_gbps']:6.2f} GB/s  "
+        f"peak RSS {row['peak_rss_gb_max_rank']:6.2f} GB (anon {row['peak_rss_anon_gb_max_rank']:.2f}, file "
+        f"{row['peak_rss_file_gb_max_rank']:.2f})  resident after drop {resident:.1%}",
+        flush=True,
+    )
     if kind in FAST_KINDS:
-        print("    rank 0: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in row["seconds_per_rank"].items()), flush=True)
+        print(
+            "    rank 0: "
+            + ", ".join(f"{k} {v[0]:.1f}" for k, v in row["seconds_per_rank"].items()),
+            flush=True,
+        )
     return row
 
 
@@ -419,9 +539,16 @@ def storage_ceiling(files, threads, chunk_mb, streams=False):
     for fd in fds.values():
         os.close(fd)
     pattern = "one stream per shard" if streams else "shared chunks"
-    row = {"threads": threads, "chunk_mb": chunk_mb, "pattern": pattern, "gbps": round(total / wall / 1e9, 3)}
-    print(f"  storage ceiling: {threads} threads x {chunk_mb} MiB preads ({pattern}): {row['gbps']:.2f} GB/s",
-          flush=True)
+    row = {
+        "threads": threads,
+        "chunk_mb": chunk_mb,
+        "pattern": pattern,
+        "gbps": round(total / wall / 1e9, 3),
+    }
+    print(
+        f"  storage ceiling: {threads} threads x {chunk_mb} MiB preads ({pattern}): {row['gbps']:.2f} GB/s",
+        flush=True,
+    )
     return row
 
 
@@ -433,7 +560,10 @@ def device_label() -> str:
 
 def storage_info(folder: Path) -> dict:
     st = os.stat(folder)
-    info = {"path": str(folder), "st_dev": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"}
+    info = {
+        "path": str(folder),
+        "st_dev": f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}",
+    }
     best = ""
     for line in open("/proc/mounts"):
         dev, mnt, fs = line.split()[:3]
@@ -450,25 +580,50 @@ def storage_info(folder: Path) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dir", type=Path, default=Path("/tmp/fast_load_ckpt"))
-    p.add_argument("--gb", type=float, default=20.0, help="checkpoint size (default 20 GB)")
+    p.add_argument(
+        "--gb", type=float, default=20.0, help="checkpoint size (default 20 GB)"
+    )
     p.add_argument("--ranks", default="1,4")
     p.add_argument("--splits", default="ep,tp", help="4-rank splits to run")
     p.add_argument("--iterators", default=",".join(ITERATORS))
-    p.add_argument("--threads", type=int, default=None, help="fast loader threads (default: the flag's)")
-    p.add_argument("--slab-mb", type=int, default=None, help="fast loader slab MiB (default: the flag's)")
-    p.add_argument("--sweep", default="", help="thread x slab sweep of the fast loader at 1 rank, e.g. '4,16,32x4,16,64'")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="fast loader threads (default: the flag's)",
+    )
+    p.add_argument(
+        "--slab-mb",
+        type=int,
+        default=None,
+        help="fast loader slab MiB (default: the flag's)",
+    )
+    p.add_argument(
+        "--sweep",
+        default="",
+        help="thread x slab sweep of the fast loader at 1 rank, e.g. '4,16,32x4,16,64'",
+    )
     p.add_argument("--dest", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint")
     p.add_argument("--out", type=Path, default=REPO / "benchmark" / "results")
     p.add_argument("--name", default="fast_load")
-    p.add_argument("--tiny", action="store_true", help="smoke run: small dimensions, nothing written to --out")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smoke run: small dimensions, nothing written to --out",
+    )
     # the GPU bundle's run.sh passes only --out: FAST_LOAD_BENCH_ARGS adds the rest
-    a = p.parse_args(sys.argv[1:] + shlex.split(os.environ.get("FAST_LOAD_BENCH_ARGS", "")))
+    a = p.parse_args(
+        sys.argv[1:] + shlex.split(os.environ.get("FAST_LOAD_BENCH_ARGS", ""))
+    )
     if a.tiny:
         global H, I, EXPERTS, VOCAB, SHARD_BYTES
         H, I, EXPERTS, VOCAB, SHARD_BYTES = 1024, 512, 32, 4096, 20_000_000
 
-    from sglang.srt.arg_groups.fast_load_args import DEFAULT_NUM_THREADS, DEFAULT_SLAB_MB
+    from sglang.srt.arg_groups.fast_load_args import (
+        DEFAULT_NUM_THREADS,
+        DEFAULT_SLAB_MB,
+    )
 
     threads = a.threads or DEFAULT_NUM_THREADS
     slab_mb = a.slab_mb or DEFAULT_SLAB_MB
@@ -476,12 +631,17 @@ def main():
     index = a.dir / "model.safetensors.index.json"
     created = False
     if index.exists():
-        files = sorted(str(a.dir / f) for f in set(json.loads(index.read_text())["weight_map"].values()))
+        files = sorted(
+            str(a.dir / f)
+            for f in set(json.loads(index.read_text())["weight_map"].values())
+        )
         print(f"==> reusing {len(files)} shards in {a.dir}")
     else:
         free = shutil.disk_usage(a.dir.parent if not a.dir.exists() else a.dir).free
         if free < target * 1.1:
-            sys.exit(f"{a.dir}: {free / 1e9:.0f} GB free, need {target * 1.1 / 1e9:.0f}")
+            sys.exit(
+                f"{a.dir}: {free / 1e9:.0f} GB free, need {target * 1.1 / 1e9:.0f}"
+            )
         print(f"==> writing a {a.gb:g} GB checkpoint to {a.dir}", flush=True)
         t0 = time.time()
         files = write_checkpoint(a.dir, target)
@@ -489,7 +649,14 @@ def main():
         print(f"    {time.time() - t0:.0f} s", flush=True)
     total = sum(os.path.getsize(f) for f in files)
     largest_shard = max(os.path.getsize(f) for f in files)
-    mem_available = int(next(l for l in open("/proc/meminfo") if l.startswith("MemAvailable")).split()[1]) * 1024
+    mem_available = (
+        int(
+            next(
+                l for l in open("/proc/meminfo") if l.startswith("MemAvailable")
+            ).split()[1]
+        )
+        * 1024
+    )
     residency_before = drop_page_cache(files)
     import safetensors
     import safetensors.torch
@@ -518,27 +685,79 @@ def main():
         limit) keeps what it measured; ``complete`` says whether every row ran."""
         goal = {}
         for split in [s for s in a.splits.split(",") if s]:
-            d = next((r for r in rows if r["iterator"] == "stock-default" and r["ranks"] == 4 and r["split"] == split), None)
-            f = next((r for r in rows if r["iterator"] == "fast" and r["ranks"] == 4 and r["split"] == split), None)
+            d = next(
+                (
+                    r
+                    for r in rows
+                    if r["iterator"] == "stock-default"
+                    and r["ranks"] == 4
+                    and r["split"] == split
+                ),
+                None,
+            )
+            f = next(
+                (
+                    r
+                    for r in rows
+                    if r["iterator"] == "fast"
+                    and r["ranks"] == 4
+                    and r["split"] == split
+                ),
+                None,
+            )
             if d and f and ceiling:
                 goal[split] = {
-                    "speedup_vs_stock_default": round(f["checkpoint_gbps"] / d["checkpoint_gbps"], 2),
-                    "peak_rss_ratio_vs_stock_default": round(f["peak_rss_gb_max_rank"] / d["peak_rss_gb_max_rank"], 2),
-                    "fast_gbps_over_storage_ceiling": round(f["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
-                    "stock_default_gbps_over_storage_ceiling": round(d["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2),
+                    "speedup_vs_stock_default": round(
+                        f["checkpoint_gbps"] / d["checkpoint_gbps"], 2
+                    ),
+                    "peak_rss_ratio_vs_stock_default": round(
+                        f["peak_rss_gb_max_rank"] / d["peak_rss_gb_max_rank"], 2
+                    ),
+                    "fast_gbps_over_storage_ceiling": round(
+                        f["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2
+                    ),
+                    "stock_default_gbps_over_storage_ceiling": round(
+                        d["checkpoint_gbps"] / max(c["gbps"] for c in ceiling), 2
+                    ),
                 }
         payload = {
-            "benchmark": a.name, "fork_version": version, "device": device_label(), "cpus": os.cpu_count(),
+            "benchmark": a.name,
+            "fork_version": version,
+            "device": device_label(),
+            "cpus": os.cpu_count(),
             "complete": complete,
-            "mem_total_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1),
-            "python": platform.python_version(), "torch": torch.__version__, "dest": a.dest,
-            "loadavg_1m_at_start_and_end": [round(load_start, 2), round(os.getloadavg()[0], 2)],
-            "checkpoint": {"gb": round(total / 1e9, 2), "shards": len(files), "largest_shard_gb": round(largest_shard / 1e9, 2),
-                           "dims": {"hidden": H, "expert_intermediate": I, "experts": EXPERTS, "vocab": VOCAB}},
+            "mem_total_gb": round(
+                os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9, 1
+            ),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "dest": a.dest,
+            "loadavg_1m_at_start_and_end": [
+                round(load_start, 2),
+                round(os.getloadavg()[0], 2),
+            ],
+            "checkpoint": {
+                "gb": round(total / 1e9, 2),
+                "shards": len(files),
+                "largest_shard_gb": round(largest_shard / 1e9, 2),
+                "dims": {
+                    "hidden": H,
+                    "expert_intermediate": I,
+                    "experts": EXPERTS,
+                    "vocab": VOCAB,
+                },
+            },
             "storage": storage_info(a.dir if a.dir.exists() else a.dir.parent),
-            "fadvise_dontneed": {"works": residency_before < 0.01, "max_resident_fraction_after_drop": round(residency_before, 4)},
-            "storage_ceiling": ceiling, "fast_defaults": {"threads": threads, "slab_mb": slab_mb},
-            "goal_4_ranks": goal, "rows": rows, "sweep": sweep, "not_run": notes,
+            "fadvise_dontneed": {
+                "works": residency_before < 0.01,
+                "max_resident_fraction_after_drop": round(residency_before, 4),
+            },
+            "storage_ceiling": ceiling,
+            "fast_defaults": {"threads": threads, "slab_mb": slab_mb},
+            "goal_4_ranks": goal,
+            "rows": rows,
+            "sweep": sweep,
+            "not_run": notes,
         }
         if a.tiny:
             if complete:
@@ -552,33 +771,53 @@ def main():
             print(f"wrote {path}")
 
     try:
-        ceiling += [storage_ceiling(files, 1, 16), storage_ceiling(files, threads, slab_mb),
-                    storage_ceiling(files, 32, 4), storage_ceiling(files, len(files), 16, streams=True)]
+        ceiling += [
+            storage_ceiling(files, 1, 16),
+            storage_ceiling(files, threads, slab_mb),
+            storage_ceiling(files, 32, 4),
+            storage_ceiling(files, len(files), 16, streams=True),
+        ]
         kinds = [k for k in a.iterators.split(",") if k]
         if "fast-pinned" in kinds and a.dest == "cpu":
             kinds.remove("fast-pinned")
             notes["fast-pinned"] = "not run: pinned memory needs CUDA"
         for n in [int(x) for x in a.ranks.split(",")]:
-            for split in (["none"] if n == 1 else [s for s in a.splits.split(",") if s]):
+            for split in ["none"] if n == 1 else [s for s in a.splits.split(",") if s]:
                 for kind in kinds:
                     if kind == "stock-no-mmap" and no_mmap_unsupported:
                         notes["stock-no-mmap"] = no_mmap_unsupported
                         continue
-                    if kind == "stock-no-mmap" and 2 * largest_shard * n > 0.8 * mem_available:
+                    if (
+                        kind == "stock-no-mmap"
+                        and 2 * largest_shard * n > 0.8 * mem_available
+                    ):
                         notes[f"stock-no-mmap ranks={n}"] = (
                             f"not run: {n} ranks x 2 x {largest_shard / 1e9:.1f} GB shards exceed the "
                             f"{mem_available / 1e9:.0f} GB of available memory"
                         )
                         continue
-                    rows.append(run(kind, files, split, n, threads, slab_mb, a.dest, total))
+                    rows.append(
+                        run(kind, files, split, n, threads, slab_mb, a.dest, total)
+                    )
                     report(complete=False)
         if a.sweep:
             ts, ss = a.sweep.split("x")
             for t in [int(x) for x in ts.split(",")]:
                 for s in [int(x) for x in ss.split(",")]:
                     r = run("fast", files, "none", 1, t, s, a.dest, total)
-                    sweep.append({k: r[k] for k in ("threads", "slab_mb", "wall_s", "checkpoint_gbps",
-                                                    "peak_rss_gb_max_rank", "peak_slab_gb_max_rank")})
+                    sweep.append(
+                        {
+                            k: r[k]
+                            for k in (
+                                "threads",
+                                "slab_mb",
+                                "wall_s",
+                                "checkpoint_gbps",
+                                "peak_rss_gb_max_rank",
+                                "peak_slab_gb_max_rank",
+                            )
+                        }
+                    )
                     report(complete=False)
     finally:
         if created and not a.keep:

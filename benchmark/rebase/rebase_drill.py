@@ -44,12 +44,31 @@ class Drill:
 
     def run(self, cmd: str, expect: int | None = 0, quiet_pip: bool = True) -> str:
         t0 = time.monotonic()
-        r = subprocess.run(cmd, shell=True, cwd=self.clone, capture_output=True, text=True,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        out = (r.stdout + r.stderr).replace(str(self.clone) + "/", "./").replace(str(self.clone), ".")
+        r = subprocess.run(
+            cmd,
+            shell=True,
+            cwd=self.clone,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        out = (
+            (r.stdout + r.stderr)
+            .replace(str(self.clone) + "/", "./")
+            .replace(str(self.clone), ".")
+        )
         if quiet_pip:  # the local package mirror's notices, not the tool's output
-            out = "\n".join(line for line in out.splitlines() if not line.startswith("WARNING: Location "))
-        self.lines += [f"$ {cmd}", out.rstrip(), f"(exit {r.returncode}, {time.monotonic() - t0:.0f} s)", ""]
+            out = "\n".join(
+                line
+                for line in out.splitlines()
+                if not line.startswith("WARNING: Location ")
+            )
+        self.lines += [
+            f"$ {cmd}",
+            out.rstrip(),
+            f"(exit {r.returncode}, {time.monotonic() - t0:.0f} s)",
+            "",
+        ]
         print(f"$ {cmd}\n{out[-3000:]}\n(exit {r.returncode})", flush=True)
         if expect is not None and r.returncode != expect:
             self.save()
@@ -62,10 +81,14 @@ class Drill:
         f = self.clone / "build" / "rebase" / "repo" / path
         text = f.read_text().splitlines(keepends=True)
         start = next(i for i, line in enumerate(text) if line.startswith("<<<<<<< "))
-        base = next(i for i in range(start, len(text)) if text[i].startswith("||||||| "))
-        mid = next(i for i in range(base, len(text)) if text[i].rstrip("\n") == "=======")
+        base = next(
+            i for i in range(start, len(text)) if text[i].startswith("||||||| ")
+        )
+        mid = next(
+            i for i in range(base, len(text)) if text[i].rstrip("\n") == "======="
+        )
         end = next(i for i in range(mid, len(text)) if text[i].startswith(">>>>>>> "))
-        text[start:end + 1] = keep(text[start + 1:base], text[mid + 1:end])
+        text[start : end + 1] = keep(text[start + 1 : base], text[mid + 1 : end])
         f.write_text("".join(text))
 
     def insert(self, path: str, before: str, lines: str) -> None:
@@ -76,8 +99,10 @@ class Drill:
         at = [i for i, line in enumerate(text) if line.startswith(before)]
         if len(at) != 1:
             self.save()
-            sys.exit(f"drill: {path}: {len(at)} lines start with {before!r}, expected one")
-        text[at[0]:at[0]] = [lines]
+            sys.exit(
+                f"drill: {path}: {len(at)} lines start with {before!r}, expected one"
+            )
+        text[at[0] : at[0]] = [lines]
         f.write_text("".join(text))
 
     def replace(self, path: str, old: str, new: str) -> None:
@@ -86,7 +111,9 @@ class Drill:
         text = f.read_text()
         if text.count(old) != 1:
             self.save()
-            sys.exit(f"drill: {path}: {text.count(old)} occurrences of {old.splitlines()[0]!r}, expected one")
+            sys.exit(
+                f"drill: {path}: {text.count(old)} occurrences of {old.splitlines()[0]!r}, expected one"
+            )
         f.write_text(text.replace(old, new))
 
     def save(self) -> None:
@@ -96,10 +123,14 @@ class Drill:
 def expect_stop(out: str, patch: str, *regions: str) -> None:
     """The tool stopped at ``patch`` naming exactly these regions (file:line or file)."""
     if f"stopped at {patch}" not in out:
-        sys.exit(f"drill: the tool did not stop at {patch} as recorded; review the resolutions")
+        sys.exit(
+            f"drill: the tool did not stop at {patch} as recorded; review the resolutions"
+        )
     named = re.findall(r"^  - (\S+?):? ", out, re.M)
     if sorted(named) != sorted(regions):
-        sys.exit(f"drill: {patch}: the tool named {named}, the drill resolves {list(regions)}")
+        sys.exit(
+            f"drill: {patch}: the tool named {named}, the drill resolves {list(regions)}"
+        )
 
 
 DISPATCHER = "python/sglang/srt/layers/moe/token_dispatcher/standard.py"
@@ -112,16 +143,24 @@ def port_b12x_dispatch(d: Drill) -> None:
     aliases the mapping's last entry (test_b12x_moe's EP2 test). Port it with the patch workflow:
     0.5.23's two helpers in 0.5.22's dispatcher, the -1-keeping map only for b12x (every other
     runner maps exactly as 0.5.22 does, flags off = upstream)."""
-    d.note("0018 (b12x MoE) applies cleanly, but at EP > 1 it relies on upstream's dispatcher keeping "
-           "-1 ids (b12x's skip sentinel) when it maps global expert ids to local ones; 0.5.22 indexes "
-           "its mapping with the raw ids, so a -1 aliases the last entry, and has no "
-           "_keeps_global_expert_ids / _map_topk_ids_to_local_experts (0.5.23's helpers, which the "
-           "EP2 test drives). Port it in build/tree with a fixup of 0018: the two helpers (the "
-           "keeps-global list as 0.5.22 has it), the -1-keeping map only when the runner is b12x.")
+    d.note(
+        "0018 (b12x MoE) applies cleanly, but at EP > 1 it relies on upstream's dispatcher keeping "
+        "-1 ids (b12x's skip sentinel) when it maps global expert ids to local ones; 0.5.22 indexes "
+        "its mapping with the raw ids, so a -1 aliases the last entry, and has no "
+        "_keeps_global_expert_ids / _map_topk_ids_to_local_experts (0.5.23's helpers, which the "
+        "EP2 test drives). Port it in build/tree with a fixup of 0018: the two helpers (the "
+        "keeps-global list as 0.5.22 has it), the -1-keeping map only when the runner is b12x."
+    )
     d.run("make tree")
-    d.replace(DISPATCHER, "from sglang.srt.layers.moe.utils import (\n",
-              "from sglang.srt.layers.moe.utils import (\n    MoeRunnerBackend,\n")
-    d.replace(DISPATCHER, "class StandardDispatcher(BaseDispatcher):\n", '''def _map_topk_ids_to_local_experts(
+    d.replace(
+        DISPATCHER,
+        "from sglang.srt.layers.moe.utils import (\n",
+        "from sglang.srt.layers.moe.utils import (\n    MoeRunnerBackend,\n",
+    )
+    d.replace(
+        DISPATCHER,
+        "class StandardDispatcher(BaseDispatcher):\n",
+        '''def _map_topk_ids_to_local_experts(
     topk_ids: torch.Tensor, local_expert_mapping: torch.Tensor
 ) -> torch.Tensor:
     """Map global expert ids while preserving the ``-1`` drop sentinel."""
@@ -146,8 +185,11 @@ def _keeps_global_expert_ids(backend: MoeRunnerBackend) -> bool:
 
 
 class StandardDispatcher(BaseDispatcher):
-''')
-    d.replace(DISPATCHER, """        self.skip_local_expert_mapping = (
+''',
+    )
+    d.replace(
+        DISPATCHER,
+        """        self.skip_local_expert_mapping = (
             backend.is_flashinfer_cutlass()
             or backend.is_flashinfer_cutedsl()
             or backend.is_flashinfer_trtllm()
@@ -157,22 +199,29 @@ class StandardDispatcher(BaseDispatcher):
             or backend.is_flashinfer_megamoe()
             or self.enable_flashinfer_mxfp4_moe
         )
-""", """        self.skip_local_expert_mapping = _keeps_global_expert_ids(backend)
+""",
+        """        self.skip_local_expert_mapping = _keeps_global_expert_ids(backend)
         # b12x skips -1 ids (padding): they must stay -1, not alias the mapping's last entry
         self.keep_drop_sentinel = backend is MoeRunnerBackend.B12X
-""")
-    d.replace(DISPATCHER, "                    topk_ids_local = self.local_expert_mapping[topk_output.topk_ids]\n",
-              """                    topk_ids_local = (
+""",
+    )
+    d.replace(
+        DISPATCHER,
+        "                    topk_ids_local = self.local_expert_mapping[topk_output.topk_ids]\n",
+        """                    topk_ids_local = (
                         _map_topk_ids_to_local_experts(
                             topk_output.topk_ids, self.local_expert_mapping
                         )
                         if self.keep_drop_sentinel
                         else self.local_expert_mapping[topk_output.topk_ids]
                     )
-""")
-    d.run("cd build/tree && git commit -q -a --fixup \"$(git log --format=%H -1 --grep='^moe: DeepSeek-V4 MXFP4 "
-          "experts on b12x')\" && GIT_SEQUENCE_EDITOR=true git rebase -q -i --autosquash upstream/0.5.22 "
-          "&& git log --oneline -3")
+""",
+    )
+    d.run(
+        "cd build/tree && git commit -q -a --fixup \"$(git log --format=%H -1 --grep='^moe: DeepSeek-V4 MXFP4 "
+        "experts on b12x')\" && GIT_SEQUENCE_EDITOR=true git rebase -q -i --autosquash upstream/0.5.22 "
+        "&& git log --oneline -3"
+    )
     d.run("make refresh")
 
 
@@ -184,149 +233,268 @@ def main() -> None:
     clone = args.keep or Path(tempfile.mkdtemp(prefix="rebase-drill-")) / "fork"
     if clone.exists():
         shutil.rmtree(clone)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True, check=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     d = Drill(clone)
-    d.note(f"Real rebase onto sglang {TARGET} from a clone of {head}, resolved by following the tool's "
-           f"output (benchmark/rebase/rebase_drill.py). Machine: {os.cpu_count()} CPU(s), {platform.machine()}, "
-           f"Python {platform.python_version()}; wheel cache shared.")
+    d.note(
+        f"Real rebase onto sglang {TARGET} from a clone of {head}, resolved by following the tool's "
+        f"output (benchmark/rebase/rebase_drill.py). Machine: {os.cpu_count()} CPU(s), {platform.machine()}, "
+        f"Python {platform.python_version()}; wheel cache shared."
+    )
 
     out = d.run(f"make rebase TO={TARGET}", expect=2)
-    expect_stop(out, "0002-moe_fused_gate-optional-live-length-dead-verify",
-                "python/sglang/kernels/ops/moe/moe_fused_gate.py:455")
-    d.note("moe_fused_gate.py:455: the region's base is 0.5.23's SM120 top-22 fast path, which 0.5.22 "
-           "does not have (its side is empty); our hunk only adds `and live_lens is None` to it. "
-           "Keep 0.5.22's side.")
+    expect_stop(
+        out,
+        "0002-moe_fused_gate-optional-live-length-dead-verify",
+        "python/sglang/kernels/ops/moe/moe_fused_gate.py:455",
+    )
+    d.note(
+        "moe_fused_gate.py:455: the region's base is 0.5.23's SM120 top-22 fast path, which 0.5.22 "
+        "does not have (its side is empty); our hunk only adds `and live_lens is None` to it. "
+        "Keep 0.5.22's side."
+    )
     d.region("python/sglang/kernels/ops/moe/moe_fused_gate.py", lambda head, ours: head)
-    d.run("git -C build/rebase/repo add python/sglang/kernels/ops/moe/moe_fused_gate.py")
+    d.run(
+        "git -C build/rebase/repo add python/sglang/kernels/ops/moe/moe_fused_gate.py"
+    )
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(out, "0003-DSpark-per-request-verify-cap-inside",
-                "python/sglang/srt/layers/moe/mega_gate.py",
-                "python/sglang/srt/layers/moe/topk.py:107", "python/sglang/srt/layers/moe/topk.py:2658",
-                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:658",
-                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:1266",
-                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:70",
-                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1003")
-    d.note("0003's router wiring (select_experts) and accept wiring (dspark_verify.py, "
-           "dspark_worker_v2.py) sit in code 0.5.22 does not have (no static accept tail, no "
-           "sampling-accept graph, select_experts without num_shared_topk_slots), and mega_gate.py "
-           "is gone (modify/delete). Carrying it is a port of the feature, not a merge: drop it, as "
-           "the tool offers. No patch depends on it.")
-    out = d.run("python3 tools/fork rebase --drop 0003-DSpark-per-request-verify-cap-inside", expect=1)
-    expect_stop(out, "0004-dsv4-wo_a-from-an-exact-fp8", "python/sglang/srt/models/deepseek_v4_dspark.py:1091")
-    d.note("deepseek_v4_dspark.py:1091: 0.5.22's DSpark draft has no post_load_weights (its side is "
-           "empty; the base is 0.5.23's method, which our hunk extends with the twin build). 0.5.22's "
-           "loader calls model.post_load_weights() when a model has one: re-home the edit into a "
-           "draft post_load_weights that holds only the twin build. Put it before load_weights, not at "
-           "the region (before _assert_confidence_head_loaded): 0012 adds checkpoint_owner there, and "
-           "two insertions at one point would make 0012 conflict when exported alone (test_export).")
+    expect_stop(
+        out,
+        "0003-DSpark-per-request-verify-cap-inside",
+        "python/sglang/srt/layers/moe/mega_gate.py",
+        "python/sglang/srt/layers/moe/topk.py:107",
+        "python/sglang/srt/layers/moe/topk.py:2658",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:658",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:1266",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:70",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1003",
+    )
+    d.note(
+        "0003's router wiring (select_experts) and accept wiring (dspark_verify.py, "
+        "dspark_worker_v2.py) sit in code 0.5.22 does not have (no static accept tail, no "
+        "sampling-accept graph, select_experts without num_shared_topk_slots), and mega_gate.py "
+        "is gone (modify/delete). Carrying it is a port of the feature, not a merge: drop it, as "
+        "the tool offers. No patch depends on it."
+    )
+    out = d.run(
+        "python3 tools/fork rebase --drop 0003-DSpark-per-request-verify-cap-inside",
+        expect=1,
+    )
+    expect_stop(
+        out,
+        "0004-dsv4-wo_a-from-an-exact-fp8",
+        "python/sglang/srt/models/deepseek_v4_dspark.py:1091",
+    )
+    d.note(
+        "deepseek_v4_dspark.py:1091: 0.5.22's DSpark draft has no post_load_weights (its side is "
+        "empty; the base is 0.5.23's method, which our hunk extends with the twin build). 0.5.22's "
+        "loader calls model.post_load_weights() when a model has one: re-home the edit into a "
+        "draft post_load_weights that holds only the twin build. Put it before load_weights, not at "
+        "the region (before _assert_confidence_head_loaded): 0012 adds checkpoint_owner there, and "
+        "two insertions at one point would make 0012 conflict when exported alone (test_export)."
+    )
     dspark = "python/sglang/srt/models/deepseek_v4_dspark.py"
     d.region(dspark, lambda head, ours: head)
-    d.insert(dspark, "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
-             "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
-             "        # the draft's wo_a reaches the twin only through _apply_wo_a_bf16_matmul\n"
-             "        _wo_a_twin.build_wo_a_fp8_twins(\n"
-             '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
-             "        )\n\n")
+    d.insert(
+        dspark,
+        "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
+        "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
+        "        # the draft's wo_a reaches the twin only through _apply_wo_a_bf16_matmul\n"
+        "        _wo_a_twin.build_wo_a_fp8_twins(\n"
+        '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
+        "        )\n\n",
+    )
     d.run("git -C build/rebase/repo add python/sglang/srt/models/deepseek_v4_dspark.py")
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(out, "0005-dspark-fence-the-folded-accept-results",
-                "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
-                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:166",
-                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:548",
-                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:600",
-                "python/sglang/srt/speculative/dspark_components/dspark_verify.py:667",
-                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:368",
-                "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1126")
-    d.note("0005 fences the folded accept results of 0.5.23's verify epilogue and sampling-accept "
-           "region; 0.5.22 has no sampling-accept graph (modify/delete) and its epilogue's buffers "
-           "differ (the regions in dspark_verify.py and dspark_worker_v2.py). 0006's trap lives in "
-           "the same missing file, and its tests exercise it. Both are ports, not merges: drop "
-           "both (no patch depends on either).")
-    out = d.run("python3 tools/fork rebase --drop 0005-dspark-fence-the-folded-accept-results "
-                "--drop 0006-dspark-scale-the-draft-s-sampling", expect=1)
-    expect_stop(out, "0007-dspark-draft-block-logits-from-an",
-                "python/sglang/srt/arg_groups/speculative_hook.py:238")
-    d.note("speculative_hook.py:238: 0.5.22 has its --speculative-skip-dp-mlp-sync check where our "
-           "validate_draft_head_fp8 call sits (the base is empty: both sides add lines there); keep "
-           "both, ours first.")
-    d.region("python/sglang/srt/arg_groups/speculative_hook.py", lambda head, ours: ours + ["\n"] + head)
-    d.run("git -C build/rebase/repo add python/sglang/srt/arg_groups/speculative_hook.py")
+    expect_stop(
+        out,
+        "0005-dspark-fence-the-folded-accept-results",
+        "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:166",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:548",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:600",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:667",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:368",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1126",
+    )
+    d.note(
+        "0005 fences the folded accept results of 0.5.23's verify epilogue and sampling-accept "
+        "region; 0.5.22 has no sampling-accept graph (modify/delete) and its epilogue's buffers "
+        "differ (the regions in dspark_verify.py and dspark_worker_v2.py). 0006's trap lives in "
+        "the same missing file, and its tests exercise it. Both are ports, not merges: drop "
+        "both (no patch depends on either)."
+    )
+    out = d.run(
+        "python3 tools/fork rebase --drop 0005-dspark-fence-the-folded-accept-results "
+        "--drop 0006-dspark-scale-the-draft-s-sampling",
+        expect=1,
+    )
+    expect_stop(
+        out,
+        "0007-dspark-draft-block-logits-from-an",
+        "python/sglang/srt/arg_groups/speculative_hook.py:238",
+    )
+    d.note(
+        "speculative_hook.py:238: 0.5.22 has its --speculative-skip-dp-mlp-sync check where our "
+        "validate_draft_head_fp8 call sits (the base is empty: both sides add lines there); keep "
+        "both, ours first."
+    )
+    d.region(
+        "python/sglang/srt/arg_groups/speculative_hook.py",
+        lambda head, ours: ours + ["\n"] + head,
+    )
+    d.run(
+        "git -C build/rebase/repo add python/sglang/srt/arg_groups/speculative_hook.py"
+    )
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(out, "0008-scheduler-finish-a-request-whose-output",
-                "python/sglang/srt/managers/scheduler.py:2821")
-    d.note("scheduler.py:2821: the base is 0.5.23's _create_generation_req extension point, which "
-           "0.5.22 does not have (its side is empty); our hunk gives each new request its loop guard "
-           "there. Keep 0.5.22's side and re-home the one call where 0.5.22's handler has its request "
-           "(normal or session; the session-not-found branch has returned aborted): just before "
-           "`if recv_req.pp_prefetch_ticketed`.")
+    expect_stop(
+        out,
+        "0008-scheduler-finish-a-request-whose-output",
+        "python/sglang/srt/managers/scheduler.py:2821",
+    )
+    d.note(
+        "scheduler.py:2821: the base is 0.5.23's _create_generation_req extension point, which "
+        "0.5.22 does not have (its side is empty); our hunk gives each new request its loop guard "
+        "there. Keep 0.5.22's side and re-home the one call where 0.5.22's handler has its request "
+        "(normal or session; the session-not-found branch has returned aborted): just before "
+        "`if recv_req.pp_prefetch_ticketed`."
+    )
     sched = "python/sglang/srt/managers/scheduler.py"
     d.region(sched, lambda head, ours: head)
-    d.insert(sched, "        if recv_req.pp_prefetch_ticketed is True:",
-             "        attach_loop_guard(req, get_schedule())\n\n")
+    d.insert(
+        sched,
+        "        if recv_req.pp_prefetch_ticketed is True:",
+        "        attach_loop_guard(req, get_schedule())\n\n",
+    )
     d.run(f"git -C build/rebase/repo add {sched}")
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(out, "0009-openai-map-client-thinking-switches-onto",
-                "python/sglang/srt/entrypoints/openai/serving_chat.py:1354")
-    d.note("serving_chat.py:1354: the base is 0.5.23's MiniMax-M3 normalization, which 0.5.22 does "
-           "not have (its side is empty); our hunk adds the alias mapping after it, before the "
-           "server's default chat-template kwargs fill in. Keep only our two lines.")
+    expect_stop(
+        out,
+        "0009-openai-map-client-thinking-switches-onto",
+        "python/sglang/srt/entrypoints/openai/serving_chat.py:1354",
+    )
+    d.note(
+        "serving_chat.py:1354: the base is 0.5.23's MiniMax-M3 normalization, which 0.5.22 does "
+        "not have (its side is empty); our hunk adds the alias mapping after it, before the "
+        "server's default chat-template kwargs fill in. Keep only our two lines."
+    )
     chat = "python/sglang/srt/entrypoints/openai/serving_chat.py"
-    d.region(chat, lambda head, ours: ours[ours.index("        if get_serving().enable_thinking_aliases:\n"):])
+    d.region(
+        chat,
+        lambda head, ours: ours[
+            ours.index("        if get_serving().enable_thinking_aliases:\n") :
+        ],
+    )
     d.run(f"git -C build/rebase/repo add {chat}")
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    fast_load_files = ["python/sglang/srt/model_loader/loader.py", "python/sglang/srt/models/deepseek_v4.py",
-                       "python/sglang/srt/models/deepseek_v4_dspark.py",
-                       "python/sglang/srt/models/deepseek_v4_nextn.py"]
-    expect_stop(out, "0012-model_loader-fast-load-read-the-checkpoint",
-                "python/sglang/srt/model_loader/loader.py:45", "python/sglang/srt/models/deepseek_v4.py:162",
-                "python/sglang/srt/models/deepseek_v4_dspark.py:36",
-                "python/sglang/srt/models/deepseek_v4_nextn.py:33")
-    d.note("0012's four regions are its import lines, placed after imports 0.5.22 does not have "
-           "(monokernel_weights_iterator, deepseek_v4_boundary): 0.5.22's side is empty. Keep our "
-           "import, the region's last line.")
+    fast_load_files = [
+        "python/sglang/srt/model_loader/loader.py",
+        "python/sglang/srt/models/deepseek_v4.py",
+        "python/sglang/srt/models/deepseek_v4_dspark.py",
+        "python/sglang/srt/models/deepseek_v4_nextn.py",
+    ]
+    expect_stop(
+        out,
+        "0012-model_loader-fast-load-read-the-checkpoint",
+        "python/sglang/srt/model_loader/loader.py:45",
+        "python/sglang/srt/models/deepseek_v4.py:162",
+        "python/sglang/srt/models/deepseek_v4_dspark.py:36",
+        "python/sglang/srt/models/deepseek_v4_nextn.py:33",
+    )
+    d.note(
+        "0012's four regions are its import lines, placed after imports 0.5.22 does not have "
+        "(monokernel_weights_iterator, deepseek_v4_boundary): 0.5.22's side is empty. Keep our "
+        "import, the region's last line."
+    )
     for path in fast_load_files:
         d.region(path, lambda head, ours: head + ours[-1:])
     d.run("git -C build/rebase/repo add " + " ".join(fast_load_files))
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(out, "0015-engram-gather-every-Engram-layer-s",
-                "python/sglang/srt/layers/engram.py:1018", "python/sglang/srt/models/deepseek_v4.py:100")
-    d.note("engram.py:1018: 0.5.22's Engram looks its rows up in one call (`self.embed(...)`); the base "
-           "is 0.5.23's lookup (staged rows, embed_rows) that our prefetch mirrors. "
-           "layers/engram_prefetch.py gathers through 0.5.23's EngramEmbedding internals that "
-           "0.5.22 lacks (peer shards, new_rows, _sort_host_reads, Engram.embed_rows): carrying it "
-           "is a port, not a merge. Drop it (0017 reads its flag with getattr). The printout offers "
-           "dropping 0021 with it: 0021 Depends: on 0015.")
-    if "--drop 0015-engram-gather-every-Engram-layer-s --drop 0021-engram-one-TP-all-reduce-for" not in out:
+    expect_stop(
+        out,
+        "0015-engram-gather-every-Engram-layer-s",
+        "python/sglang/srt/layers/engram.py:1018",
+        "python/sglang/srt/models/deepseek_v4.py:100",
+    )
+    d.note(
+        "engram.py:1018: 0.5.22's Engram looks its rows up in one call (`self.embed(...)`); the base "
+        "is 0.5.23's lookup (staged rows, embed_rows) that our prefetch mirrors. "
+        "layers/engram_prefetch.py gathers through 0.5.23's EngramEmbedding internals that "
+        "0.5.22 lacks (peer shards, new_rows, _sort_host_reads, Engram.embed_rows): carrying it "
+        "is a port, not a merge. Drop it (0017 reads its flag with getattr). The printout offers "
+        "dropping 0021 with it: 0021 Depends: on 0015."
+    )
+    if (
+        "--drop 0015-engram-gather-every-Engram-layer-s --drop 0021-engram-one-TP-all-reduce-for"
+        not in out
+    ):
         d.save()
-        sys.exit("drill: the stop at 0015 does not offer dropping 0021 with it (its Depends: trailer)")
-    out = d.run("python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s", expect=1)
-    if "0021-engram-one-TP-all-reduce-for depends on 0015-engram-gather-every-Engram-layer-s" not in out:
+        sys.exit(
+            "drill: the stop at 0015 does not offer dropping 0021 with it (its Depends: trailer)"
+        )
+    out = d.run(
+        "python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s",
+        expect=1,
+    )
+    if (
+        "0021-engram-one-TP-all-reduce-for depends on 0015-engram-gather-every-Engram-layer-s"
+        not in out
+    ):
         d.save()
-        sys.exit("drill: dropping 0015 alone was not refused for 0021 (its Depends: trailer)")
-    d.note("Dropping 0015 alone is refused, nothing dropped: 0021 (--engram-fused-all-reduce) copies the "
-           "rows 0015's prefetch gathers on the side stream into one buffer and is refused without "
-           "--engram-prefetch, so without 0015 it has nothing to fuse. Drop both, as offered.")
-    out = d.run("python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s "
-                "--drop 0021-engram-one-TP-all-reduce-for", expect=1)
+        sys.exit(
+            "drill: dropping 0015 alone was not refused for 0021 (its Depends: trailer)"
+        )
+    d.note(
+        "Dropping 0015 alone is refused, nothing dropped: 0021 (--engram-fused-all-reduce) copies the "
+        "rows 0015's prefetch gathers on the side stream into one buffer and is refused without "
+        "--engram-prefetch, so without 0015 it has nothing to fuse. Drop both, as offered."
+    )
+    out = d.run(
+        "python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s "
+        "--drop 0021-engram-one-TP-all-reduce-for",
+        expect=1,
+    )
     engram = "python/sglang/srt/layers/engram.py"
-    expect_stop(out, "0017-engram-rows-on-local-storage-behind",
-                "python/sglang/srt/layers/engram.py:56", "python/sglang/srt/layers/engram.py:791",
-                "python/sglang/srt/layers/engram.py:893", "python/sglang/srt/layers/engram.py:972")
-    d.note("engram.py, 0017's row store in 0.5.22's EngramEmbedding, which has no peer shards and "
-           "builds rows with _empty: :56 keep 0.5.22's import line plus get_exec; :791 our row-store "
-           "branch first, then 0.5.22's host-table branch as its elif; :893 0.5.22's finish_load "
-           "docstring plus our row-store call; :972 0.5.22's _empty line plus our row-store return.")
-    d.region(engram, lambda head, ours: [head[0].replace("import get_model", "import get_exec, get_model")])
-    d.region(engram, lambda head, ours: ours[
-        ours.index("        # --engram-row-store-dir: the shard in a file with a RAM cache (refused with the above)\n"):
-        ours.index("        elif (\n")] + [head[0].replace("        if ", "        elif ", 1)])
+    expect_stop(
+        out,
+        "0017-engram-rows-on-local-storage-behind",
+        "python/sglang/srt/layers/engram.py:56",
+        "python/sglang/srt/layers/engram.py:791",
+        "python/sglang/srt/layers/engram.py:893",
+        "python/sglang/srt/layers/engram.py:972",
+    )
+    d.note(
+        "engram.py, 0017's row store in 0.5.22's EngramEmbedding, which has no peer shards and "
+        "builds rows with _empty: :56 keep 0.5.22's import line plus get_exec; :791 our row-store "
+        "branch first, then 0.5.22's host-table branch as its elif; :893 0.5.22's finish_load "
+        "docstring plus our row-store call; :972 0.5.22's _empty line plus our row-store return."
+    )
+    d.region(
+        engram,
+        lambda head, ours: [
+            head[0].replace("import get_model", "import get_exec, get_model")
+        ],
+    )
+    d.region(
+        engram,
+        lambda head, ours: ours[
+            ours.index(
+                "        # --engram-row-store-dir: the shard in a file with a RAM cache (refused with the above)\n"
+            ) : ours.index("        elif (\n")
+        ]
+        + [head[0].replace("        if ", "        elif ", 1)],
+    )
     d.region(engram, lambda head, ours: head + ours[2:4])
     d.region(engram, lambda head, ours: head + ours[-2:])
     d.run(f"git -C build/rebase/repo add {engram}")

@@ -41,11 +41,17 @@ def make_req(tokens: int, limits):
 
     sp = SamplingParams(max_new_tokens=tokens + 1, temperature=0)
     sp.normalize(None)
-    req = Req("bench", "", array("q", [1, 2, 3]), sp, vocab_size=1 << 20, eos_token_ids={2})
+    req = Req(
+        "bench", "", array("q", [1, 2, 3]), sp, vocab_size=1 << 20, eos_token_ids={2}
+    )
     if limits is not None:
         p, n = limits
-        attach_loop_guard(req, SimpleNamespace(enable_loop_abort=True, loop_abort_max_period=p,
-                                               loop_abort_min_tokens=n))
+        attach_loop_guard(
+            req,
+            SimpleNamespace(
+                enable_loop_abort=True, loop_abort_max_period=p, loop_abort_min_tokens=n
+            ),
+        )
     return req
 
 
@@ -89,24 +95,48 @@ def main() -> None:
                 stock.append(ns_per_token(stream, None))
                 on.append(ns_per_token(stream, limits))
             s, o = statistics.median(stock), statistics.median(on)
-            rows.append({"max_period": limits[0], "min_tokens": limits[1], "output_tokens": length,
-                         "stock_ns_per_token": round(s), "on_ns_per_token": round(o),
-                         "added_ns_per_token": round(o - s),
-                         "stock_min_ns_per_token": round(min(stock)), "on_min_ns_per_token": round(min(on)),
-                         "added_min_ns_per_token": round(min(on) - min(stock)),
-                         "rescan_ns_per_token": round(rescan_ns_per_token(stream[:4096], *limits))})
+            rows.append(
+                {
+                    "max_period": limits[0],
+                    "min_tokens": limits[1],
+                    "output_tokens": length,
+                    "stock_ns_per_token": round(s),
+                    "on_ns_per_token": round(o),
+                    "added_ns_per_token": round(o - s),
+                    "stock_min_ns_per_token": round(min(stock)),
+                    "on_min_ns_per_token": round(min(on)),
+                    "added_min_ns_per_token": round(min(on) - min(stock)),
+                    "rescan_ns_per_token": round(
+                        rescan_ns_per_token(stream[:4096], *limits)
+                    ),
+                }
+            )
             print(rows[-1], flush=True)
-    device = torch.cuda.get_device_name().replace(" ", "_") if torch.cuda.is_available() else "cpu"
+    device = (
+        torch.cuda.get_device_name().replace(" ", "_")
+        if torch.cuda.is_available()
+        else "cpu"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"loop_abort-{device}.json"
-    path.write_text(json.dumps({
-        "benchmark": "loop_abort", "device": device, "cpu": platform.processor() or platform.machine(),
-        "python": sys.version.split()[0], "repeats": args.repeats,
-        "what": "host ns per generated token of Req.update_finish_state (one token per call; medians and "
+    path.write_text(
+        json.dumps(
+            {
+                "benchmark": "loop_abort",
+                "device": device,
+                "cpu": platform.processor() or platform.machine(),
+                "python": sys.version.split()[0],
+                "repeats": args.repeats,
+                "what": "host ns per generated token of Req.update_finish_state (one token per call; medians and "
                 "minimums over the repeats, stock and on interleaved), "
                 "non-looping English word stream; stock = no guard, on = --enable-loop-abort; "
                 "rescan = every period 1..P checked per token (reference, not served)",
-        "rows": rows}, indent=1) + "\n")
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {path}")
 
 

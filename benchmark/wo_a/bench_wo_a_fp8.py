@@ -23,7 +23,14 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harness.py
 
-from harness import LAYERS, floor_us, graph_us_per_call, parse_args, report, tbps  # noqa: E402
+from harness import (  # noqa: E402
+    LAYERS,
+    floor_us,
+    graph_us_per_call,
+    parse_args,
+    report,
+    tbps,
+)
 
 from sglang.kernels.ops.gemm import dsv4_wo_a as up  # noqa: E402
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k  # noqa: E402
@@ -51,18 +58,31 @@ def pure_read(words: torch.Tensor, out: torch.Tensor, block: int) -> None:
 def pure_read_us(twins: list, replays: int) -> float:
     """us per layer of the fastest pure read (1024..4096 words per CTA) of the twins' bytes (e4m3 +
     exponents), one kernel per layer in a CUDA graph: the floor one kernel can reach."""
-    words = [torch.cat([t[0].view(torch.int32).flatten(), t[1].view(torch.int32).flatten()]) for t in twins]
+    words = [
+        torch.cat([t[0].view(torch.int32).flatten(), t[1].view(torch.int32).flatten()])
+        for t in twins
+    ]
     return min(
         graph_us_per_call(
-            [lambda wd=wd, s=torch.empty(triton.cdiv(wd.numel(), b), dtype=torch.int32, device="cuda"), b=b:
-             pure_read(wd, s, b) for wd in words], replays)
+            [
+                lambda wd=wd, s=torch.empty(
+                    triton.cdiv(wd.numel(), b), dtype=torch.int32, device="cuda"
+                ), b=b: pure_read(wd, s, b)
+                for wd in words
+            ],
+            replays,
+        )
         for b in (1024, 2048, 4096)
     )
 
 
 def twin_exact_weight(g: int, seed: int) -> torch.Tensor:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(g, R, D, device="cuda", generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = (
+        (torch.randn(g, R, D, device="cuda", generator=gen) * 64)
+        .clamp(-448, 448)
+        .to(torch.float8_e4m3fn)
+    )
     e = torch.randint(-14, -6, (g, R // 32, D // 32), device="cuda", generator=gen)
     scale = torch.exp2(e.float()).repeat_interleave(32, 1).repeat_interleave(32, 2)
     return (q.float() * scale).to(torch.bfloat16)
@@ -78,12 +98,18 @@ def hopper_layers(g: int) -> tuple[list, list, list, list]:
     """What the wo_a probes time on Hopper, one per layer: ``twin_layers``, the Hopper kernels'
     packed words and the mid kernel's counters."""
     weights, twins = twin_layers(g)
-    return weights, twins, [sm90.pack_twin(t[0]) for t in twins], [sm90.mid_counters(g, R, "cuda") for _ in twins]
+    return (
+        weights,
+        twins,
+        [sm90.pack_twin(t[0]) for t in twins],
+        [sm90.mid_counters(g, R, "cuda") for _ in twins],
+    )
 
 
 def outside_fp32_bound(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> int:
     """Outputs of ``einsum('tgd,grd->tgr', x, w)`` farther from the exact result than one bf16 ulp
-    plus the fp32 accumulation bound (K * 2**-24 * sum |x w|): the twin kernels' error budget."""
+    plus the fp32 accumulation bound (K * 2**-24 * sum |x w|): the twin kernels' error budget.
+    """
     ref = torch.einsum("tgd,grd->tgr", x.double(), w.double())
     mag = torch.einsum("tgd,grd->tgr", x.double().abs(), w.double().abs())
     ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)
@@ -95,7 +121,9 @@ class _Attn(torch.nn.Module):
         super().__init__()
         self.n_local_groups, self.o_lora_rank = w.shape[0], w.shape[1]
         self.wo_a = torch.nn.Module()
-        self.wo_a.weight = torch.nn.Parameter(w.reshape(-1, w.shape[2]).clone(), requires_grad=False)
+        self.wo_a.weight = torch.nn.Parameter(
+            w.reshape(-1, w.shape[2]).clone(), requires_grad=False
+        )
 
 
 def drop_memory(weights: list) -> dict:
@@ -113,14 +141,20 @@ def drop_memory(weights: list) -> dict:
     bf16 = sum(w.numel() * w.element_size() for w in weights)
     twin_mod._TWINS.clear()
     twin_mod._TWINS.update(saved)
-    return {"layers": made, "bf16_MiB": bf16 / 2**20, "model_MiB": (before - start) / 2**20,
-            "released_net_MiB": freed / 2**20,
-            "released_net_MiB_per_layer": freed / 2**20 / max(made, 1)}
+    return {
+        "layers": made,
+        "bf16_MiB": bf16 / 2**20,
+        "model_MiB": (before - start) / 2**20,
+        "released_net_MiB": freed / 2**20,
+        "released_net_MiB_per_layer": freed / 2**20 / max(made, 1),
+    }
 
 
 def main() -> None:
     args = parse_args(__doc__)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the twin's build line for drop
+    logging.basicConfig(
+        level=logging.INFO, format="%(message)s"
+    )  # the twin's build line for drop
     sweep = os.environ.get("FORK_WO_A_SWEEP") == "1"
     rows, sweep_rows, drop_rows = [], [], []
     for g in (2, 4, 8):
@@ -139,13 +173,30 @@ def main() -> None:
 
         def t_twin(x, cfg=None):
             if hopper and cfg is None and x.shape[0] <= twin_mod.small_kernel_rows(g):
-                return graph_us_per_call([lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])
-                                          for i in range(LAYERS)], args.replays)
+                return graph_us_per_call(
+                    [
+                        lambda i=i: sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])
+                        for i in range(LAYERS)
+                    ],
+                    args.replays,
+                )
             if hopper and cfg is None:
-                return graph_us_per_call([lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], mid_cnt[i])
-                                          for i in range(LAYERS)], args.replays)
-            return graph_us_per_call([lambda t=t: k.wo_a_fp8_matmul(x, t[0], t[1], t[2], cfg) for t in twins],
-                                     args.replays)
+                return graph_us_per_call(
+                    [
+                        lambda i=i: sm90.wo_a_fp8_mid_sm90(
+                            x, packed[i], twins[i][1], mid_cnt[i]
+                        )
+                        for i in range(LAYERS)
+                    ],
+                    args.replays,
+                )
+            return graph_us_per_call(
+                [
+                    lambda t=t: k.wo_a_fp8_matmul(x, t[0], t[1], t[2], cfg)
+                    for t in twins
+                ],
+                args.replays,
+            )
 
         if sweep:
             for m in (2, 8):
@@ -153,7 +204,9 @@ def main() -> None:
                 for bn in (16, 32):
                     for warps in (1, 2, 4, 8):
                         cfg = (8, 16, bn, warps, 1)
-                        sweep_rows.append({"G": g, "M": m, "cfg": str(cfg), "us": t_twin(x, cfg)})
+                        sweep_rows.append(
+                            {"G": g, "M": m, "cfg": str(cfg), "us": t_twin(x, cfg)}
+                        )
             for m in (16, 64, 192):
                 x = torch.randn(m, g, D, device="cuda").to(torch.bfloat16)
                 for split in (2, 4, 8):
@@ -163,7 +216,14 @@ def main() -> None:
                         for bn in (16, 32):
                             for warps in (4, 8):
                                 cfg = (split, bm, bn, warps, 1)
-                                sweep_rows.append({"G": g, "M": m, "cfg": str(cfg), "us": t_twin(x, cfg)})
+                                sweep_rows.append(
+                                    {
+                                        "G": g,
+                                        "M": m,
+                                        "cfg": str(cfg),
+                                        "us": t_twin(x, cfg),
+                                    }
+                                )
             best = {}
             for r in sweep_rows:
                 if r["G"] == g:
@@ -175,46 +235,136 @@ def main() -> None:
 
         for m in SMALL_M + MID_M:
             x = torch.randn(m, g, D, device="cuda").to(torch.bfloat16)
-            einsum = graph_us_per_call([lambda w=w: torch.einsum("tgd,grd->tgr", x, w) for w in weights], args.replays)
+            einsum = graph_us_per_call(
+                [lambda w=w: torch.einsum("tgd,grd->tgr", x, w) for w in weights],
+                args.replays,
+            )
             small_stock = g == 2 and m <= 8
-            stock = (graph_us_per_call([lambda w=w: up.wo_a_bf16_small_batch(x, w) for w in weights], args.replays)
-                     if small_stock else einsum)
+            stock = (
+                graph_us_per_call(
+                    [lambda w=w: up.wo_a_bf16_small_batch(x, w) for w in weights],
+                    args.replays,
+                )
+                if small_stock
+                else einsum
+            )
             twin = t_twin(x)
-            served = ("small" if m <= 8 else "mid" if (m <= twin_mod.mid_rows_faster(g) or not hopper) else "drop")
-            row = {"G": g, "M": m, "stock": "wo_a_bf16_small_batch" if small_stock else "einsum",
-                   "kernel": ("gluon_sm90_small" if m <= twin_mod.small_kernel_rows(g) else "gluon_sm90_mid")
-                   if hopper else "triton",
-                   "served_by": served,
-                   "stock_us": stock, "einsum_us": einsum, "twin_us": twin, "read_us": read_us,
-                   "twin_over_read": twin / read_us, "speedup": stock / twin, "over_einsum": einsum / twin,
-                   "twin_TBps": tbps(twin_bytes, twin), "floor_us": floor_us(twin_bytes),
-                   "stock_mx_us": float("nan"), "twin_mx_us": float("nan")}
+            served = (
+                "small"
+                if m <= 8
+                else (
+                    "mid"
+                    if (m <= twin_mod.mid_rows_faster(g) or not hopper)
+                    else "drop"
+                )
+            )
+            row = {
+                "G": g,
+                "M": m,
+                "stock": "wo_a_bf16_small_batch" if small_stock else "einsum",
+                "kernel": (
+                    (
+                        "gluon_sm90_small"
+                        if m <= twin_mod.small_kernel_rows(g)
+                        else "gluon_sm90_mid"
+                    )
+                    if hopper
+                    else "triton"
+                ),
+                "served_by": served,
+                "stock_us": stock,
+                "einsum_us": einsum,
+                "twin_us": twin,
+                "read_us": read_us,
+                "twin_over_read": twin / read_us,
+                "speedup": stock / twin,
+                "over_einsum": einsum / twin,
+                "twin_TBps": tbps(twin_bytes, twin),
+                "floor_us": floor_us(twin_bytes),
+                "stock_mx_us": float("nan"),
+                "twin_mx_us": float("nan"),
+            }
             if small_stock:
                 row["stock_mx_us"] = graph_us_per_call(
-                    [lambda w=w: up.wo_a_bf16_small_batch_mxfp8(x, w) for w in weights], args.replays)
+                    [lambda w=w: up.wo_a_bf16_small_batch_mxfp8(x, w) for w in weights],
+                    args.replays,
+                )
                 row["twin_mx_us"] = graph_us_per_call(
-                    [lambda i=i: up._quantize_partial(sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], partials=True))
-                     for i in range(LAYERS)] if hopper else
-                    [lambda t=t: up._quantize_partial(k.wo_a_fp8_partial(x, t[0], t[1], t[2])) for t in twins],
-                    args.replays)
+                    (
+                        [
+                            lambda i=i: up._quantize_partial(
+                                sm90.wo_a_fp8_small_sm90(
+                                    x, packed[i], twins[i][1], partials=True
+                                )
+                            )
+                            for i in range(LAYERS)
+                        ]
+                        if hopper
+                        else [
+                            lambda t=t: up._quantize_partial(
+                                k.wo_a_fp8_partial(x, t[0], t[1], t[2])
+                            )
+                            for t in twins
+                        ]
+                    ),
+                    args.replays,
+                )
             rows.append(row)
         dequant_us = graph_us_per_call(
-            [lambda i=i: k.wo_a_fp8_dequant_packed(packed[i], twins[i][1]) for i in range(LAYERS)] if hopper else
-            [lambda t=t: k.wo_a_fp8_dequant(t[0], t[1]) for t in twins], args.replays)
+            (
+                [
+                    lambda i=i: k.wo_a_fp8_dequant_packed(packed[i], twins[i][1])
+                    for i in range(LAYERS)
+                ]
+                if hopper
+                else [lambda t=t: k.wo_a_fp8_dequant(t[0], t[1]) for t in twins]
+            ),
+            args.replays,
+        )
         drop_rows.append({"G": g, "dequant_us": dequant_us, **drop_memory(weights)})
         del weights, twins, packed, mid_cnt
         torch.cuda.empty_cache()
-    cols = ["G", "M", "kernel", "served_by", "stock", "stock_us", "einsum_us", "twin_us", "read_us", "twin_over_read", "speedup", "over_einsum",
-            "twin_TBps", "floor_us", "stock_mx_us", "twin_mx_us"]
-    meta = {"layers": LAYERS, "R": R, "D": D, "small_cfg": [k.SMALL_SPLIT, k.SMALL_BM, k.SMALL_BN, k.SMALL_WARPS,
-                                                             k.SMALL_STAGES],
-            "mid_cfg": [list(c) for c in k._MID], "sweep": sweep_rows, "drop": drop_rows,
-            "what": "stock vs fp8 twin vs pure read of the twin's bytes; speedup = stock_us / twin_us; "
-                    "kernel = the twin kernel the dispatch serves at that row count on this device"}
+    cols = [
+        "G",
+        "M",
+        "kernel",
+        "served_by",
+        "stock",
+        "stock_us",
+        "einsum_us",
+        "twin_us",
+        "read_us",
+        "twin_over_read",
+        "speedup",
+        "over_einsum",
+        "twin_TBps",
+        "floor_us",
+        "stock_mx_us",
+        "twin_mx_us",
+    ]
+    meta = {
+        "layers": LAYERS,
+        "R": R,
+        "D": D,
+        "small_cfg": [
+            k.SMALL_SPLIT,
+            k.SMALL_BM,
+            k.SMALL_BN,
+            k.SMALL_WARPS,
+            k.SMALL_STAGES,
+        ],
+        "mid_cfg": [list(c) for c in k._MID],
+        "sweep": sweep_rows,
+        "drop": drop_rows,
+        "what": "stock vs fp8 twin vs pure read of the twin's bytes; speedup = stock_us / twin_us; "
+        "kernel = the twin kernel the dispatch serves at that row count on this device",
+    }
     for d in drop_rows:
-        print(f"drop G={d['G']}: {d['layers']} layers, {d['bf16_MiB']:.0f} MiB of bf16, released net of the twins "
-              f"{d['released_net_MiB']:.0f} MiB ({d['released_net_MiB_per_layer']:.2f} MiB per layer); "
-              f"prefill dequantisation {d['dequant_us']:.2f} us per layer")
+        print(
+            f"drop G={d['G']}: {d['layers']} layers, {d['bf16_MiB']:.0f} MiB of bf16, released net of the twins "
+            f"{d['released_net_MiB']:.0f} MiB ({d['released_net_MiB_per_layer']:.2f} MiB per layer); "
+            f"prefill dequantisation {d['dequant_us']:.2f} us per layer"
+        )
     report("wo_a_fp8", cols, rows, args.out, meta)
 
 

@@ -37,7 +37,9 @@ def gemm_ceiling_tflops(n: int = 8192) -> float:
     a, b = (torch.randn(n, n, device="cuda").to(torch.bfloat16) for _ in range(2))
     for _ in range(3):
         a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+        enable_timing=True
+    )
     start.record()
     for _ in range(10):
         a @ b
@@ -50,10 +52,16 @@ def l2_read_tbps(replays: int) -> float:
     """Best read rate of one L2-resident buffer (8..24 MB, the H200's L2 is 60 MB) by all SMs."""
     best = 0.0
     for mb in (8, 16, 24):
-        words = torch.randint(0, 2**31 - 1, (mb * 2**18,), dtype=torch.int32, device="cuda")
+        words = torch.randint(
+            0, 2**31 - 1, (mb * 2**18,), dtype=torch.int32, device="cuda"
+        )
         for block in (1024, 2048, 4096):
-            out = torch.empty(-(-words.numel() // block), dtype=torch.int32, device="cuda")
-            us = graph_us_per_call([lambda: pure_read(words, out, block)] * LAYERS, replays)
+            out = torch.empty(
+                -(-words.numel() // block), dtype=torch.int32, device="cuda"
+            )
+            us = graph_us_per_call(
+                [lambda: pure_read(words, out, block)] * LAYERS, replays
+            )
             best = max(best, words.numel() * 4 / us / 1e6)
     return best
 
@@ -62,7 +70,10 @@ def main() -> None:
     args = parse_args(__doc__)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ceiling, l2 = gemm_ceiling_tflops(), l2_read_tbps(args.replays)
-    print(f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s, L2 read {l2:.2f} TB/s, {sms} SMs", flush=True)
+    print(
+        f"bf16 GEMM ceiling {ceiling:.0f} TFLOP/s, L2 read {l2:.2f} TB/s, {sms} SMs",
+        flush=True,
+    )
     rows = []
     for g in (2, 4, 8):
         weights, twins = twin_layers(g)
@@ -70,21 +81,60 @@ def main() -> None:
         twin_bytes = g * R * D + g * (R // 32) * (D // 32)
         for m in MID_M:
             x = torch.randn(m, g, D, device="cuda").to(torch.bfloat16)
-            einsum_us = graph_us_per_call([lambda w=w: torch.einsum("tgd,grd->tgr", x, w) for w in weights],
-                                          args.replays)
+            einsum_us = graph_us_per_call(
+                [lambda w=w: torch.einsum("tgd,grd->tgr", x, w) for w in weights],
+                args.replays,
+            )
             goal_us = einsum_us / (2 if m <= 64 else 1.5)
             goal_tflops = 2 * m * g * R * D / goal_us / 1e6
-            l2_model_us = (twin_bytes + sms * 8 * m * math.sqrt(twin_bytes / sms)) / l2 / 1e6
-            verdict = ("no kernel" if goal_tflops > ceiling else
-                       "needs clusters" if l2_model_us > goal_us else "open")
-            rows.append({"G": g, "M": m, "einsum_us": einsum_us, "goal_us": goal_us, "goal_TFLOPs": goal_tflops,
-                         "of_ceiling": goal_tflops / ceiling, "read_us": read_us, "l2_model_us": l2_model_us,
-                         "verdict": verdict})
+            l2_model_us = (
+                (twin_bytes + sms * 8 * m * math.sqrt(twin_bytes / sms)) / l2 / 1e6
+            )
+            verdict = (
+                "no kernel"
+                if goal_tflops > ceiling
+                else "needs clusters" if l2_model_us > goal_us else "open"
+            )
+            rows.append(
+                {
+                    "G": g,
+                    "M": m,
+                    "einsum_us": einsum_us,
+                    "goal_us": goal_us,
+                    "goal_TFLOPs": goal_tflops,
+                    "of_ceiling": goal_tflops / ceiling,
+                    "read_us": read_us,
+                    "l2_model_us": l2_model_us,
+                    "verdict": verdict,
+                }
+            )
         del weights, twins
         torch.cuda.empty_cache()
-    cols = ["G", "M", "einsum_us", "goal_us", "goal_TFLOPs", "of_ceiling", "read_us", "l2_model_us", "verdict"]
-    report("wo_a_fp8_goals", cols, rows, args.out,
-           {"layers": LAYERS, "R": R, "D": D, "gemm_ceiling_TFLOPs": ceiling, "l2_read_TBps": l2, "sms": sms})
+    cols = [
+        "G",
+        "M",
+        "einsum_us",
+        "goal_us",
+        "goal_TFLOPs",
+        "of_ceiling",
+        "read_us",
+        "l2_model_us",
+        "verdict",
+    ]
+    report(
+        "wo_a_fp8_goals",
+        cols,
+        rows,
+        args.out,
+        {
+            "layers": LAYERS,
+            "R": R,
+            "D": D,
+            "gemm_ceiling_TFLOPs": ceiling,
+            "l2_read_TBps": l2,
+            "sms": sms,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ for determinism at the row count it is timed at (``ok`` column).
 FORK_PROBE_G, FORK_PROBE_M (comma lists), FORK_PROBE_BUDGET_S (default 480) stops early and
 still writes what it has. Run: TESTS=none BENCH=probe_wo_a_fp8_mid_tiles.py bash build/gpu-bundle/run.sh DIR
 """
+
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harn
 
 from bench_wo_a_fp8 import hopper_layers, outside_fp32_bound, pure_read_us  # noqa: E402
 from harness import LAYERS, graph_us_per_call, parse_args, report  # noqa: E402
+
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90  # noqa: E402
 
 R, D = 1024, 4096
@@ -54,10 +56,15 @@ def main() -> None:
             break
         weights, twins, packed, counters = hopper_layers(g)
         read_us = pure_read_us(twins, args.replays)
-        ms = tuple(int(v) for v in os.environ.get("FORK_PROBE_M", "48,64,96,128,192").split(","))
+        ms = tuple(
+            int(v)
+            for v in os.environ.get("FORK_PROBE_M", "48,64,96,128,192").split(",")
+        )
         xs = {m: torch.randn(m, g, D, device="cuda").to(torch.bfloat16) for m in ms}
 
-        def warm(job):  # compile in threads (ptxas runs outside the GIL); errors are measured below
+        def warm(
+            job,
+        ):  # compile in threads (ptxas runs outside the GIL); errors are measured below
             m, cfg = job
             try:
                 sm90.wo_a_fp8_mid_sm90(xs[m], packed[0], twins[0][1], counters[0], cfg)
@@ -73,38 +80,86 @@ def main() -> None:
             x = xs[m]
             base = {"G": g, "M": m, "pure_read_us": read_us}
             einsum_us = graph_us_per_call(
-                [lambda i=i: torch.einsum("tgd,grd->tgr", x, weights[i]) for i in range(LAYERS)], args.replays)
+                [
+                    lambda i=i: torch.einsum("tgd,grd->tgr", x, weights[i])
+                    for i in range(LAYERS)
+                ],
+                args.replays,
+            )
             served = sm90.mid_config(m, g, R, sms)
-            cands = [("served " + str(served), served)] + [(str(c), c) for c in configs(m, g, sms) if c != served]
+            cands = [("served " + str(served), served)] + [
+                (str(c), c) for c in configs(m, g, sms) if c != served
+            ]
             served_us = None
             if m <= sm90.MAX_RING_ROWS:
                 cands.append(("small", None))
             for name, cfg in cands:
+
                 def call(i, cfg=cfg):
                     if cfg is None:
                         return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1])
-                    return sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i], cfg)
+                    return sm90.wo_a_fp8_mid_sm90(
+                        x, packed[i], twins[i][1], counters[i], cfg
+                    )
 
                 try:
                     y = call(0)
-                    ok = (outside_fp32_bound(y, x, weights[0]) == 0
-                          and torch.equal(y.view(torch.int16), call(0).view(torch.int16)))
-                    us = graph_us_per_call([lambda i=i: call(i) for i in range(LAYERS)], args.replays)
-                except Exception as e:  # noqa: BLE001 - a candidate that does not build is a result
-                    rows.append({**base, "kernel": name, "us": None, "x_einsum": None, "x_served": None,
-                                 "x_pure_read": None, "ok": f"error: {str(e)[:160]}"})
+                    ok = outside_fp32_bound(y, x, weights[0]) == 0 and torch.equal(
+                        y.view(torch.int16), call(0).view(torch.int16)
+                    )
+                    us = graph_us_per_call(
+                        [lambda i=i: call(i) for i in range(LAYERS)], args.replays
+                    )
+                except (
+                    Exception
+                ) as e:  # noqa: BLE001 - a candidate that does not build is a result
+                    rows.append(
+                        {
+                            **base,
+                            "kernel": name,
+                            "us": None,
+                            "x_einsum": None,
+                            "x_served": None,
+                            "x_pure_read": None,
+                            "ok": f"error: {str(e)[:160]}",
+                        }
+                    )
                     continue
                 served_us = served_us or us
-                rows.append({**base, "kernel": name, "us": us, "einsum_us": einsum_us, "x_einsum": einsum_us / us,
-                             "x_served": served_us / us, "x_pure_read": us / read_us, "ok": ok})
-            best = min((r for r in rows if r["G"] == g and r["M"] == m and r["us"] and r["ok"] is True),
-                       key=lambda r: r["us"])
-            print(f"G={g} M={m} einsum {einsum_us:.2f} served {served_us:.2f} best {best['us']:.2f} "
-                  f"{best['kernel']} ({best['x_einsum']:.2f}x einsum) at {time.time() - t0:.0f} s", flush=True)
+                rows.append(
+                    {
+                        **base,
+                        "kernel": name,
+                        "us": us,
+                        "einsum_us": einsum_us,
+                        "x_einsum": einsum_us / us,
+                        "x_served": served_us / us,
+                        "x_pure_read": us / read_us,
+                        "ok": ok,
+                    }
+                )
+            best = min(
+                (
+                    r
+                    for r in rows
+                    if r["G"] == g and r["M"] == m and r["us"] and r["ok"] is True
+                ),
+                key=lambda r: r["us"],
+            )
+            print(
+                f"G={g} M={m} einsum {einsum_us:.2f} served {served_us:.2f} best {best['us']:.2f} "
+                f"{best['kernel']} ({best['x_einsum']:.2f}x einsum) at {time.time() - t0:.0f} s",
+                flush=True,
+            )
         del weights, twins, packed, counters, xs
         torch.cuda.empty_cache()
-        report(os.environ.get("FORK_PROBE_NAME", "wo_a_fp8_mid_tiles_probe"), cols,
-               [{c: r.get(c) for c in cols} | r for r in rows], args.out, {"layers": LAYERS, "budget_s": budget})
+        report(
+            os.environ.get("FORK_PROBE_NAME", "wo_a_fp8_mid_tiles_probe"),
+            cols,
+            [{c: r.get(c) for c in cols} | r for r in rows],
+            args.out,
+            {"layers": LAYERS, "budget_s": budget},
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ us against 10.6-11.0 served), so removed; the paired waits were not faster than 
 and 8), so removed too.
 Run: TESTS=none BENCH=probe_wo_a_fp8_rows.py bash build/gpu-bundle/run.sh DIR
 """
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harn
 
 from bench_wo_a_fp8 import hopper_layers, pure_read_us  # noqa: E402
 from harness import LAYERS, graph_us_per_call, parse_args, report, tbps  # noqa: E402
+
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90  # noqa: E402
 
 
@@ -44,7 +46,9 @@ def variants(g: int, m: int) -> list[tuple[str, dict]]:
     out = [("served", {})]
     for st in (stage - 4, stage - 2, stage + 2, stage + 4):
         if 2 <= st <= min(sm90.ring_fit(rb, m), 15):
-            out.append((f"rb{rb}_s{st}_xr", {"rows_per_cta": rb, "stage": st, "x_ring": True}))
+            out.append(
+                (f"rb{rb}_s{st}_xr", {"rows_per_cta": rb, "stage": st, "x_ring": True})
+            )
     return out
 
 
@@ -53,15 +57,29 @@ def main() -> None:
     budget = float(os.environ.get("FORK_PROBE_BUDGET_S", "480"))
     t0 = time.time()
     rows = []
-    cols = ["G", "M", "kernel", "us", "x_einsum", "x_served", "x_pure_read", "TB/s", "bitwise"]
+    cols = [
+        "G",
+        "M",
+        "kernel",
+        "us",
+        "x_einsum",
+        "x_served",
+        "x_pure_read",
+        "TB/s",
+        "bitwise",
+    ]
     for g in tuple(int(v) for v in os.environ.get("FORK_PROBE_G", "2,8,4").split(",")):
         weights, twins, packed, counters = hopper_layers(g)
         nbytes = twins[0][0].numel() + twins[0][1].numel()
         read_us = pure_read_us(twins, args.replays)
-        ms = tuple(int(v) for v in os.environ.get("FORK_PROBE_M", "2,8,16,32").split(","))
+        ms = tuple(
+            int(v) for v in os.environ.get("FORK_PROBE_M", "2,8,16,32").split(",")
+        )
         xs = {m: torch.randn(m, g, 4096, device="cuda").to(torch.bfloat16) for m in ms}
 
-        def warm(job):  # compile in threads (ptxas runs outside the GIL); errors are measured below
+        def warm(
+            job,
+        ):  # compile in threads (ptxas runs outside the GIL); errors are measured below
             m, kw = job
             try:
                 sm90.wo_a_fp8_small_sm90(xs[m], packed[0], twins[0][1], **kw)
@@ -76,41 +94,98 @@ def main() -> None:
                 break
             x = xs[m]
             einsum_us = graph_us_per_call(
-                [lambda i=i: torch.einsum("tgd,grd->tgr", x, weights[i]) for i in range(LAYERS)], args.replays)
-            want = torch.cat([sm90.wo_a_fp8_small_sm90(x[a:min(a + 8, m)], packed[0], twins[0][1])
-                              for a in range(0, m, 8)])
+                [
+                    lambda i=i: torch.einsum("tgd,grd->tgr", x, weights[i])
+                    for i in range(LAYERS)
+                ],
+                args.replays,
+            )
+            want = torch.cat(
+                [
+                    sm90.wo_a_fp8_small_sm90(
+                        x[a : min(a + 8, m)], packed[0], twins[0][1]
+                    )
+                    for a in range(0, m, 8)
+                ]
+            )
             base = {"G": g, "M": m, "einsum_us": einsum_us, "pure_read_us": read_us}
             served_us = None
             mid_us = None
             if m > 8:  # the wgmma kernel, for comparison (x_served filled in below)
                 mid_us = graph_us_per_call(
-                    [lambda i=i: sm90.wo_a_fp8_mid_sm90(x, packed[i], twins[i][1], counters[i]) for i in range(LAYERS)],
-                    args.replays)
+                    [
+                        lambda i=i: sm90.wo_a_fp8_mid_sm90(
+                            x, packed[i], twins[i][1], counters[i]
+                        )
+                        for i in range(LAYERS)
+                    ],
+                    args.replays,
+                )
             for name, kw in variants(g, m):
+
                 def call(i, kw=kw):
                     return sm90.wo_a_fp8_small_sm90(x, packed[i], twins[i][1], **kw)
 
                 try:
-                    bitwise = torch.equal(call(0).view(torch.int16), want.view(torch.int16))
-                    us = graph_us_per_call([lambda i=i: call(i) for i in range(LAYERS)], args.replays)
-                except Exception as e:  # noqa: BLE001 - a candidate that does not fit is a result
-                    rows.append({**base, "kernel": name, "us": None, "x_einsum": None, "x_served": None,
-                                 "x_pure_read": None, "TB/s": None, "bitwise": f"error: {str(e)[:120]}"})
+                    bitwise = torch.equal(
+                        call(0).view(torch.int16), want.view(torch.int16)
+                    )
+                    us = graph_us_per_call(
+                        [lambda i=i: call(i) for i in range(LAYERS)], args.replays
+                    )
+                except (
+                    Exception
+                ) as e:  # noqa: BLE001 - a candidate that does not fit is a result
+                    rows.append(
+                        {
+                            **base,
+                            "kernel": name,
+                            "us": None,
+                            "x_einsum": None,
+                            "x_served": None,
+                            "x_pure_read": None,
+                            "TB/s": None,
+                            "bitwise": f"error: {str(e)[:120]}",
+                        }
+                    )
                     continue
                 if served_us is None and name == "served":
                     served_us = us
-                rows.append({**base, "kernel": name, "us": us, "x_einsum": einsum_us / us,
-                             "x_served": served_us / us, "x_pure_read": us / read_us,
-                             "TB/s": tbps(nbytes, us), "bitwise": bitwise})
+                rows.append(
+                    {
+                        **base,
+                        "kernel": name,
+                        "us": us,
+                        "x_einsum": einsum_us / us,
+                        "x_served": served_us / us,
+                        "x_pure_read": us / read_us,
+                        "TB/s": tbps(nbytes, us),
+                        "bitwise": bitwise,
+                    }
+                )
             if mid_us is not None:
-                rows.append({**base, "kernel": "mid", "us": mid_us, "x_einsum": einsum_us / mid_us,
-                             "x_served": served_us / mid_us if served_us else None, "x_pure_read": mid_us / read_us,
-                             "TB/s": tbps(nbytes, mid_us), "bitwise": None})
+                rows.append(
+                    {
+                        **base,
+                        "kernel": "mid",
+                        "us": mid_us,
+                        "x_einsum": einsum_us / mid_us,
+                        "x_served": served_us / mid_us if served_us else None,
+                        "x_pure_read": mid_us / read_us,
+                        "TB/s": tbps(nbytes, mid_us),
+                        "bitwise": None,
+                    }
+                )
             print(f"G={g} M={m} done at {time.time() - t0:.0f} s", flush=True)
         del weights, twins, packed, counters, xs
         torch.cuda.empty_cache()
-        report(os.environ.get("FORK_PROBE_NAME", "wo_a_fp8_rows_probe"), cols,
-               [{c: r.get(c) for c in cols} | r for r in rows], args.out, {"layers": LAYERS, "budget_s": budget})
+        report(
+            os.environ.get("FORK_PROBE_NAME", "wo_a_fp8_rows_probe"),
+            cols,
+            [{c: r.get(c) for c in cols} | r for r in rows],
+            args.out,
+            {"layers": LAYERS, "budget_s": budget},
+        )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ def flag_field(flag: str) -> str:
 def describe() -> str:
     """The text of ``--version``: the fork, its upstream and its series with their flags."""
     m = manifest()
-    lines = [f"sglang {m['version']} (fork of sglang {m['upstream']}; {len(m['series'])} patch(es))"]
+    lines = [
+        f"sglang {m['version']} (fork of sglang {m['upstream']}; {len(m['series'])} patch(es))"
+    ]
     for patch in m["series"]:
         flags = " ".join(patch["server_args"]) or "(no flags)"
         lines.append(f"  {patch['name']}: {flags}")
@@ -70,7 +72,9 @@ class PrintVersion(argparse.Action):
     """``--version``: print ``describe()`` as it is (argparse's own action re-wraps it) and exit."""
 
     def __init__(self, option_strings, dest, **kwargs):
-        kwargs.update(nargs=0, help="Print the fork version and its patch series, then exit.")
+        kwargs.update(
+            nargs=0, help="Print the fork version and its patch series, then exit."
+        )
         super().__init__(option_strings, dest, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -78,7 +82,9 @@ class PrintVersion(argparse.Action):
         parser.exit()
 
 
-def place_fork_flags(parser: argparse.ArgumentParser, namespaces: Iterable[type]) -> None:
+def place_fork_flags(
+    parser: argparse.ArgumentParser, namespaces: Iterable[type]
+) -> None:
     """Show each fork flag in ``--help`` beside its area's flags: right after the upstream
     field its patch declares it after, in its namespace class. Upstream lists fields not in
     ``field_order.py`` at the end; only the help order moves (parsing and ServerArgs' field
@@ -106,7 +112,9 @@ def place_fork_flags(parser: argparse.ArgumentParser, namespaces: Iterable[type]
 
 def startup_line(view: Any) -> str:
     """One line with every fork flag and its value, read from a resolving view."""
-    values = ", ".join(f"{flag}={getattr(view, flag_field(flag))}" for flag in fork_flags())
+    values = ", ".join(
+        f"{flag}={getattr(view, flag_field(flag))}" for flag in fork_flags()
+    )
     return f"sglang {fork_version()} fork flags: {values or '(none)'}"
 
 

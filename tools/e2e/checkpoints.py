@@ -36,15 +36,35 @@ def char_vocab() -> dict[str, int]:
 # loaded by the HTTP server) spells them; it refuses a tokenizer without them. The checkpoint spells
 # the image token <｜deepseek_image｜> (sglang's parser/deepseek_recipe_renderer.py IMAGE_TOKEN).
 DEEPSEEK_SPECIAL_TOKENS = (
-    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜System｜>", "<｜User｜>", "<｜Assistant｜>",
-    "<think>", "</think>", "｜DSML｜", "<｜latest_reminder｜>", "<｜deepseek_image｜>", "<｜image｜>",
-    "<｜ref｜>", "<｜/ref｜>", "<｜box｜>", "<｜/box｜>", "<｜point｜>", "<｜/point｜>", "<｜polygon｜>",
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜System｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<think>",
+    "</think>",
+    "｜DSML｜",
+    "<｜latest_reminder｜>",
+    "<｜deepseek_image｜>",
+    "<｜image｜>",
+    "<｜ref｜>",
+    "<｜/ref｜>",
+    "<｜box｜>",
+    "<｜/box｜>",
+    "<｜point｜>",
+    "<｜/point｜>",
+    "<｜polygon｜>",
     "<｜/polygon｜>",
 )
 
 
-def write_tokenizer(path: Path, chat_template: str | None = SIMPLE_CHAT_TEMPLATE, model_max_length: int = 8192,
-                    extra_special_tokens: tuple[str, ...] = (), vocab_size: int | None = None) -> int:
+def write_tokenizer(
+    path: Path,
+    chat_template: str | None = SIMPLE_CHAT_TEMPLATE,
+    model_max_length: int = 8192,
+    extra_special_tokens: tuple[str, ...] = (),
+    vocab_size: int | None = None,
+) -> int:
     """A character-level fast tokenizer in ``path``; returns its vocabulary size.
 
     ``vocab_size`` pads the vocabulary with ``<extra_i>`` tokens after the printable characters,
@@ -66,8 +86,11 @@ def write_tokenizer(path: Path, chat_template: str | None = SIMPLE_CHAT_TEMPLATE
     tok.save(str(path / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": SPECIAL_TOKENS[UNK_ID], "bos_token": SPECIAL_TOKENS[BOS_ID], "eos_token": SPECIAL_TOKENS[EOS_ID],
-        "model_max_length": model_max_length, "add_bos_token": False,
+        "unk_token": SPECIAL_TOKENS[UNK_ID],
+        "bos_token": SPECIAL_TOKENS[BOS_ID],
+        "eos_token": SPECIAL_TOKENS[EOS_ID],
+        "model_max_length": model_max_length,
+        "add_bos_token": False,
     }
     if chat_template is not None:
         config["chat_template"] = chat_template
@@ -75,13 +98,26 @@ def write_tokenizer(path: Path, chat_template: str | None = SIMPLE_CHAT_TEMPLATE
     return tok.get_vocab_size()
 
 
-def _llama_config(vocab: int, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int) -> dict:
+def _llama_config(
+    vocab: int, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int
+) -> dict:
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "num_hidden_layers": layers, "vocab_size": vocab,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
-        "torch_dtype": "bfloat16", "bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "tie_word_embeddings": False,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "tie_word_embeddings": False,
     }
 
 
@@ -110,8 +146,11 @@ def write_cycle_llama(path: Path, dsv41_tokens: bool = False) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    vocab_size = write_tokenizer(path, chat_template=None if dsv41_tokens else SIMPLE_CHAT_TEMPLATE,
-                                 extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS if dsv41_tokens else ())
+    vocab_size = write_tokenizer(
+        path,
+        chat_template=None if dsv41_tokens else SIMPLE_CHAT_TEMPLATE,
+        extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS if dsv41_tokens else (),
+    )
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab()
@@ -128,20 +167,25 @@ def write_cycle_llama(path: Path, dsv41_tokens: bool = False) -> Path:
         head[b, a] = 1
     gen = torch.Generator().manual_seed(0)
 
-    def rand(*shape):  # q/k/v and the MLP's inputs: any values, their outputs are projected to zero
+    def rand(
+        *shape,
+    ):  # q/k/v and the MLP's inputs: any values, their outputs are projected to zero
         return (torch.randn(*shape, generator=gen) * 0.05).to(bf16)
 
     p = "model.layers.0."
     weights = {
-        "model.embed_tokens.weight": embed, "lm_head.weight": head,
+        "model.embed_tokens.weight": embed,
+        "lm_head.weight": head,
         "model.norm.weight": torch.ones(hidden, dtype=bf16),
         p + "input_layernorm.weight": torch.ones(hidden, dtype=bf16),
         p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=bf16),
         p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
         p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
         p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-        p + "self_attn.o_proj.weight": torch.zeros(hidden, heads * head_dim, dtype=bf16),
-        p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+        p
+        + "self_attn.o_proj.weight": torch.zeros(hidden, heads * head_dim, dtype=bf16),
+        p + "mlp.gate_proj.weight": rand(inter, hidden),
+        p + "mlp.up_proj.weight": rand(inter, hidden),
         p + "mlp.down_proj.weight": torch.zeros(hidden, inter, dtype=bf16),
     }
     save_file(weights, str(path / "model.safetensors"))
@@ -151,7 +195,9 @@ def write_cycle_llama(path: Path, dsv41_tokens: bool = False) -> Path:
 def write_tiny_llama(path: Path) -> Path:
     """A two-layer Llama of hidden size 64, served with ``--load-format dummy`` (random weights)."""
     vocab = write_tokenizer(path)
-    (path / "config.json").write_text(json.dumps(_llama_config(vocab, 64, 128, 4, 2, 2), indent=1))
+    (path / "config.json").write_text(
+        json.dumps(_llama_config(vocab, 64, 128, 4, 2, 2), indent=1)
+    )
     return path
 
 
@@ -167,16 +213,40 @@ def write_tiny_llama(path: Path) -> Path:
 # so both checkpoints keep DeepSeek-V4.1-Flash's attention at TP1: 64 heads in 8 output groups
 # (wo_a at G = 8, 4096 wide). The tiny one shrinks everything else.
 TINY_DSV4 = dict(
-    hidden_size=1024, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
-    q_lora_rank=1024, o_lora_rank=1024, o_groups=8, moe_intermediate_size=256, n_routed_experts=8,
-    num_experts_per_tok=2, vocab_size=128, markov_rank=64, gamma=5, draft_stages=1,
+    hidden_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=64,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1024,
+    o_lora_rank=1024,
+    o_groups=8,
+    moe_intermediate_size=256,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    vocab_size=128,
+    markov_rank=64,
+    gamma=5,
+    draft_stages=1,
 )
 # DeepSeek-V4.1-Flash's shapes at TP1 (hidden, heads, lora ranks, o_groups, expert width, vocab)
 # with few layers and experts and three draft stages, random weights: for timing.
 REAL_SHAPE_DSV4 = dict(
-    hidden_size=5120, num_hidden_layers=4, num_attention_heads=64, head_dim=512, qk_rope_head_dim=64,
-    q_lora_rank=1280, o_lora_rank=1024, o_groups=8, moe_intermediate_size=2304, n_routed_experts=8,
-    num_experts_per_tok=6, vocab_size=129280, markov_rank=256, gamma=5, draft_stages=3,
+    hidden_size=5120,
+    num_hidden_layers=4,
+    num_attention_heads=64,
+    head_dim=512,
+    qk_rope_head_dim=64,
+    q_lora_rank=1280,
+    o_lora_rank=1024,
+    o_groups=8,
+    moe_intermediate_size=2304,
+    n_routed_experts=8,
+    num_experts_per_tok=6,
+    vocab_size=129280,
+    markov_rank=256,
+    gamma=5,
+    draft_stages=3,
 )
 MASK_TOKEN_ID = len(char_vocab())  # the draft's mask token: the first <extra_i> token
 
@@ -184,28 +254,61 @@ MASK_TOKEN_ID = len(char_vocab())  # the draft's mask token: the first <extra_i>
 def dsv4_config(shape: dict) -> dict:
     layers, stages = shape["num_hidden_layers"], shape["draft_stages"]
     return {
-        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "torch_dtype": "bfloat16",
-        "vocab_size": shape["vocab_size"], "hidden_size": shape["hidden_size"], "num_hidden_layers": layers,
-        "num_attention_heads": shape["num_attention_heads"], "num_key_value_heads": 1,
-        "head_dim": shape["head_dim"], "qk_rope_head_dim": shape["qk_rope_head_dim"],
-        "q_lora_rank": shape["q_lora_rank"], "o_lora_rank": shape["o_lora_rank"], "o_groups": shape["o_groups"],
-        "moe_intermediate_size": shape["moe_intermediate_size"], "n_routed_experts": shape["n_routed_experts"],
-        "n_shared_experts": 1, "num_experts_per_tok": shape["num_experts_per_tok"], "n_group": 1, "topk_group": 1,
-        "num_hash_layers": 1, "scoring_func": "sqrtsoftplus", "topk_method": "noaux_tc", "norm_topk_prob": True,
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "torch_dtype": "bfloat16",
+        "vocab_size": shape["vocab_size"],
+        "hidden_size": shape["hidden_size"],
+        "num_hidden_layers": layers,
+        "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": 1,
+        "head_dim": shape["head_dim"],
+        "qk_rope_head_dim": shape["qk_rope_head_dim"],
+        "q_lora_rank": shape["q_lora_rank"],
+        "o_lora_rank": shape["o_lora_rank"],
+        "o_groups": shape["o_groups"],
+        "moe_intermediate_size": shape["moe_intermediate_size"],
+        "n_routed_experts": shape["n_routed_experts"],
+        "n_shared_experts": 1,
+        "num_experts_per_tok": shape["num_experts_per_tok"],
+        "n_group": 1,
+        "topk_group": 1,
+        "num_hash_layers": 1,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
         "routed_scaling_factor": 1.5,
         # Sliding-window attention only (no compressor / indexer layers): the flash_mla sparse
         # decode path with window indices, no DeepGEMM indexer.
-        "compress_ratios": [0] * (layers + stages), "window_size": 128, "sliding_window": 128,
-        "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
-        "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 4096, "rope_theta": 10000, "compress_rope_theta": 40000,
-        "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 4, "beta_fast": 32, "beta_slow": 1,
-                         "original_max_position_embeddings": 1024},
-        "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+        "compress_ratios": [0] * (layers + stages),
+        "window_size": 128,
+        "sliding_window": 128,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000,
+        "compress_rope_theta": 40000,
+        "rope_scaling": {
+            "type": "yarn",
+            "rope_type": "yarn",
+            "factor": 4,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 1024,
+        },
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
         "num_nextn_predict_layers": stages,
-        "dspark_block_size": shape["gamma"], "dspark_noise_token_id": MASK_TOKEN_ID,
+        "dspark_block_size": shape["gamma"],
+        "dspark_noise_token_id": MASK_TOKEN_ID,
         "dspark_target_layer_ids": list(range(layers - stages, layers)),
-        "dspark_markov_rank": shape["markov_rank"], "dspark_n_routed_experts": shape["n_routed_experts"],
+        "dspark_markov_rank": shape["markov_rank"],
+        "dspark_n_routed_experts": shape["n_routed_experts"],
         "dspark_num_experts_per_tok": shape["num_experts_per_tok"],
     }
 
@@ -247,7 +350,9 @@ class _Weights:
         self.tensors[name + ".weight"], self.tensors[name + ".scale"] = q, scale
 
     def norm(self, name: str, dim: int):
-        self.tensors[name + ".weight"] = self.torch.ones(dim, dtype=self.torch.bfloat16, device=self.device)
+        self.tensors[name + ".weight"] = self.torch.ones(
+            dim, dtype=self.torch.bfloat16, device=self.device
+        )
 
     def hc(self, prefix: str, kinds=("attn", "ffn")):
         hc, dim = 4, self.shape["hidden_size"]
@@ -256,25 +361,42 @@ class _Weights:
         for kind in kinds:
             # Agreeing: mixing weights zero, so pre = post = sigmoid(0)-ish constants and comb is the
             # uniform doubly-stochastic matrix: four equal streams stay equal.
-            self.tensors[f"{prefix}hc_{kind}_fn"] = (self.torch.zeros(mix, hc * dim, dtype=f32, device=self.device)
-                                                     if self.agree else self.randn(mix, hc * dim, std=0.02, dtype=f32))
-            self.tensors[f"{prefix}hc_{kind}_base"] = (self.torch.zeros(mix, dtype=f32, device=self.device)
-                                                       if self.agree else self.randn(mix, std=0.5, dtype=f32))
-            self.tensors[f"{prefix}hc_{kind}_scale"] = self.torch.ones(3, dtype=f32, device=self.device)
+            self.tensors[f"{prefix}hc_{kind}_fn"] = (
+                self.torch.zeros(mix, hc * dim, dtype=f32, device=self.device)
+                if self.agree
+                else self.randn(mix, hc * dim, std=0.02, dtype=f32)
+            )
+            self.tensors[f"{prefix}hc_{kind}_base"] = (
+                self.torch.zeros(mix, dtype=f32, device=self.device)
+                if self.agree
+                else self.randn(mix, std=0.5, dtype=f32)
+            )
+            self.tensors[f"{prefix}hc_{kind}_scale"] = self.torch.ones(
+                3, dtype=f32, device=self.device
+            )
 
     def hc_head(self, prefix: str):
         hc, dim, f32 = 4, self.shape["hidden_size"], self.torch.float32
-        self.tensors[f"{prefix}hc_head_fn"] = (self.torch.zeros(hc, hc * dim, dtype=f32, device=self.device)
-                                               if self.agree else self.randn(hc, hc * dim, std=0.02, dtype=f32))
-        self.tensors[f"{prefix}hc_head_base"] = self.torch.zeros(hc, dtype=f32, device=self.device)
-        self.tensors[f"{prefix}hc_head_scale"] = self.torch.ones(1, dtype=f32, device=self.device)
+        self.tensors[f"{prefix}hc_head_fn"] = (
+            self.torch.zeros(hc, hc * dim, dtype=f32, device=self.device)
+            if self.agree
+            else self.randn(hc, hc * dim, std=0.02, dtype=f32)
+        )
+        self.tensors[f"{prefix}hc_head_base"] = self.torch.zeros(
+            hc, dtype=f32, device=self.device
+        )
+        self.tensors[f"{prefix}hc_head_scale"] = self.torch.ones(
+            1, dtype=f32, device=self.device
+        )
 
     def block(self, prefix: str, hash_vocab: int | None):
         s, dim = self.shape, self.shape["hidden_size"]
         heads, hd, groups = s["num_attention_heads"], s["head_dim"], s["o_groups"]
         self.hc(prefix)
         a = prefix + "attn."
-        self.tensors[a + "attn_sink"] = self.randn(heads, std=0.5, dtype=self.torch.float32)
+        self.tensors[a + "attn_sink"] = self.randn(
+            heads, std=0.5, dtype=self.torch.float32
+        )
         self.linear(a + "wq_a", s["q_lora_rank"], dim)
         self.linear(a + "wkv", hd, dim)
         self.norm(a + "q_norm", s["q_lora_rank"])
@@ -287,11 +409,19 @@ class _Weights:
         f = prefix + "ffn."
         experts, inter = s["n_routed_experts"], s["moe_intermediate_size"]
         self.linear(f + "gate", experts, dim)
-        if hash_vocab is None:  # score-routed: a correction bias; hash-routed: a token -> experts table
-            self.tensors[f + "gate.bias"] = self.randn(experts, std=0.1, dtype=self.torch.float32)
+        if (
+            hash_vocab is None
+        ):  # score-routed: a correction bias; hash-routed: a token -> experts table
+            self.tensors[f + "gate.bias"] = self.randn(
+                experts, std=0.1, dtype=self.torch.float32
+            )
         else:
-            pick = self.torch.rand(hash_vocab, experts, generator=self.gen, device=self.device).argsort(dim=1)
-            self.tensors[f + "gate.tid2eid"] = pick[:, : s["num_experts_per_tok"]].to(self.torch.int32)
+            pick = self.torch.rand(
+                hash_vocab, experts, generator=self.gen, device=self.device
+            ).argsort(dim=1)
+            self.tensors[f + "gate.tid2eid"] = pick[:, : s["num_experts_per_tok"]].to(
+                self.torch.int32
+            )
         for e in range(experts):
             self.linear(f"{f}experts.{e}.w1", inter, dim)
             self.linear(f"{f}experts.{e}.w3", inter, dim)
@@ -301,7 +431,14 @@ class _Weights:
         self.linear(f + "shared_experts.w2", dim, inter, out_proj=True)
 
 
-def write_dsv4(path: Path, *, agree: bool, shape: dict = TINY_DSV4, seed: int = 0, device: str = "cpu") -> Path:
+def write_dsv4(
+    path: Path,
+    *,
+    agree: bool,
+    shape: dict = TINY_DSV4,
+    seed: int = 0,
+    device: str = "cpu",
+) -> Path:
     """A DeepSeek-V4 target with a bundled DSpark draft, from ``seed``.
 
     ``agree=False``: random weights (the draft rarely agrees with the target). ``agree=True``: a
@@ -317,7 +454,11 @@ def write_dsv4(path: Path, *, agree: bool, shape: dict = TINY_DSV4, seed: int = 
     import torch
     from safetensors.torch import save_file
 
-    vocab = write_tokenizer(path, vocab_size=shape["vocab_size"], extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS)
+    vocab = write_tokenizer(
+        path,
+        vocab_size=shape["vocab_size"],
+        extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS,
+    )
     assert vocab == shape["vocab_size"], (vocab, shape["vocab_size"])
     config = dsv4_config(shape)
     (path / "config.json").write_text(json.dumps(config, indent=1))
@@ -330,12 +471,16 @@ def write_dsv4(path: Path, *, agree: bool, shape: dict = TINY_DSV4, seed: int = 
     markov_out = w.randn(vocab, rank, std=1.0, dtype=torch.float32)
     if agree:
         printable = torch.arange(len(SPECIAL_TOKENS), len(char_vocab()), device=device)
-        cycle = printable[torch.randperm(len(printable), generator=w.gen, device=device)]
+        cycle = printable[
+            torch.randperm(len(printable), generator=w.gen, device=device)
+        ]
         succ = torch.arange(vocab, device=device)
         succ[cycle] = torch.roll(cycle, -1)
         unit = embed.float() / embed.float().norm(dim=1, keepdim=True)
         head = torch.zeros(vocab, dim, device=device)
-        head[succ[cycle]] = 0.2 * unit[cycle]  # logit(succ(t) | t) = 0.2 * sqrt(dim) ~ 6.4
+        head[succ[cycle]] = (
+            0.2 * unit[cycle]
+        )  # logit(succ(t) | t) = 0.2 * sqrt(dim) ~ 6.4
         head = head.to(torch.bfloat16)
         code = markov_in.float() / markov_in.float().norm(dim=1, keepdim=True)
         markov_in = code.to(torch.bfloat16)
@@ -345,7 +490,10 @@ def write_dsv4(path: Path, *, agree: bool, shape: dict = TINY_DSV4, seed: int = 
     w.norm("norm", dim)
     w.hc_head("")
     for layer in range(shape["num_hidden_layers"]):
-        w.block(f"layers.{layer}.", hash_vocab=vocab if layer < config["num_hash_layers"] else None)
+        w.block(
+            f"layers.{layer}.",
+            hash_vocab=vocab if layer < config["num_hash_layers"] else None,
+        )
     stages = shape["draft_stages"]
     for stage in range(stages):
         p = f"mtp.{stage}."
@@ -358,8 +506,12 @@ def write_dsv4(path: Path, *, agree: bool, shape: dict = TINY_DSV4, seed: int = 
             w.hc_head(p)
     w.tensors["mtp.0.markov_head.embed.weight"] = markov_in
     w.tensors["mtp.0.markov_head.head.weight"] = markov_out
-    w.tensors["mtp.0.confidence_head.proj.weight"] = w.randn(1, dim + rank, std=2.0 / (dim + rank)**0.5,
-                                                             dtype=torch.float32)
-    save_file({k: v.contiguous().cpu() for k, v in w.tensors.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    w.tensors["mtp.0.confidence_head.proj.weight"] = w.randn(
+        1, dim + rank, std=2.0 / (dim + rank) ** 0.5, dtype=torch.float32
+    )
+    save_file(
+        {k: v.contiguous().cpu() for k, v in w.tensors.items()},
+        str(path / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return path

@@ -56,37 +56,83 @@ HARNESS_ENV = {
     "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",  # the sgl_kernel stand-in has no package metadata
 }
 SERVE_ARGS = [
-    "--moe-runner-backend", "triton", "--speculative-moe-runner-backend", "triton",
-    "--sampling-backend", "pytorch", "--dsa-topk-backend", "torch",
-    "--max-running-requests", "32",
-    "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32",
+    "--moe-runner-backend",
+    "triton",
+    "--speculative-moe-runner-backend",
+    "triton",
+    "--sampling-backend",
+    "pytorch",
+    "--dsa-topk-backend",
+    "torch",
+    "--max-running-requests",
+    "32",
+    "--cuda-graph-backend-prefill",
+    "disabled",
+    "--cuda-graph-bs-decode",
+    "1",
+    "2",
+    "4",
+    "8",
+    "16",
+    "32",
 ]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
-TIMING_ARGS = ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"]  # the batches timed
+TIMING_ARGS = [
+    "--cuda-graph-bs-decode",
+    "1",
+    "4",
+    "16",
+    "--max-running-requests",
+    "16",
+]  # the batches timed
 PROGRESS_LOCK = threading.Lock()
 # Startup lines in which a fork feature says what it built (kept in the report as evidence).
-FEATURE_LINE = re.compile(r"--dsv4-wo-a-fp8-twin=|DSpark draft LM head in fp8|DSpark verify cap on|fence|"
-                          r"draft temperature|fast_load: read")
+FEATURE_LINE = re.compile(
+    r"--dsv4-wo-a-fp8-twin=|DSpark draft LM head in fp8|DSpark verify cap on|fence|"
+    r"draft temperature|fast_load: read"
+)
 # Memory per server. Several tiny servers share the GPU: a server's KV budget is the memory free
 # after its load minus (1 - fraction) of the memory free before it, so a neighbour loading in
 # between shrinks it; a fraction of one half leaves room for that, and the token cap keeps the pool
 # itself small. The real-shape rows run alone.
 _TINY_MEM_ARGS = ["--mem-fraction-static", "0.5", "--max-total-tokens", "262144"]
-MEM_ARGS = {"agree": _TINY_MEM_ARGS, "random": _TINY_MEM_ARGS, "real": ["--mem-fraction-static", "0.3"]}
+MEM_ARGS = {
+    "agree": _TINY_MEM_ARGS,
+    "random": _TINY_MEM_ARGS,
+    "real": ["--mem-fraction-static", "0.3"],
+}
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
 
 GREEDY_PROMPTS = [
-    "The quick brown fox", "Hello, world", "0123456789", "def f(x):", "Once upon a time",
-    "SGLang serves", "DeepSeek-V4 with DSpark", "abcdefghijklmnop", "To be or not to be",
-    "{\"key\": [1, 2, 3]}", "GPU", "e", "Lorem ipsum dolor sit amet", "#include <stdio.h>",
-    "  indented", "The end.",
+    "The quick brown fox",
+    "Hello, world",
+    "0123456789",
+    "def f(x):",
+    "Once upon a time",
+    "SGLang serves",
+    "DeepSeek-V4 with DSpark",
+    "abcdefghijklmnop",
+    "To be or not to be",
+    '{"key": [1, 2, 3]}',
+    "GPU",
+    "e",
+    "Lorem ipsum dolor sit amet",
+    "#include <stdio.h>",
+    "  indented",
+    "The end.",
 ]
 GREEDY_TOKENS = 64
-SAMPLED_PROMPT = "The quick brown fo"
+SAMPLED_PROMPT = "The quick brown fo"  # codespell:ignore
 SAMPLED_REQUESTS = 2000
 SAMPLED_TOKENS = 4
-SAMPLED_POSITIONS = (1, 2, 3)  # 0-based positions of emitted tokens compared; 0 comes from prefill
-P_MIN = 1e-4  # per-position chi-square p-value below which a row's distribution is refused
+SAMPLED_POSITIONS = (
+    1,
+    2,
+    3,
+)  # 0-based positions of emitted tokens compared; 0 comes from prefill
+P_MIN = (
+    1e-4  # per-position chi-square p-value below which a row's distribution is refused
+)
 
 
 @dataclasses.dataclass
@@ -96,8 +142,12 @@ class Row:
     model: str = "agree"  # agree | random | real
     sampled: bool = True
     timing: bool = False
-    refused_with: str | None = None  # a start that must be refused, with this text in its output
-    flags: dict[str, str] = dataclasses.field(default_factory=dict)  # fork flag -> value in the startup line
+    refused_with: str | None = (
+        None  # a start that must be refused, with this text in its output
+    )
+    flags: dict[str, str] = dataclasses.field(
+        default_factory=dict
+    )  # fork flag -> value in the startup line
     # Rows whose greedy tokens this row's must equal. On the agree checkpoint: flags off and no
     # speculation. On random weights only rows that share the verify shapes and promise bit-exact
     # kernels compare: there upstream's DSpark with every fork flag off already leaves
@@ -109,7 +159,9 @@ class Row:
     identical_to: tuple[str, ...] = ("off", "nospec")
 
 
-def _row(name, *flag_args, model="agree", extra=(), sampled=True, spec=True, **kw) -> Row:
+def _row(
+    name, *flag_args, model="agree", extra=(), sampled=True, spec=True, **kw
+) -> Row:
     flags = {}
     args = list(flag_args)
     i = 0
@@ -120,12 +172,27 @@ def _row(name, *flag_args, model="agree", extra=(), sampled=True, spec=True, **k
         else:
             flags[args[i]] = "True"
             i += 1
-    return Row(name, (DSPARK if spec else []) + args + list(extra), model=model, sampled=sampled, flags=flags, **kw)
+    return Row(
+        name,
+        (DSPARK if spec else []) + args + list(extra),
+        model=model,
+        sampled=sampled,
+        flags=flags,
+        **kw,
+    )
 
 
-ALL_ON = ["--dsv4-wo-a-fp8-twin", "drop", "--speculative-dspark-verify-cap", "conf:0.1",
-          "--speculative-dspark-fence-accept-results", "--speculative-dspark-draft-temperature-scale", "0.7",
-          "--speculative-dspark-draft-head-fp8", "--speculative-use-block-verification"]
+ALL_ON = [
+    "--dsv4-wo-a-fp8-twin",
+    "drop",
+    "--speculative-dspark-verify-cap",
+    "conf:0.1",
+    "--speculative-dspark-fence-accept-results",
+    "--speculative-dspark-draft-temperature-scale",
+    "0.7",
+    "--speculative-dspark-draft-head-fp8",
+    "--speculative-use-block-verification",
+]
 
 
 def rows() -> list[Row]:
@@ -141,53 +208,140 @@ def rows() -> list[Row]:
         _row("tau_0.7", "--speculative-dspark-draft-temperature-scale", "0.7"),
         _row("head_fp8", "--speculative-dspark-draft-head-fp8"),
         # the target and the DSpark draft loaded through fast load (pinned slabs, their owners)
-        _row("fast_load", "--weight-loader-fast-load", "--weight-loader-fast-load-num-threads", "4",
-             "--weight-loader-fast-load-slab-mb", "1"),
+        _row(
+            "fast_load",
+            "--weight-loader-fast-load",
+            "--weight-loader-fast-load-num-threads",
+            "4",
+            "--weight-loader-fast-load-slab-mb",
+            "1",
+        ),
         _row("block_verify", "--speculative-use-block-verification"),
-        _row("block_verify_cap", "--speculative-use-block-verification", "--speculative-dspark-verify-cap", "conf:0.1"),
+        _row(
+            "block_verify_cap",
+            "--speculative-use-block-verification",
+            "--speculative-dspark-verify-cap",
+            "conf:0.1",
+        ),
         # Serving control: the tiny model's greedy output cycles with a period far above 8, so
         # loop abort at P <= 8 must not fire (the same tokens with the flag on, no false positive).
-        _row("loop_abort", "--enable-loop-abort", "--loop-abort-max-period", "8", "--loop-abort-min-tokens", "24"),
-        _row("thinking_aliases", "--enable-thinking-aliases", extra=["--reasoning-parser", "deepseek-v4"]),
+        _row(
+            "loop_abort",
+            "--enable-loop-abort",
+            "--loop-abort-max-period",
+            "8",
+            "--loop-abort-min-tokens",
+            "24",
+        ),
+        _row(
+            "thinking_aliases",
+            "--enable-thinking-aliases",
+            extra=["--reasoning-parser", "deepseek-v4"],
+        ),
         _row("serial_load", "--weight-loader-disable-async-load"),
         _row("all_on", *ALL_ON),
         _row("off_eager", extra=EAGER),
         _row("all_on_eager", *ALL_ON, extra=EAGER),
         # Random weights: the draft rarely agrees, every output bit depends on every kernel.
-        _row("random_nospec", model="random", spec=False, sampled=False, identical_to=()),
+        _row(
+            "random_nospec", model="random", spec=False, sampled=False, identical_to=()
+        ),
         _row("random_off", model="random", sampled=False, identical_to=()),
-        _row("random_wo_a_small", "--dsv4-wo-a-fp8-twin", "small", model="random", sampled=False,
-             identical_to=()),
-        _row("random_fence", "--speculative-dspark-fence-accept-results", model="random", sampled=False,
-             identical_to=("off",)),
+        _row(
+            "random_wo_a_small",
+            "--dsv4-wo-a-fp8-twin",
+            "small",
+            model="random",
+            sampled=False,
+            identical_to=(),
+        ),
+        _row(
+            "random_fence",
+            "--speculative-dspark-fence-accept-results",
+            model="random",
+            sampled=False,
+            identical_to=("off",),
+        ),
         _row("random_all_on", *ALL_ON, model="random", sampled=False, identical_to=()),
-        Row("refuse_wrong_build", DSPARK + ["--fork-expect-version", "0.5.23+fork.1.0000000"],
-            refused_with="refusing to start another patch series"),
-        Row("refuse_autotune_keep_tp1", DSPARK + ["--flashinfer-autotune-keep-cache"],
-            refused_with="--tp-size 1 has no other rank to agree with"),
+        Row(
+            "refuse_wrong_build",
+            DSPARK + ["--fork-expect-version", "0.5.23+fork.1.0000000"],
+            refused_with="refusing to start another patch series",
+        ),
+        Row(
+            "refuse_autotune_keep_tp1",
+            DSPARK + ["--flashinfer-autotune-keep-cache"],
+            refused_with="--tp-size 1 has no other rank to agree with",
+        ),
         # The tiny checkpoints are DeepSeek-V4 (not V4.1) without Engram layers: both flags must
         # refuse them at startup (they serve V4.1 only; their GPU tests and benchmarks cover them).
-        Row("refuse_hc_fused_v4", DSPARK + ["--dsv4-hc-fused-stats", "auto"],
-            refused_with="hc_pre_from_prev_sublayer is false"),
-        Row("refuse_engram_prefetch", DSPARK + ["--engram-prefetch", "on"], refused_with="has no Engram layers"),
-        Row("refuse_engram_fused_all_reduce", DSPARK + ["--engram-fused-all-reduce"],
-            refused_with="--engram-fused-all-reduce does nothing at --tp-size 1"),
+        Row(
+            "refuse_hc_fused_v4",
+            DSPARK + ["--dsv4-hc-fused-stats", "auto"],
+            refused_with="hc_pre_from_prev_sublayer is false",
+        ),
+        Row(
+            "refuse_engram_prefetch",
+            DSPARK + ["--engram-prefetch", "on"],
+            refused_with="has no Engram layers",
+        ),
+        Row(
+            "refuse_engram_fused_all_reduce",
+            DSPARK + ["--engram-fused-all-reduce"],
+            refused_with="--engram-fused-all-reduce does nothing at --tp-size 1",
+        ),
         # The GB10 features refuse on this GPU and checkpoint, naming what they found.
-        Row("refuse_b12x_moe", DSPARK + ["--moe-runner-backend", "b12x"],
-            refused_with="b12x kernels need SM120/SM121"),
-        Row("refuse_b12x_mxfp8", DSPARK + ["--block-fp8-mxfp8-backend", "b12x"],
-            refused_with="--block-fp8-mxfp8-backend b12x"),
-        Row("refuse_b12x_roce", DSPARK + ["--enable-b12x-roce-all-gather"],
-            refused_with="--enable-b12x-roce-all-gather does nothing with --tp 1"),
-        Row("refuse_replicated_split_tp1", DSPARK + ["--replicated-linear-split", "wqkv_a,main_proj"],
-            refused_with="--replicated-linear-split=wqkv_a,main_proj:96 does nothing with --tp 1"),
-        Row("refuse_engram_store", DSPARK + ["--engram-row-store-dir", "/tmp", "--engram-row-store-cache-gib", "1"],
-            refused_with="the model has no Engram tables"),
+        Row(
+            "refuse_b12x_moe",
+            DSPARK + ["--moe-runner-backend", "b12x"],
+            refused_with="b12x kernels need SM120/SM121",
+        ),
+        Row(
+            "refuse_b12x_mxfp8",
+            DSPARK + ["--block-fp8-mxfp8-backend", "b12x"],
+            refused_with="--block-fp8-mxfp8-backend b12x",
+        ),
+        Row(
+            "refuse_b12x_roce",
+            DSPARK + ["--enable-b12x-roce-all-gather"],
+            refused_with="--enable-b12x-roce-all-gather does nothing with --tp 1",
+        ),
+        Row(
+            "refuse_replicated_split_tp1",
+            DSPARK + ["--replicated-linear-split", "wqkv_a,main_proj"],
+            refused_with="--replicated-linear-split=wqkv_a,main_proj:96 does nothing with --tp 1",
+        ),
+        Row(
+            "refuse_engram_store",
+            DSPARK
+            + ["--engram-row-store-dir", "/tmp", "--engram-row-store-cache-gib", "1"],
+            refused_with="the model has no Engram tables",
+        ),
         # DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing with the kernels on.
         _row("real_off", model="real", sampled=False, timing=True),
-        _row("real_wo_a_small", "--dsv4-wo-a-fp8-twin", "small", model="real", sampled=False, timing=True),
-        _row("real_head_fp8", "--speculative-dspark-draft-head-fp8", model="real", sampled=False, timing=True),
-        _row("real_cap_3", "--speculative-dspark-verify-cap", "3", model="real", sampled=False, timing=True),
+        _row(
+            "real_wo_a_small",
+            "--dsv4-wo-a-fp8-twin",
+            "small",
+            model="real",
+            sampled=False,
+            timing=True,
+        ),
+        _row(
+            "real_head_fp8",
+            "--speculative-dspark-draft-head-fp8",
+            model="real",
+            sampled=False,
+            timing=True,
+        ),
+        _row(
+            "real_cap_3",
+            "--speculative-dspark-verify-cap",
+            "3",
+            model="real",
+            sampled=False,
+            timing=True,
+        ),
         _row("real_all_on", *ALL_ON, model="real", sampled=False, timing=True),
     ]
 
@@ -205,28 +359,55 @@ def greedy(server: Server, one_at_a_time: bool = False) -> dict:
     params = {"temperature": 0, "max_new_tokens": GREEDY_TOKENS, "ignore_eos": True}
     t0 = time.perf_counter()
     if one_at_a_time:
-        outs = [server.post("/generate", {"text": p, "sampling_params": params}) for p in GREEDY_PROMPTS]
+        outs = [
+            server.post("/generate", {"text": p, "sampling_params": params})
+            for p in GREEDY_PROMPTS
+        ]
     else:
-        outs = server.post("/generate", {"text": GREEDY_PROMPTS, "sampling_params": params})
+        outs = server.post(
+            "/generate", {"text": GREEDY_PROMPTS, "sampling_params": params}
+        )
     seconds = time.perf_counter() - t0
-    completion = server.post("/v1/completions", {"model": "default", "prompt": GREEDY_PROMPTS[0], "temperature": 0,
-                                                  "max_tokens": GREEDY_TOKENS, "ignore_eos": True})
+    completion = server.post(
+        "/v1/completions",
+        {
+            "model": "default",
+            "prompt": GREEDY_PROMPTS[0],
+            "temperature": 0,
+            "max_tokens": GREEDY_TOKENS,
+            "ignore_eos": True,
+        },
+    )
     return {
         "tokens": [o["output_ids"] for o in outs],
-        "completion_matches_generate": completion["choices"][0]["text"] == outs[0]["text"],
+        "completion_matches_generate": completion["choices"][0]["text"]
+        == outs[0]["text"],
         "batch_tokens_per_s": len(outs) * GREEDY_TOKENS / seconds,
         "spec": spec_stats(outs),
     }
 
 
-def sampled(server: Server, temperature: float = 1.0, requests: int = SAMPLED_REQUESTS) -> dict:
+def sampled(
+    server: Server, temperature: float = 1.0, requests: int = SAMPLED_REQUESTS
+) -> dict:
     tokens, metas = [], []
     for start in range(0, requests, 250):
         n = min(250, requests - start)
-        outs = server.post("/generate", {
-            "text": [SAMPLED_PROMPT] * n,
-            "sampling_params": [{"temperature": temperature, "max_new_tokens": SAMPLED_TOKENS, "ignore_eos": True,
-                                 "sampling_seed": start + i} for i in range(n)]})
+        outs = server.post(
+            "/generate",
+            {
+                "text": [SAMPLED_PROMPT] * n,
+                "sampling_params": [
+                    {
+                        "temperature": temperature,
+                        "max_new_tokens": SAMPLED_TOKENS,
+                        "ignore_eos": True,
+                        "sampling_seed": start + i,
+                    }
+                    for i in range(n)
+                ],
+            },
+        )
         tokens += [o["output_ids"] for o in outs]
         metas += outs
     return {"tokens": tokens, "spec": spec_stats(metas)}
@@ -238,8 +419,11 @@ def spec_stats(outs: list[dict]) -> dict | None:
         return None
     correct = sum(o["meta_info"].get("spec_num_correct_drafts", 0) for o in outs)
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    return {"verify_steps": verify, "accepted_drafts_per_step": correct / verify,
-            "tokens_per_step": completion / verify}
+    return {
+        "verify_steps": verify,
+        "accepted_drafts_per_step": correct / verify,
+        "tokens_per_step": completion / verify,
+    }
 
 
 TIMING_REPEATS = 5
@@ -254,8 +438,21 @@ def timing(server: Server) -> dict:
     out = {}
     for bs in (1, 4, 16):
         prompts = [f"{p} {bs}" for p in (GREEDY_PROMPTS * 2)[:bs]]
-        server.post("/generate", {"text": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 16}})
-        body = {"text": prompts, "sampling_params": {"temperature": 0, "max_new_tokens": 128, "ignore_eos": True}}
+        server.post(
+            "/generate",
+            {
+                "text": prompts,
+                "sampling_params": {"temperature": 0, "max_new_tokens": 16},
+            },
+        )
+        body = {
+            "text": prompts,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": 128,
+                "ignore_eos": True,
+            },
+        }
         runs = []
         for _ in range(TIMING_REPEATS):
             t0 = time.perf_counter()
@@ -265,8 +462,12 @@ def timing(server: Server) -> dict:
             steps = stats["verify_steps"] / bs if stats else 128
             runs.append((1e3 * seconds / steps, bs * 128 / seconds, stats))
         ms, tokens_per_s, stats = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
-        out[f"bs{bs}"] = {"tokens_per_s": tokens_per_s, "ms_per_step": ms, "spec": stats,
-                          "ms_per_step_runs": [round(r[0], 3) for r in runs]}
+        out[f"bs{bs}"] = {
+            "tokens_per_s": tokens_per_s,
+            "ms_per_step": ms,
+            "spec": stats,
+            "ms_per_step_runs": [round(r[0], 3) for r in runs],
+        }
     return out
 
 
@@ -277,12 +478,32 @@ PROFILE_TOP = 25
 def profile(server: Server, out_dir: Path) -> dict:
     """The GPU kernels of one batch-1 request of PROFILE_TOKENS greedy tokens, through upstream's
     ``/start_profile`` (torch profiler, GPU activity only; CUDA-graph replays included): time per
-    kernel name summed, the top PROFILE_TOP kept. The trace itself is deleted (megabytes)."""
+    kernel name summed, the top PROFILE_TOP kept. The trace itself is deleted (megabytes).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    server.post_text("/start_profile", {"output_dir": str(out_dir), "activities": ["GPU"],
-                                        "with_stack": False, "record_shapes": False, "profile_id": "row"})
-    outs = [server.post("/generate", {"text": GREEDY_PROMPTS[0], "sampling_params": {
-        "temperature": 0, "max_new_tokens": PROFILE_TOKENS, "ignore_eos": True}})]
+    server.post_text(
+        "/start_profile",
+        {
+            "output_dir": str(out_dir),
+            "activities": ["GPU"],
+            "with_stack": False,
+            "record_shapes": False,
+            "profile_id": "row",
+        },
+    )
+    outs = [
+        server.post(
+            "/generate",
+            {
+                "text": GREEDY_PROMPTS[0],
+                "sampling_params": {
+                    "temperature": 0,
+                    "max_new_tokens": PROFILE_TOKENS,
+                    "ignore_eos": True,
+                },
+            },
+        )
+    ]
     server.post_text("/stop_profile", {})
     traces = sorted(out_dir.glob("*.trace.json.gz"))
     if not traces:
@@ -312,7 +533,9 @@ def kernel_summary(trace: Path, top: int = PROFILE_TOP) -> dict:
             t[0] += float(e.get("dur", 0.0))
             t[1] += 1
             if "ts" in e:
-                spans.append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))))
+                spans.append(
+                    (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+                )
     total = sum(t[0] for t in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     busy, reach = 0.0, float("-inf")
@@ -320,10 +543,21 @@ def kernel_summary(trace: Path, top: int = PROFILE_TOP) -> dict:
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
     span = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
-    return {"kernel_us": round(total, 1), "kernels": sum(t[1] for t in by_name.values()),
-            "span_us": round(span, 1), "gpu_busy": round(busy / span, 4) if span else 0.0,
-            "top": [{"name": n[:160], "us": round(t[0], 1), "calls": t[1],
-                     "share": round(t[0] / total, 4) if total else 0.0} for n, t in ranked]}
+    return {
+        "kernel_us": round(total, 1),
+        "kernels": sum(t[1] for t in by_name.values()),
+        "span_us": round(span, 1),
+        "gpu_busy": round(busy / span, 4) if span else 0.0,
+        "top": [
+            {
+                "name": n[:160],
+                "us": round(t[0], 1),
+                "calls": t[1],
+                "share": round(t[0] / total, 4) if total else 0.0,
+            }
+            for n, t in ranked
+        ],
+    }
 
 
 def chi2_same(a: list[list[int]], b: list[list[int]]) -> dict:
@@ -336,9 +570,15 @@ def chi2_same(a: list[list[int]], b: list[list[int]]) -> dict:
     for pos in SAMPLED_POSITIONS:
         ca, cb = Counter(t[pos] for t in a), Counter(t[pos] for t in b)
         total = len(a) + len(b)
-        big = [k for k in set(ca) | set(cb) if (ca[k] + cb[k]) * min(len(a), len(b)) / total >= 5]
-        table = [[ca[k] for k in big] + [len(a) - sum(ca[k] for k in big)],
-                 [cb[k] for k in big] + [len(b) - sum(cb[k] for k in big)]]
+        big = [
+            k
+            for k in set(ca) | set(cb)
+            if (ca[k] + cb[k]) * min(len(a), len(b)) / total >= 5
+        ]
+        table = [
+            [ca[k] for k in big] + [len(a) - sum(ca[k] for k in big)],
+            [cb[k] for k in big] + [len(b) - sum(cb[k] for k in big)],
+        ]
         if table[0][-1] + table[1][-1] == 0:
             table = [r[:-1] for r in table]
         p = 1.0 if len(table[0]) < 2 else float(chi2_contingency(table)[1])
@@ -356,13 +596,22 @@ def fork_flags_line(log: str) -> str | None:
 
 def feature_lines(log: str, limit: int = 12) -> list[str]:
     """The startup lines in which a fork feature reports itself; not the command or the argument dump."""
-    lines = [line.split("] ", 1)[-1] for line in log.splitlines() if FEATURE_LINE.search(line)]
-    return [line[:400] for line in lines if not line.startswith(("$ ", "server_args="))][:limit]
+    lines = [
+        line.split("] ", 1)[-1]
+        for line in log.splitlines()
+        if FEATURE_LINE.search(line)
+    ]
+    return [
+        line[:400] for line in lines if not line.startswith(("$ ", "server_args="))
+    ][:limit]
 
 
-def serve_row(row: Row, model: Path, env: dict, logs: Path, profiled: bool = False) -> dict:
+def serve_row(
+    row: Row, model: Path, env: dict, logs: Path, profiled: bool = False
+) -> dict:
     """Start the row's server, send its requests, stop it: the raw record (tokens included).
-    ``profiled``: a timing row also records its GPU kernels (``profile``) after timing."""
+    ``profiled``: a timing row also records its GPU kernels (``profile``) after timing.
+    """
     rec: dict = {"args": row.args, "model": row.model}
     if row.refused_with:
         r = refusal(model, SERVE_ARGS + row.args, env=env)
@@ -370,14 +619,24 @@ def serve_row(row: Row, model: Path, env: dict, logs: Path, profiled: bool = Fal
         rec["refused"] = r.returncode != 0 and row.refused_with in r.stdout
         rec["exit_code"] = r.returncode
         return rec
-    args = SERVE_ARGS + MEM_ARGS[row.model] + (TIMING_ARGS if row.timing else []) + row.args
+    args = (
+        SERVE_ARGS
+        + MEM_ARGS[row.model]
+        + (TIMING_ARGS if row.timing else [])
+        + row.args
+    )
     with Server(model, args, env=env, log_path=logs / f"{row.name}.log") as server:
         rec["startup_s"] = round(server.startup_seconds, 1)
         line = fork_flags_line(server.log()) or ""
-        from sglang.fork import fork_flags  # upstream flags in a row (block verification) are not in the line
+        from sglang.fork import (
+            fork_flags,  # upstream flags in a row (block verification) are not in the line
+        )
 
-        rec["fork_flags_line_ok"] = all(f"{flag}={value}" in line for flag, value in row.flags.items()
-                                        if flag in fork_flags())
+        rec["fork_flags_line_ok"] = all(
+            f"{flag}={value}" in line
+            for flag, value in row.flags.items()
+            if flag in fork_flags()
+        )
         rec["fork_flags_line"] = line.split("fork flags: ", 1)[-1]
         if row.timing:
             rec["timing"] = timing(server)
@@ -387,7 +646,9 @@ def serve_row(row: Row, model: Path, env: dict, logs: Path, profiled: bool = Fal
             rec["greedy"] = greedy(server, one_at_a_time=row.model == "random")
         if row.sampled:
             rec["sampled"] = sampled(server)
-            if row.name == "off":  # the negative control: the target sampled at 0.7 T must be refused
+            if (
+                row.name == "off"
+            ):  # the negative control: the target sampled at 0.7 T must be refused
                 rec["sampled_target_at_0.7T"] = sampled(server, temperature=0.7)
     rec["log_errors"] = server.errors()[:20]
     rec["upstream_fallbacks"] = server.fallbacks()[:5]
@@ -413,11 +674,20 @@ def evaluate(name: str, rec: dict, recs: dict, identical_to: tuple[str, ...]) ->
         for ref in ("off", "nospec"):
             other = recs.get(prefix + ref, {})
             other_tokens = other.get("_tokens") or other.get("greedy", {}).get("tokens")
-            rec[f"greedy_identical_to_{ref}"] = None if other_tokens is None else tokens == other_tokens
-            if other_tokens is not None and tokens != other_tokens:  # where: prompt -> first differing token
+            rec[f"greedy_identical_to_{ref}"] = (
+                None if other_tokens is None else tokens == other_tokens
+            )
+            if (
+                other_tokens is not None and tokens != other_tokens
+            ):  # where: prompt -> first differing token
                 rec[f"greedy_first_difference_from_{ref}"] = {
-                    i: next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                    for i, (a, b) in enumerate(zip(tokens, other_tokens)) if a != b}
+                    i: next(
+                        (j for j, (x, y) in enumerate(zip(a, b)) if x != y),
+                        min(len(a), len(b)),
+                    )
+                    for i, (a, b) in enumerate(zip(tokens, other_tokens))
+                    if a != b
+                }
             if ref in identical_to:
                 checks.append(rec[f"greedy_identical_to_{ref}"] is not False)
         checks.append(rec["greedy"]["completion_matches_generate"])
@@ -428,7 +698,9 @@ def evaluate(name: str, rec: dict, recs: dict, identical_to: tuple[str, ...]) ->
             rec["sampled_vs_off"] = chi2_same(rec["sampled"]["tokens"], off_sampled)
             checks.append(rec["sampled_vs_off"]["min_p"] >= P_MIN)
     if "sampled_target_at_0.7T" in rec and off_sampled is not None:
-        rec["negative_control_target_at_0.7T"] = chi2_same(rec.pop("sampled_target_at_0.7T")["tokens"], off_sampled)
+        rec["negative_control_target_at_0.7T"] = chi2_same(
+            rec.pop("sampled_target_at_0.7T")["tokens"], off_sampled
+        )
         checks.append(rec["negative_control_target_at_0.7T"]["min_p"] < P_MIN)
     rec["ok"] = all(checks)
 
@@ -446,14 +718,30 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--rows", help="comma-separated row names (default: all)")
-    p.add_argument("--models", type=Path, default=Path("/tmp/e2e-models"), help="checkpoint cache")
-    p.add_argument("--standins", action="store_true", help="the H200 harness: functional stand-ins + switches")
-    p.add_argument("--budget", type=float, default=1e9, help="start no row after this many seconds")
+    p.add_argument(
+        "--models", type=Path, default=Path("/tmp/e2e-models"), help="checkpoint cache"
+    )
+    p.add_argument(
+        "--standins",
+        action="store_true",
+        help="the H200 harness: functional stand-ins + switches",
+    )
+    p.add_argument(
+        "--budget", type=float, default=1e9, help="start no row after this many seconds"
+    )
     p.add_argument("--parallel", type=int, default=4, help="servers at a time")
-    p.add_argument("--profile", default="", help="comma-separated timing rows that also record their GPU "
-                   "kernels for one batch-1 request (torch profiler through /start_profile)")
-    p.add_argument("--merge", type=Path, help="an earlier run's JSON (same build and device): its rows that "
-                   "this run does not serve are kept, so a matrix can be served in several sittings")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated timing rows that also record their GPU "
+        "kernels for one batch-1 request (torch profiler through /start_profile)",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        help="an earlier run's JSON (same build and device): its rows that "
+        "this run does not serve are kept, so a matrix can be served in several sittings",
+    )
     args = p.parse_args(argv)
 
     t_start = time.monotonic()
@@ -461,28 +749,45 @@ def main(argv=None) -> int:
     profiled = {name for name in args.profile.split(",") if name}
     unknown = sorted(profiled - {r.name for r in selected if r.timing})
     if unknown:
-        p.error(f"--profile: {', '.join(unknown)} is not a timing row of this run "
-                f"(timing rows: {', '.join(r.name for r in rows() if r.timing)})")
+        p.error(
+            f"--profile: {', '.join(unknown)} is not a timing row of this run "
+            f"(timing rows: {', '.join(r.name for r in rows() if r.timing)})"
+        )
     logs = args.out / "e2e-logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONUNBUFFERED": "1"}
     if args.standins:
         env.update(HARNESS_ENV)
-        env["PYTHONPATH"] = os.pathsep.join([*map(str, STANDINS), os.environ.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [*map(str, STANDINS), os.environ.get("PYTHONPATH", "")]
+        )
     models = {}
-    for name, agree, shape, seed in (("agree", True, TINY_DSV4, 0), ("random", False, TINY_DSV4, 1),
-                                     ("real", False, REAL_SHAPE_DSV4, 2)):
+    for name, agree, shape, seed in (
+        ("agree", True, TINY_DSV4, 0),
+        ("random", False, TINY_DSV4, 1),
+        ("real", False, REAL_SHAPE_DSV4, 2),
+    ):
         if any(r.model == name for r in selected):
             path = args.models / name
             if not (path / "model.safetensors").exists():
                 t0 = time.monotonic()
-                write_dsv4(path, agree=agree, shape=shape, seed=seed, device=_gen_device())
-                print(f"==> wrote the {name} checkpoint in {time.monotonic() - t0:.0f} s", flush=True)
+                write_dsv4(
+                    path, agree=agree, shape=shape, seed=seed, device=_gen_device()
+                )
+                print(
+                    f"==> wrote the {name} checkpoint in {time.monotonic() - t0:.0f} s",
+                    flush=True,
+                )
             models[name] = path
 
     from sglang.fork import fork_version
 
-    report = {"fork_version": fork_version(), "device": device_name(), "standins": args.standins, "rows": {}}
+    report = {
+        "fork_version": fork_version(),
+        "device": device_name(),
+        "standins": args.standins,
+        "rows": {},
+    }
     out_json = args.out / f"e2e-{report['device']}.json"
     recs: dict = {}
 
@@ -493,19 +798,40 @@ def main(argv=None) -> int:
         print(f"==> {row.name}: {' '.join(row.args)}", flush=True)
         t0 = time.monotonic()
         try:
-            rec = serve_row(row, models[row.model], env, logs, profiled=row.name in profiled)
+            rec = serve_row(
+                row, models[row.model], env, logs, profiled=row.name in profiled
+            )
         except (ServerDied, RuntimeError, OSError, KeyError, ValueError) as e:
-            rec = {"model": row.model, "error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+            rec = {
+                "model": row.model,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
+            }
         rec["seconds"] = round(time.monotonic() - t0, 1)
         recs[row.name] = rec
-        with PROGRESS_LOCK:  # a progress file, so a run cut short still says what served
-            (args.out / "e2e-progress.json").write_text(json.dumps(
-                {k: {"seconds": v.get("seconds"), "error": v.get("error"), "startup_s": v.get("startup_s"),
-                     "log_errors": v.get("log_errors"), "spec": (v.get("greedy") or {}).get("spec"),
-                     "sampled_spec": (v.get("sampled") or {}).get("spec")} for k, v in list(recs.items())},
-                indent=1))
-        print(f"<== {row.name} served in {rec['seconds']} s" + (f": {rec['error']}" if "error" in rec else ""),
-              flush=True)
+        with (
+            PROGRESS_LOCK
+        ):  # a progress file, so a run cut short still says what served
+            (args.out / "e2e-progress.json").write_text(
+                json.dumps(
+                    {
+                        k: {
+                            "seconds": v.get("seconds"),
+                            "error": v.get("error"),
+                            "startup_s": v.get("startup_s"),
+                            "log_errors": v.get("log_errors"),
+                            "spec": (v.get("greedy") or {}).get("spec"),
+                            "sampled_spec": (v.get("sampled") or {}).get("spec"),
+                        }
+                        for k, v in list(recs.items())
+                    },
+                    indent=1,
+                )
+            )
+        print(
+            f"<== {row.name} served in {rec['seconds']} s"
+            + (f": {rec['error']}" if "error" in rec else ""),
+            flush=True,
+        )
 
     # Correctness rows share the GPU a few servers at a time, after the first one has run alone (it
     # fills the JIT and Triton caches the others read). Timing rows run alone, one after another: a
@@ -531,7 +857,11 @@ def main(argv=None) -> int:
         rec.get("sampled", {}).pop("tokens", None)
         report["rows"][row.name] = rec
         if rec.get("ok") is False:
-            print(f"FAILED {row.name}: " + _failure_excerpt(rec, logs / f"{row.name}.log"), flush=True)
+            print(
+                f"FAILED {row.name}: "
+                + _failure_excerpt(rec, logs / f"{row.name}.log"),
+                flush=True,
+            )
     if args.merge:
         merge_rows(report, json.loads(args.merge.read_text()))
     done = [r for r in report["rows"].values() if r.get("ok") is not None]
@@ -547,7 +877,9 @@ def merge_rows(report: dict, earlier: dict) -> None:
     row's comparisons are only meaningful within one build on one device)."""
     for key in ("fork_version", "device", "standins"):
         if earlier.get(key) != report[key]:
-            raise SystemExit(f"--merge: the earlier run's {key} is {earlier.get(key)!r}, this run's {report[key]!r}")
+            raise SystemExit(
+                f"--merge: the earlier run's {key} is {earlier.get(key)!r}, this run's {report[key]!r}"
+            )
     for name, rec in earlier["rows"].items():
         if name not in report["rows"] or report["rows"][name].get("ok") is None:
             report["rows"][name] = rec
@@ -557,7 +889,9 @@ def _failure_excerpt(rec: dict, log: Path, lines: int = 45) -> str:
     """What a failed row shows on the console: its checks and the end of its log, warnings left out."""
     summary = {k: v for k, v in rec.items() if k not in ("args", "fork_flags_line")}
     text = log.read_text(errors="replace").splitlines() if log.exists() else []
-    text = [t for t in text if "warn" not in t.lower() and not t.lstrip().startswith("^")]
+    text = [
+        t for t in text if "warn" not in t.lower() and not t.lstrip().startswith("^")
+    ]
     return json.dumps(summary)[:2000] + "\n" + "\n".join(t[:300] for t in text[-lines:])
 
 

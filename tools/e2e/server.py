@@ -27,8 +27,10 @@ from typing import Any, Iterator, Mapping, Sequence
 HOST = "127.0.0.1"
 # Lines that mean a server did not run cleanly. sglang's log lines carry no level, and some
 # benign ones contain the word "error" (e.g. "max_error"), so match markers, not the word.
-ERROR_MARKERS = re.compile(r"Traceback \(most recent call last\)|hit an exception|CUDA error|core dumped|"
-                           r"Segmentation fault|out of memory|^\w*Error: ")
+ERROR_MARKERS = re.compile(
+    r"Traceback \(most recent call last\)|hit an exception|CUDA error|core dumped|"
+    r"Segmentation fault|out of memory|^\w*Error: "
+)
 
 
 def free_port() -> int:
@@ -37,16 +39,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(model: str | Path, args: Sequence[str], port: int,
-                   python: str = sys.executable) -> list[str]:
-    return [python, "-m", "sglang.launch_server", "--model-path", str(model),
-            "--host", HOST, "--port", str(port), *args]
+def server_command(
+    model: str | Path, args: Sequence[str], port: int, python: str = sys.executable
+) -> list[str]:
+    return [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        *args,
+    ]
 
 
 # Upstream 0.5.23 logs these with a traceback and carries on, with every fork flag off too: the
 # traceback that follows one of them is upstream's handled fallback, not a failure of the row.
 HANDLED_FALLBACKS = re.compile(
-    r"Metadata glue-graph capture failed for key .*; falling back to eager metadata prep permanently")
+    r"Metadata glue-graph capture failed for key .*; falling back to eager metadata prep permanently"
+)
 
 
 def log_errors(text: str) -> list[str]:
@@ -76,9 +90,17 @@ class ServerDied(RuntimeError):
 class Server:
     """A running ``launch_server``; use as a context manager."""
 
-    def __init__(self, model: str | Path, args: Sequence[str] = (), *, env: Mapping[str, str] | None = None,
-                 log_path: str | Path, python: str = sys.executable, start_timeout: float = 600.0,
-                 request_timeout: float = 300.0):
+    def __init__(
+        self,
+        model: str | Path,
+        args: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        log_path: str | Path,
+        python: str = sys.executable,
+        start_timeout: float = 600.0,
+        request_timeout: float = 300.0,
+    ):
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.command = server_command(model, args, self.port, python)
@@ -96,18 +118,30 @@ class Server:
         self._log.write("$ " + " ".join(self.command) + "\n")
         self._log.flush()
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(self.command, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         while True:
             if self.proc.poll() is not None:
-                raise ServerDied(f"server exited with {self.proc.returncode} before it was healthy; "
-                                 f"log {self.log_path}:\n{self.tail()}")
+                raise ServerDied(
+                    f"server exited with {self.proc.returncode} before it was healthy; "
+                    f"log {self.log_path}:\n{self.tail()}"
+                )
             if time.monotonic() - t0 > self.start_timeout:
                 self.stop()
-                raise ServerDied(f"server not healthy after {self.start_timeout:.0f} s; log {self.log_path}:\n"
-                                 f"{self.tail()}")
+                raise ServerDied(
+                    f"server not healthy after {self.start_timeout:.0f} s; log {self.log_path}:\n"
+                    f"{self.tail()}"
+                )
             try:
-                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                with urllib.request.urlopen(
+                    self.url + "/health_generate", timeout=30
+                ) as r:
                     if r.status == 200:
                         break
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
@@ -118,7 +152,8 @@ class Server:
 
     def stop(self, grace: float = 30.0) -> int | None:
         """SIGTERM to the launcher (it drains and stops its scheduler and detokenizer), then
-        SIGKILL to whatever of the process group is left; returns the launcher's exit status."""
+        SIGKILL to whatever of the process group is left; returns the launcher's exit status.
+        """
         if self.proc is None:
             return None
         if self.proc.poll() is None:
@@ -167,26 +202,40 @@ class Server:
         return self._post(path, body, timeout).decode()
 
     def _post(self, path: str, body: Any, timeout: float | None) -> bytes:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
+            with urllib.request.urlopen(
+                req, timeout=timeout or self.request_timeout
+            ) as r:
                 return r.read()
         except urllib.error.HTTPError as e:
-            raise RuntimeError(f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}") from None
+            raise RuntimeError(
+                f"POST {path} -> {e.code}: {e.read().decode(errors='replace')}"
+            ) from None
 
     def get(self, path: str, timeout: float | None = None) -> Any:
-        with urllib.request.urlopen(self.url + path, timeout=timeout or self.request_timeout) as r:
+        with urllib.request.urlopen(
+            self.url + path, timeout=timeout or self.request_timeout
+        ) as r:
             body = r.read()
         try:
             return json.loads(body)
         except ValueError:
             return body.decode()
 
-    def stream(self, path: str, body: Any, timeout: float | None = None) -> Iterator[Any]:
+    def stream(
+        self, path: str, body: Any, timeout: float | None = None
+    ) -> Iterator[Any]:
         """POST with ``stream: true``; yields each server-sent event's JSON until ``[DONE]``."""
-        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as r:
             for raw in r:
                 line = raw.decode().strip()
@@ -198,9 +247,22 @@ class Server:
                 yield json.loads(data)
 
 
-def refusal(model: str | Path, args: Sequence[str], *, env: Mapping[str, str] | None = None,
-            python: str = sys.executable, timeout: float = 300.0) -> subprocess.CompletedProcess:
+def refusal(
+    model: str | Path,
+    args: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    python: str = sys.executable,
+    timeout: float = 300.0,
+) -> subprocess.CompletedProcess:
     """Run a server start that must be refused; returns the finished process (output in ``.stdout``)."""
-    return subprocess.run(server_command(model, args, free_port(), python), env={**os.environ, **(env or {})},
-                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, start_new_session=True)
+    return subprocess.run(
+        server_command(model, args, free_port(), python),
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )

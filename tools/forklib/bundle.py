@@ -29,17 +29,29 @@ RUN_LIMIT = 64 * 2**20
 GPU_WHEEL_TAG = "cp312-cp312-manylinux_2_34_x86_64"  # the pinned upstream wheel the bundle's tree comes from
 GPU_PYTHON = "3.12"
 # pip matches manylinux tags exactly: offer every one the import set's wheels use.
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_34_x86_64", "any"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_34_x86_64",
+    "any",
+]
 
 
 def _tree_tarball(tree: Path, dest: Path) -> None:
     """The tree's HEAD under ``python/``, without compiled files, as an xz tar (a third smaller
     than gzip: the bundle and the repository share the device run's 64 MiB)."""
     archive = subprocess.run(
-        ["git", "archive", "--format=tar", "HEAD", PKG], cwd=tree, check=True, capture_output=True
+        ["git", "archive", "--format=tar", "HEAD", PKG],
+        cwd=tree,
+        check=True,
+        capture_output=True,
     ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(dest, "w:xz", preset=9) as out:
+    with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(
+        dest, "w:xz", preset=9
+    ) as out:
         for member in src:
             if member.isfile() and member.name.endswith(".so"):
                 continue
@@ -49,14 +61,30 @@ def _tree_tarball(tree: Path, dest: Path) -> None:
 def _wheels(dest: Path, requirements: Path) -> None:
     cache = Path.home() / ".cache" / "sglang-fork" / "gpu-wheels"
     cache.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-           "--python-version", GPU_PYTHON, "--implementation", "cp", "-d", str(cache),
-           "-r", str(requirements)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        GPU_PYTHON,
+        "--implementation",
+        "cp",
+        "-d",
+        str(cache),
+        "-r",
+        str(requirements),
+    ]
     for platform in PLATFORMS:
         cmd += ["--platform", platform]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise ForkError(f"cannot fetch the GPU bundle's wheels: {r.stderr.strip().splitlines()[-1]}")
+        raise ForkError(
+            f"cannot fetch the GPU bundle's wheels: {r.stderr.strip().splitlines()[-1]}"
+        )
     wanted = {
         line.split("==")[0].lower().replace("-", "_"): line.split("==")[1]
         for line in requirements.read_text().splitlines()
@@ -83,25 +111,41 @@ def make_bundle(tree: Path, version: str, dest: Path) -> int:
     shutil.copytree(REPO_ROOT / "tools" / "standins", dest / "standins", ignore=ignore)
     shutil.copytree(REPO_ROOT / "test", dest / "test", ignore=ignore)
     # test/conftest.py puts tools/ on sys.path; the CPU-only test modules still get collected.
-    shutil.copytree(REPO_ROOT / "tools" / "forklib", dest / "tools" / "forklib", ignore=ignore)
+    shutil.copytree(
+        REPO_ROOT / "tools" / "forklib", dest / "tools" / "forklib", ignore=ignore
+    )
     shutil.copytree(REPO_ROOT / "tools" / "e2e", dest / "tools" / "e2e", ignore=ignore)
     # conftest reads the pin and the series (the release, our modules, dropped patches' tests).
     shutil.copytree(REPO_ROOT / "patches", dest / "patches")
     shutil.copy(REPO_ROOT / "upstream.toml", dest / "upstream.toml")
-    shutil.copytree(REPO_ROOT / "benchmark", dest / "benchmark", ignore=shutil.ignore_patterns(
-        "__pycache__", "*.pyc", "results"))
+    shutil.copytree(
+        REPO_ROOT / "benchmark",
+        dest / "benchmark",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "results"),
+    )
     shutil.copy(REPO_ROOT / "tools" / "gpu_bundle_run.sh", dest / "run.sh")
     shutil.copy(REPO_ROOT / "tools" / "gpu_e2e_run.sh", dest / "e2e.sh")
     (dest / "VERSION").write_text(version + "\n")
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     repo = _tracked_bytes()
     if size + repo > RUN_LIMIT:
-        raise ForkError(f"the GPU bundle ({size / 2**20:.1f} MiB) and the repository's tracked files "
-                        f"({repo / 2**20:.1f} MiB) are over a device run's {RUN_LIMIT / 2**20:.0f} MiB")
+        raise ForkError(
+            f"the GPU bundle ({size / 2**20:.1f} MiB) and the repository's tracked files "
+            f"({repo / 2**20:.1f} MiB) are over a device run's {RUN_LIMIT / 2**20:.0f} MiB"
+        )
     return size
 
 
 def _tracked_bytes() -> int:
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, check=True, capture_output=True,
-                           text=True).stdout.split("\0")
-    return sum(f.stat().st_size for f in map(REPO_ROOT.joinpath, filter(None, names)) if f.is_file())
+    names = subprocess.run(
+        ["git", "ls-files", "-z"],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split("\0")
+    return sum(
+        f.stat().st_size
+        for f in map(REPO_ROOT.joinpath, filter(None, names))
+        if f.is_file()
+    )

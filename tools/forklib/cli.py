@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
+from .lint import VERSIONS, lint
 from .pin import fetch_pinned, load_pin, python_tag
 from .series import SERIES_FILE, check_series, load_series, series_problems
 from .tree import Assembled, assemble, numstat
@@ -29,26 +30,37 @@ def venv_python(venv: Path = VENV) -> Path:
 
 
 def target_python(args) -> str:
-    return args.python or (str(venv_python()) if venv_python().exists() else sys.executable)
+    return args.python or (
+        str(venv_python()) if venv_python().exists() else sys.executable
+    )
 
 
 # ---------------------------------------------------------------------------- build
 
 
-def assemble_series(args, stamp: bool = True, tag: str | None = None,
-                    tree_name: str = "tree") -> tuple[Assembled, Path]:
+def assemble_series(
+    args, stamp: bool = True, tag: str | None = None, tree_name: str = "tree"
+) -> tuple[Assembled, Path]:
     patches = load_series(args.series)
     if stamp:
         check_series(patches)
     else:  # an editing tree is where a header gets fixed: say what is wrong, do not refuse
         for problem in series_problems(patches):
-            print(f"warning: {problem} (`make refresh` refuses until it is fixed)", flush=True)
+            print(
+                f"warning: {problem} (`make refresh` refuses until it is fixed)",
+                flush=True,
+            )
     pin = load_pin()
-    wheel = fetch_pinned(pin, tag or getattr(args, "tag", None) or python_tag(target_python(args)))
+    wheel = fetch_pinned(
+        pin, tag or getattr(args, "tag", None) or python_tag(target_python(args))
+    )
     tree = args.build / tree_name
     step(f"assembling {pin.package} {pin.version} + {len(patches)} patch(es) in {tree}")
     # An editing tree (no stamp) merges drifted patches with git am -3, so `refresh` can fix them.
-    return assemble(tree, wheel, pin.version, patches, stamp=stamp, three_way=not stamp), wheel
+    return (
+        assemble(tree, wheel, pin.version, patches, stamp=stamp, three_way=not stamp),
+        wheel,
+    )
 
 
 def patch_table(asm: Assembled) -> str:
@@ -56,14 +68,20 @@ def patch_table(asm: Assembled) -> str:
     parent = asm.base
     for a in asm.applied:
         upstream_files = list(a.patch.files)
-        plus, minus = numstat(asm.tree, parent, a.commit, upstream_files) if upstream_files else (0, 0)
-        rows.append((
-            a.patch.name,
-            " ".join(a.patch.flags) or "-",
-            str(len(upstream_files)),
-            f"+{plus}/-{minus}",
-            str(len(a.patch.owns)),
-        ))
+        plus, minus = (
+            numstat(asm.tree, parent, a.commit, upstream_files)
+            if upstream_files
+            else (0, 0)
+        )
+        rows.append(
+            (
+                a.patch.name,
+                " ".join(a.patch.flags) or "-",
+                str(len(upstream_files)),
+                f"+{plus}/-{minus}",
+                str(len(a.patch.owns)),
+            )
+        )
         parent = a.commit
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -75,13 +93,22 @@ def build_inputs(args, tag: str) -> str:
     """Digest of everything a build reads: the pin and wheel tag, the series, our files and
     the tool itself. Equal digests give the same wheel."""
     h = hashlib.sha256(tag.encode() + b"\0")
-    files = [REPO_ROOT / "upstream.toml", args.series, Path(__file__).parents[1] / "fork",
-             *sorted(Path(__file__).parent.glob("*.py"))]
+    files = [
+        REPO_ROOT / "upstream.toml",
+        args.series,
+        Path(__file__).parents[1] / "fork",
+        *sorted(Path(__file__).parent.glob("*.py")),
+    ]
     for patch in load_series(args.series):
         files.append(patch.path)
         files += [REPO_ROOT / own for own in sorted(patch.owns)]
     for f in files:
-        h.update(str(f).encode() + b"\0" + (f.read_bytes() if f.exists() else b"(missing)") + b"\0")
+        h.update(
+            str(f).encode()
+            + b"\0"
+            + (f.read_bytes() if f.exists() else b"(missing)")
+            + b"\0"
+        )
     return h.hexdigest()
 
 
@@ -97,13 +124,18 @@ def cmd_build(args) -> None:
     stamp = json.loads(stamp_file.read_text()) if stamp_file.exists() else {}
     wheel_path = dist / stamp.get("wheel", "-")
     venv = Path(args.install) if args.install else None
-    installed = (venv is None or (_installed_marker(venv).exists()
-                                  and _installed_marker(venv).read_text() == f"{stamp.get('wheel')} {digest}"
-                                  and _requirements_current(venv)))
+    installed = venv is None or (
+        _installed_marker(venv).exists()
+        and _installed_marker(venv).read_text() == f"{stamp.get('wheel')} {digest}"
+        and _requirements_current(venv)
+    )
     if stamp.get("digest") == digest and wheel_path.is_file() and installed:
-        print(f"sglang {stamp['version']}: up to date (the pin, the series, our files and the tool are "
-              f"unchanged since the last build): {wheel_path}"
-              + (f", installed in {args.install}" if venv else "") + "\n")
+        print(
+            f"sglang {stamp['version']}: up to date (the pin, the series, our files and the tool are "
+            f"unchanged since the last build): {wheel_path}"
+            + (f", installed in {args.install}" if venv else "")
+            + "\n"
+        )
         print(stamp["table"])
         return
     for old in dist.glob("*.whl"):
@@ -113,13 +145,25 @@ def cmd_build(args) -> None:
     step(f"packaging sglang {asm.version}")
     built = build_wheel(asm.tree, wheel, asm.upstream_version, asm.version, dist)
     table = patch_table(asm)
-    stamp_file.write_text(json.dumps({"digest": digest, "wheel": built.name, "version": asm.version,
-                                      "table": table}) + "\n")
+    stamp_file.write_text(
+        json.dumps(
+            {
+                "digest": digest,
+                "wheel": built.name,
+                "version": asm.version,
+                "table": table,
+            }
+        )
+        + "\n"
+    )
     if venv is not None:
         install_wheel(built, venv)
         _installed_marker(venv).write_text(f"{built.name} {digest}")
-    print(f"\nsglang {asm.version}: {built}"
-          + (f", installed in {args.install}" if args.install else "") + "\n")
+    print(
+        f"\nsglang {asm.version}: {built}"
+        + (f", installed in {args.install}" if args.install else "")
+        + "\n"
+    )
     print(table)
 
 
@@ -146,13 +190,32 @@ def cmd_gpu_bundle(args) -> None:
     step(f"writing {dest}")
     size = make_bundle(asm.tree, asm.version, dest)
     print(f"{dest}: sglang {asm.version}, {size / 2**20:.1f} MiB")
-    print(f"run it on the GPU machine: bash {dest.relative_to(REPO_ROOT) if dest.is_relative_to(REPO_ROOT) else dest}/run.sh [RESULTS_DIR]")
+    print(
+        f"run it on the GPU machine: bash {dest.relative_to(REPO_ROOT) if dest.is_relative_to(REPO_ROOT) else dest}/run.sh [RESULTS_DIR]"
+    )
 
 
 def cmd_check(args) -> None:
     patches = load_series(args.series)
     check_series(patches)
-    print(f"{len(patches)} patch(es): headers complete, every file under python/sglang owned once")
+    print(
+        f"{len(patches)} patch(es): headers complete, every file under python/sglang owned once"
+    )
+    cmd_lint(args)
+
+
+def cmd_lint(args) -> None:
+    bindir = venv_python(args.venv).parent
+    problems = lint(bindir, fix=getattr(args, "fix", False))
+    if problems:
+        raise ForkError(
+            "upstream's formatters disagree with these files "
+            "(`tools/fork lint --fix` rewrites them):\n" + "\n".join(problems)
+        )
+    print(
+        f"black {VERSIONS['black']}, isort {VERSIONS['isort']}, "
+        f"codespell {VERSIONS['codespell']}: clean"
+    )
 
 
 # ---------------------------------------------------------------------------- install
@@ -164,7 +227,11 @@ def _requirements_digest() -> str:
 
 def _requirements_current(venv: Path) -> bool:
     marker = venv / ".fork-requirements"
-    return venv_python(venv).exists() and marker.exists() and marker.read_text() == _requirements_digest()
+    return (
+        venv_python(venv).exists()
+        and marker.exists()
+        and marker.read_text() == _requirements_digest()
+    )
 
 
 def install_wheel(wheel: Path, venv: Path) -> None:
@@ -176,12 +243,25 @@ def install_wheel(wheel: Path, venv: Path) -> None:
     _installed_marker(venv).unlink(missing_ok=True)
     marker = venv / ".fork-requirements"
     if not _requirements_current(venv):
-        step(f"installing the CPU dependency set ({REQUIREMENTS.relative_to(REPO_ROOT)})")
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)], check=True)
+        step(
+            f"installing the CPU dependency set ({REQUIREMENTS.relative_to(REPO_ROOT)})"
+        )
+        subprocess.run(
+            [str(py), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)], check=True
+        )
         marker.write_text(_requirements_digest())
     step(f"installing {wheel.name} into {venv}")
     subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)],
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--force-reinstall",
+            str(wheel),
+        ],
         check=True,
     )
 
@@ -196,8 +276,10 @@ def cmd_refresh(args) -> None:
     wrote = refresh(args.build / "tree", REPO_ROOT)
     for path in wrote:
         print(f"wrote {path}")
-    print(f"{len(load_series(args.series))} patch(es) refreshed ({len(wrote)} file(s) changed); "
-          "`make check`, then `make` and the tests")
+    print(
+        f"{len(load_series(args.series))} patch(es) refreshed ({len(wrote)} file(s) changed); "
+        "`make check`, then `make` and the tests"
+    )
 
 
 # ---------------------------------------------------------------------------- rebase, export
@@ -212,7 +294,9 @@ def cmd_rebase(args) -> int:
     if args.cont or args.drop:
         return rebase.resume(drop=args.drop)
     if not args.release:
-        raise ForkError("name the release to rebase onto (or --continue, --drop <patch>, --abort)")
+        raise ForkError(
+            "name the release to rebase onto (or --continue, --drop <patch>, --abort)"
+        )
     return rebase.start(args.release, dry_run=args.dry_run)
 
 
@@ -228,8 +312,10 @@ def cmd_export(args) -> None:
     from .export import export
 
     diff, md = export(args.patch)
-    print(f"wrote {diff.relative_to(REPO_ROOT)} and {md.relative_to(REPO_ROOT)} "
-          "(applied to a clean upstream tree, its modules imported there)")
+    print(
+        f"wrote {diff.relative_to(REPO_ROOT)} and {md.relative_to(REPO_ROOT)} "
+        "(applied to a clean upstream tree, its modules imported there)"
+    )
 
 
 # ---------------------------------------------------------------------------- main
@@ -237,35 +323,111 @@ def cmd_export(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tools/fork", description=__doc__)
-    parser.add_argument("--python", help="interpreter whose wheel tag to build for (default: .venv's, else this one)")
-    parser.add_argument("--series", type=Path, default=SERIES_FILE, help="series file (default: patches/series)")
-    parser.add_argument("--build", type=Path, default=REPO_ROOT / "build", help="build directory (default: build/)")
+    parser.add_argument(
+        "--python",
+        help="interpreter whose wheel tag to build for (default: .venv's, else this one)",
+    )
+    parser.add_argument(
+        "--series",
+        type=Path,
+        default=SERIES_FILE,
+        help="series file (default: patches/series)",
+    )
+    parser.add_argument(
+        "--build",
+        type=Path,
+        default=REPO_ROOT / "build",
+        help="build directory (default: build/)",
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("check", help="headers complete, ownership of python/sglang files").set_defaults(fn=cmd_check)
-    p = sub.add_parser("build", help="fetch, assemble build/tree, package build/dist, print the patch table")
-    p.add_argument("--install", metavar="VENV", help="then install the wheel into this venv")
-    p.add_argument("--tag", help="build for this pinned wheel tag instead, e.g. cp312-cp312-manylinux_2_34_x86_64")
+    p = sub.add_parser(
+        "check",
+        help="headers complete, ownership of python/sglang files, upstream's formatters",
+    )
+    p.add_argument("--venv", type=Path, default=VENV, help="where the formatters are")
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser(
+        "lint", help="black, isort and codespell at upstream's versions and settings"
+    )
+    p.add_argument("--venv", type=Path, default=VENV, help="where the formatters are")
+    p.add_argument("--fix", action="store_true", help="rewrite the files instead")
+    p.set_defaults(fn=cmd_lint)
+    p = sub.add_parser(
+        "build",
+        help="fetch, assemble build/tree, package build/dist, print the patch table",
+    )
+    p.add_argument(
+        "--install", metavar="VENV", help="then install the wheel into this venv"
+    )
+    p.add_argument(
+        "--tag",
+        help="build for this pinned wheel tag instead, e.g. cp312-cp312-manylinux_2_34_x86_64",
+    )
     p.set_defaults(fn=cmd_build)
-    p = sub.add_parser("tree", help="assemble build/tree without the stamp, for editing (drifted patches merged with git am -3)")
-    p.add_argument("--continue", dest="cont", action="store_true",
-                   help="after resolving a conflict there (git am --continue): merge the rest of the series")
+    p = sub.add_parser(
+        "tree",
+        help="assemble build/tree without the stamp, for editing (drifted patches merged with git am -3)",
+    )
+    p.add_argument(
+        "--continue",
+        dest="cont",
+        action="store_true",
+        help="after resolving a conflict there (git am --continue): merge the rest of the series",
+    )
     p.set_defaults(fn=cmd_tree)
-    sub.add_parser("gpu-bundle", help="write build/gpu-bundle: GPU tests + benchmarks for a torch-only machine").set_defaults(fn=cmd_gpu_bundle)
-    sub.add_parser("refresh", help="write build/tree's commits back to patches/ and python/sglang/").set_defaults(fn=cmd_refresh)
-    p = sub.add_parser("rebase", help="replay the series onto another upstream release (build/rebase)")
-    p.add_argument("release", nargs="?", help="the target release, e.g. 0.5.24 (or an older one)")
+    sub.add_parser(
+        "gpu-bundle",
+        help="write build/gpu-bundle: GPU tests + benchmarks for a torch-only machine",
+    ).set_defaults(fn=cmd_gpu_bundle)
+    sub.add_parser(
+        "refresh", help="write build/tree's commits back to patches/ and python/sglang/"
+    ).set_defaults(fn=cmd_refresh)
+    p = sub.add_parser(
+        "rebase", help="replay the series onto another upstream release (build/rebase)"
+    )
+    p.add_argument(
+        "release", nargs="?", help="the target release, e.g. 0.5.24 (or an older one)"
+    )
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--continue", dest="cont", action="store_true", help="resume after resolving in build/rebase/repo")
-    g.add_argument("--abort", action="store_true", help="forget the rebase; the repository stays as it was")
-    p.add_argument("--drop", action="append", metavar="PATCH", help="drop this patch from the series, then resume")
-    p.add_argument("--dry-run", action="store_true", help="classify every patch, write nothing")
+    g.add_argument(
+        "--continue",
+        dest="cont",
+        action="store_true",
+        help="resume after resolving in build/rebase/repo",
+    )
+    g.add_argument(
+        "--abort",
+        action="store_true",
+        help="forget the rebase; the repository stays as it was",
+    )
+    p.add_argument(
+        "--drop",
+        action="append",
+        metavar="PATCH",
+        help="drop this patch from the series, then resume",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="classify every patch, write nothing"
+    )
     p.set_defaults(fn=cmd_rebase)
-    p = sub.add_parser("drift", help="dry-run the series onto releases; record the tool's output (build/drift)")
-    p.add_argument("releases", nargs="+", help="releases to replay onto, e.g. 0.5.22 0.5.21")
-    p.add_argument("--write", type=Path, metavar="FILE",
-                   help="write the output into FILE's generated block, e.g. benchmark/results/rebase-drift.md")
+    p = sub.add_parser(
+        "drift",
+        help="dry-run the series onto releases; record the tool's output (build/drift)",
+    )
+    p.add_argument(
+        "releases", nargs="+", help="releases to replay onto, e.g. 0.5.22 0.5.21"
+    )
+    p.add_argument(
+        "--write",
+        type=Path,
+        metavar="FILE",
+        help="write the output into FILE's generated block, e.g. benchmark/results/rebase-drift.md",
+    )
     p.set_defaults(fn=cmd_drift)
-    p = sub.add_parser("export", help="one patch (and what it depends on) as a diff against upstream + PR text (build/export)")
+    p = sub.add_parser(
+        "export",
+        help="one patch (and what it depends on) as a diff against upstream + PR text (build/export)",
+    )
     p.add_argument("patch", help="patch name or number")
     p.set_defaults(fn=cmd_export)
     args = parser.parse_args(argv)

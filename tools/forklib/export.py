@@ -29,9 +29,13 @@ PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
 def find_patch(patches: list[Patch], ref: str) -> int:
     """Index of a patch given by name, file name or number (``1``, ``0001``)."""
     for i, p in enumerate(patches):
-        if ref in (p.name, p.path.name) or (ref.isdigit() and p.name.startswith(f"{int(ref):04d}-")):
+        if ref in (p.name, p.path.name) or (
+            ref.isdigit() and p.name.startswith(f"{int(ref):04d}-")
+        ):
             return i
-    raise ForkError(f"no patch {ref!r} in patches/series; patches: {', '.join(p.name for p in patches)}")
+    raise ForkError(
+        f"no patch {ref!r} in patches/series; patches: {', '.join(p.name for p in patches)}"
+    )
 
 
 def with_dependencies(patches: list[Patch], i: int) -> list[int]:
@@ -47,10 +51,15 @@ def with_dependencies(patches: list[Patch], i: int) -> list[int]:
     return sorted(need)
 
 
-def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None,
-           python: str | None = None) -> tuple[Path, Path]:
+def export(
+    ref: str,
+    root: Path = REPO_ROOT,
+    out_dir: Path | None = None,
+    python: str | None = None,
+) -> tuple[Path, Path]:
     """Write ``<patch>.diff`` (the patch and what it depends on, on bare upstream) and its PR
-    text; proven by applying to a clean upstream tree and importing its modules there."""
+    text; proven by applying to a clean upstream tree and importing its modules there.
+    """
     out_dir = out_dir or root / "build" / "export"
     patches = load_series(root / "patches" / "series")
     check_series(patches, root)
@@ -60,41 +69,91 @@ def export(ref: str, root: Path = REPO_ROOT, out_dir: Path | None = None,
     pin = load_pin(root / "upstream.toml")
     tree = out_dir / "tree"
     # Only the patches up to this one: later ones cannot matter to its commit.
-    asm = assemble(tree, fetch_pinned(pin, PRIMARY_TAG), pin.version, patches[: i + 1], stamp=False, src=root)
+    asm = assemble(
+        tree,
+        fetch_pinned(pin, PRIMARY_TAG),
+        pin.version,
+        patches[: i + 1],
+        stamp=False,
+        src=root,
+    )
     expected: set[str] = set()
     new_files: list[str] = []
     for j in chain:
         commit = asm.applied[j].commit
         owns = owned_files(tree, commit)
-        files = set(out(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit).split())
+        files = set(
+            out(
+                tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit
+            ).split()
+        )
         mine = set(patches[j].files) | set(owns)
-        if files != mine:  # the commit is built from exactly these; anything else is a tool bug
-            raise ForkError(f"{patches[j].name}: commit touches {sorted(files ^ mine)} beyond its own files")
+        if (
+            files != mine
+        ):  # the commit is built from exactly these; anything else is a tool bug
+            raise ForkError(
+                f"{patches[j].name}: commit touches {sorted(files ^ mine)} beyond its own files"
+            )
         expected |= mine
         new_files += owns
 
     out_dir.mkdir(parents=True, exist_ok=True)
     diff_file = out_dir / f"{patch.name}.diff"
-    replayed, moved = _standalone(tree, asm.base, [asm.applied[j].commit for j in chain],
-                                  [patches[j] for j in chain], patches, pin.version, root, python)
-    if set(out(tree, "diff", "--name-only", "--no-renames", asm.base, replayed).split()) != expected:
-        raise ForkError(f"{patch.name}: its replay onto upstream touches other files than its own")
+    replayed, moved = _standalone(
+        tree,
+        asm.base,
+        [asm.applied[j].commit for j in chain],
+        [patches[j] for j in chain],
+        patches,
+        pin.version,
+        root,
+        python,
+    )
+    if (
+        set(
+            out(tree, "diff", "--name-only", "--no-renames", asm.base, replayed).split()
+        )
+        != expected
+    ):
+        raise ForkError(
+            f"{patch.name}: its replay onto upstream touches other files than its own"
+        )
     tmp = diff_file.with_suffix(".diff.tmp")
-    tmp.write_text(out_diff(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n")
+    tmp.write_text(
+        out_diff(tree, "diff", "--full-index", "--binary", asm.base, replayed) + "\n"
+    )
     tmp.replace(diff_file)
     md_file = out_dir / f"{patch.name}.md"
     carried = [patches[j].name for j in chain if j != i]
-    md_file.write_text(describe(patch, new_files, pin.package, pin.version,
-                                after=[p.name for p in patches[:i] if p.name not in carried] if moved else [],
-                                carried=carried))
+    md_file.write_text(
+        describe(
+            patch,
+            new_files,
+            pin.package,
+            pin.version,
+            after=(
+                [p.name for p in patches[:i] if p.name not in carried] if moved else []
+            ),
+            carried=carried,
+        )
+    )
     return diff_file, md_file
 
 
-def _standalone(tree: Path, base: str, commits: list[str], chain: list[Patch], patches: list[Patch],
-                version: str, root: Path, python: str | None) -> tuple[str, bool]:
+def _standalone(
+    tree: Path,
+    base: str,
+    commits: list[str],
+    chain: list[Patch],
+    patches: list[Patch],
+    version: str,
+    root: Path,
+    python: str | None,
+) -> tuple[str, bool]:
     """The commit holding ``chain`` (a patch after what it depends on) alone on bare upstream,
     each commit applied as it is or, when only context differs, by git's three-way merge; then
-    every module the chain owns must import there. Returns (commit, whether a merge was needed)."""
+    every module the chain owns must import there. Returns (commit, whether a merge was needed).
+    """
     check = tree.parent / "check"
     git(tree, "worktree", "remove", "--force", str(check), check=False)
     shutil.rmtree(check, ignore_errors=True)
@@ -104,24 +163,44 @@ def _standalone(tree: Path, base: str, commits: list[str], chain: list[Patch], p
     try:
         for commit, patch in zip(commits, chain):
             diff = check.parent / "check.diff"
-            diff.write_text(out_diff(tree, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
-            if git(check, "apply", "--check", str(diff.resolve()), check=False).returncode == 0:
+            diff.write_text(
+                out_diff(tree, "diff", "--full-index", "--binary", f"{commit}^", commit)
+                + "\n"
+            )
+            if (
+                git(
+                    check, "apply", "--check", str(diff.resolve()), check=False
+                ).returncode
+                == 0
+            ):
                 git(check, "apply", "--index", str(diff.resolve()))
                 git(check, "commit", "-q", "-C", commit)
                 continue
             moved = True
-            if git(check, "cherry-pick", "--allow-empty", commit, check=False).returncode != 0:
+            if (
+                git(
+                    check, "cherry-pick", "--allow-empty", commit, check=False
+                ).returncode
+                != 0
+            ):
                 conflicts = out(check, "diff", "--name-only", "--diff-filter=U")
                 git(check, "cherry-pick", "--abort", check=False)
                 earlier = patches[: patches.index(patch)]
                 touched = set(patch.files)
-                deps = [p.name for p in earlier if touched & (set(p.files) | set(p.owns)) and p not in chain]
+                deps = [
+                    p.name
+                    for p in earlier
+                    if touched & (set(p.files) | set(p.owns)) and p not in chain
+                ]
                 raise ForkError(
                     f"{patch.name} does not apply alone to upstream {version}: replaying it there "
                     f"conflicts in {conflicts or '(no file named)'}\n"
-                    + (f"it depends on earlier patch(es) touching the same files: {', '.join(deps)} "
-                       f"(declare it with `Depends:` and the export carries them)" if deps
-                       else "no earlier patch touches these files")
+                    + (
+                        f"it depends on earlier patch(es) touching the same files: {', '.join(deps)} "
+                        f"(declare it with `Depends:` and the export carries them)"
+                        if deps
+                        else "no earlier patch touches these files"
+                    )
                 )
         _import_check(check, chain, version, root, python)
         return out(check, "rev-parse", "HEAD"), moved
@@ -141,19 +220,32 @@ for name in sys.argv[1:]:
 """
 
 
-def _import_check(tree: Path, chain: list[Patch], version: str, root: Path, python: str | None) -> None:
+def _import_check(
+    tree: Path, chain: list[Patch], version: str, root: Path, python: str | None
+) -> None:
     """Every module the exported patches own imports on upstream with only the export applied
     (what ``git apply --check`` cannot see: a name an earlier patch adds)."""
-    mods = [own[len("python/"):-len(".py")].replace("/", ".").removesuffix(".__init__")
-            for p in chain for own in p.owns if own.endswith(".py")]
+    mods = [
+        own[len("python/") : -len(".py")].replace("/", ".").removesuffix(".__init__")
+        for p in chain
+        for own in p.owns
+        if own.endswith(".py")
+    ]
     if not mods:
         return
     venv = root / ".venv" / "bin" / "python"
     python = python or (str(venv) if venv.exists() else sys.executable)
-    paths = [str(tree / "python")] + [str(d) for d in (root / "tools" / "standins",) if d.is_dir()]
+    paths = [str(tree / "python")] + [
+        str(d) for d in (root / "tools" / "standins",) if d.is_dir()
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    r = subprocess.run([python, "-W", "ignore", "-c", _IMPORT_ALL, *mods], cwd=tree,
-                       capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [python, "-W", "ignore", "-c", _IMPORT_ALL, *mods],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if r.returncode != 0:
         failed, _, trace = r.stdout.partition("\n")
         last = (trace.strip().splitlines() or [r.stderr.strip()])[-1]
@@ -172,8 +264,14 @@ def _body(patch: Patch) -> str:
     return "\n\n".join(paragraphs).strip()
 
 
-def describe(patch: Patch, new_files: list[str], package: str, version: str,
-             after: list[str] | None = None, carried: list[str] | None = None) -> str:
+def describe(
+    patch: Patch,
+    new_files: list[str],
+    package: str,
+    version: str,
+    after: list[str] | None = None,
+    carried: list[str] | None = None,
+) -> str:
     flags = ", ".join(f"`{f}`" for f in patch.flags) or "none"
     lines = [
         f"# {patch.subject}",
@@ -205,13 +303,17 @@ def describe(patch: Patch, new_files: list[str], package: str, version: str,
     ]
     if carried:
         lines += [
-            "This patch depends on " + ", ".join(carried) + " (its `Depends:` trailer); the diff "
+            "This patch depends on "
+            + ", ".join(carried)
+            + " (its `Depends:` trailer); the diff "
             "carries them, in series order, so it applies and imports on clean upstream.",
             "",
         ]
     if after:
         lines += [
-            "In the fork this patch comes after " + ", ".join(after) + "; this diff is its "
+            "In the fork this patch comes after "
+            + ", ".join(after)
+            + "; this diff is its "
             "replay onto clean upstream by git's three-way merge (only context lines differed).",
             "",
         ]

@@ -19,16 +19,35 @@ IDENTITY = {
 }
 
 
-def git(repo: Path, *args: str, check: bool = True, input: str | None = None,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def git(
+    repo: Path,
+    *args: str,
+    check: bool = True,
+    input: str | None = None,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **IDENTITY, "GIT_CONFIG_NOSYSTEM": "1", **(env or {})}
     r = subprocess.run(
-        ["git", "-c", "core.autocrlf=false", "-c", "advice.detachedHead=false",
-         "-c", "init.defaultBranch=main", *args],
-        cwd=repo, capture_output=True, text=True, input=input, env=full_env,
+        [
+            "git",
+            "-c",
+            "core.autocrlf=false",
+            "-c",
+            "advice.detachedHead=false",
+            "-c",
+            "init.defaultBranch=main",
+            *args,
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        input=input,
+        env=full_env,
     )
     if check and r.returncode != 0:
-        raise ForkError(f"git {' '.join(args[:3])} failed in {repo}:\n{r.stderr.strip()}")
+        raise ForkError(
+            f"git {' '.join(args[:3])} failed in {repo}:\n{r.stderr.strip()}"
+        )
     return r
 
 

@@ -67,15 +67,22 @@ def render_pin(pin: Pin) -> str:
 def python_tag(python: str = sys.executable) -> str:
     """The wheel tag of an interpreter, e.g. ``cp311-cp311-manylinux_2_34_x86_64``."""
     ver = subprocess.run(
-        [python, "-c", "import sys; print(f'{sys.version_info[0]}{sys.version_info[1]}')"],
-        check=True, capture_output=True, text=True,
+        [
+            python,
+            "-c",
+            "import sys; print(f'{sys.version_info[0]}{sys.version_info[1]}')",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     return f"cp{ver}-cp{ver}-{PLATFORM}"
 
 
 def cache_dir() -> Path:
     base = os.environ.get("FORK_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "sglang-fork"
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+        "sglang-fork",
     )
     path = Path(base) / "wheels"
     path.mkdir(parents=True, exist_ok=True)
@@ -105,17 +112,26 @@ def fetch_wheel(package: str, version: str, tag: str, sha256: str | None) -> Pat
     stored = record.read_text().strip() if record.exists() else None
     got = file_sha256(target) if target.exists() else None
     if got is not None and stored is not None and got != stored:
-        print(f"{target.name}: damaged in the cache since it was stored (sha256 {got}, stored "
-              f"as {stored}); fetching it again", flush=True)
+        print(
+            f"{target.name}: damaged in the cache since it was stored (sha256 {got}, stored "
+            f"as {stored}); fetching it again",
+            flush=True,
+        )
         got = None
     if got is None:
         got = _download(package, version, tag, target, sha256)
     elif stored is None and (sha256 is None or got == sha256):
-        _write_record(target, got)  # a file cached before records were kept: record it now
+        _write_record(
+            target, got
+        )  # a file cached before records were kept: record it now
     if sha256 is not None and got != sha256:
         raise ForkError(
             f"{target.name}: the cached wheel's sha256 is {got}"
-            + (", the hash it was verified against when it entered the cache" if stored == got else "")
+            + (
+                ", the hash it was verified against when it entered the cache"
+                if stored == got
+                else ""
+            )
             + f"; it does not match the pinned {sha256}. The wheel is refused, and kept in "
             f"{target.parent} (other clones share it). Check the hash in upstream.toml; if PyPI "
             "really re-published this release, review the change and update upstream.toml by "
@@ -134,7 +150,9 @@ def _write_record(target: Path, sha: str) -> None:
     os.replace(tmp, _record(target))
 
 
-def _download(package: str, version: str, tag: str, target: Path, sha256: str | None) -> str:
+def _download(
+    package: str, version: str, tag: str, target: Path, sha256: str | None
+) -> str:
     """Fetch into a temporary directory, verify, then move into the cache with its record."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         got_path = _pip_download(package, version, tag, Path(tmp))
@@ -154,9 +172,24 @@ def _pip_download(package: str, version: str, tag: str, dest: Path) -> Path:
     py, abi, platform = tag.split("-", 2)
     name = wheel_name(package, version, tag)
     cmd = [
-        sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-        "--only-binary=:all:", "--python-version", py[2:], "--implementation", "cp",
-        "--abi", abi, "--platform", platform, "-d", str(dest), f"{package}=={version}",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        py[2:],
+        "--implementation",
+        "cp",
+        "--abi",
+        abi,
+        "--platform",
+        platform,
+        "-d",
+        str(dest),
+        f"{package}=={version}",
     ]
     print(f"fetching {package}=={version} ({tag}) from PyPI ...", flush=True)
     r = subprocess.run(cmd, capture_output=True, text=True)

@@ -42,12 +42,27 @@ from . import REPO_ROOT, ForkError
 from .git import git, out, out_diff
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
 from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch
-from .tree import apply_problems, assemble, commit_patch, hunk_texts, import_release, owned_files, upstream_ref
+from .tree import (
+    apply_problems,
+    assemble,
+    commit_patch,
+    hunk_texts,
+    import_release,
+    owned_files,
+    upstream_ref,
+)
 
 # The tag the replay runs on; the other pinned tags only get their hashes recorded.
 PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
-DOCKERFILE = "docker/Dockerfile"  # its base image is upstream's image of the pinned release
-WRITTEN = ("patches", "python/sglang", "upstream.toml", DOCKERFILE)  # what a rebase may change in the repo
+DOCKERFILE = (
+    "docker/Dockerfile"  # its base image is upstream's image of the pinned release
+)
+WRITTEN = (
+    "patches",
+    "python/sglang",
+    "upstream.toml",
+    DOCKERFILE,
+)  # what a rebase may change in the repo
 STOPS = ("conflict", "upstream", "new-file clash")
 DONE = ("clean", "merged", "resolved", "dropped")
 VERSION_RE = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$")
@@ -114,9 +129,13 @@ def _find(state: dict, ref: str) -> int:
     """Index of a patch by name, file name or number (``3``, ``0003``)."""
     for i, p in enumerate(state["patches"]):
         stem = p["name"]
-        if ref in (stem, stem + ".patch") or (ref.isdigit() and stem.startswith(f"{int(ref):04d}-")):
+        if ref in (stem, stem + ".patch") or (
+            ref.isdigit() and stem.startswith(f"{int(ref):04d}-")
+        ):
             return i
-    raise ForkError(f"no patch {ref!r} in this rebase; patches: {', '.join(p['name'] for p in state['patches'])}")
+    raise ForkError(
+        f"no patch {ref!r} in this rebase; patches: {', '.join(p['name'] for p in state['patches'])}"
+    )
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -166,8 +185,14 @@ def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
         "stopped": False,
         "seconds": time.monotonic() - t0,
         "patches": [
-            {"name": a.patch.name, "commit": a.commit, "status": "pending", "detail": [], "new": None,
-             "depends": a.patch.depends}
+            {
+                "name": a.patch.name,
+                "commit": a.commit,
+                "status": "pending",
+                "detail": [],
+                "new": None,
+                "depends": a.patch.depends,
+            }
             for a in asm.applied
         ],
     }
@@ -179,7 +204,9 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
     """``--continue`` (after resolving in the scratch worktree) and ``--drop <patch>``."""
     state = _load_state(lay)
     if state is None:
-        raise ForkError("no rebase in progress (start one with `tools/fork rebase <release>`)")
+        raise ForkError(
+            "no rebase in progress (start one with `tools/fork rebase <release>`)"
+        )
     repo = lay.repo
     if state["phase"] == "writing":
         # Killed while moving files in: put the repository back, then write again.
@@ -208,11 +235,14 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
 
 def _drops(state: dict, refs: list[str]) -> list[int]:
     """The patches ``--drop`` names, refused when one is replayed already or when a patch
-    that stays depends on one (its ``Depends:`` trailer): nothing is dropped silently."""
+    that stays depends on one (its ``Depends:`` trailer): nothing is dropped silently.
+    """
     idx = sorted({_find(state, ref) for ref in refs})
     for j in idx:
         if j < state["next"] or state["patches"][j]["status"] in DONE:
-            raise ForkError(f"{state['patches'][j]['name']} is already replayed; --abort and start again to drop it")
+            raise ForkError(
+                f"{state['patches'][j]['name']} is already replayed; --abort and start again to drop it"
+            )
     named = {state["patches"][j]["name"] for j in idx}
     gone = named | {p["name"] for p in state["patches"] if p["status"] == "dropped"}
     for p in state["patches"]:
@@ -295,12 +325,16 @@ def _replay(lay: Layout, state: dict) -> int:
     _save_state(lay, state)
     print(table(state))
     if state["dry_run"]:
-        os.replace(lay.state_file, lay.dir / "result.json")  # nothing to continue: a dry run ends here
+        os.replace(
+            lay.state_file, lay.dir / "result.json"
+        )  # nothing to continue: a dry run ends here
         for p in state["patches"]:
             if p["detail"]:
                 print(f"\n{p['name']} ({p['status']}):")
                 print("\n".join(f"  - {d}" for d in p["detail"]))
-        print(f"\n(dry run: nothing written; the replay is in {repo}, branch 'rebased')")
+        print(
+            f"\n(dry run: nothing written; the replay is in {repo}, branch 'rebased')"
+        )
         return 0 if all(p["status"] in DONE for p in state["patches"]) else 1
     _finish(lay, state)
     return 0
@@ -311,41 +345,60 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
     repo, commit = lay.repo, entry["commit"]
     patch = parse_patch(lay.root / "patches" / f"{entry['name']}.patch")
     diff = lay.dir / "current.diff"
-    diff.write_text(out_diff(repo, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n")
+    diff.write_text(
+        out_diff(repo, "diff", "--full-index", "--binary", f"{commit}^", commit) + "\n"
+    )
     to = state["to"]
 
     # Already upstream: the whole change (owned files included) reverse-applies on the target.
     if git(repo, "apply", "--check", "-R", str(diff), check=False).returncode == 0:
-        return "upstream", [f"its diff reverse-applies cleanly on {to}: upstream ships this change; drop it (--drop {entry['name']})"]
-    clash = [o for o in owned_files(repo, commit) if git(repo, "cat-file", "-e", f"HEAD:{o}", check=False).returncode == 0]
+        return "upstream", [
+            f"its diff reverse-applies cleanly on {to}: upstream ships this change; drop it (--drop {entry['name']})"
+        ]
+    clash = [
+        o
+        for o in owned_files(repo, commit)
+        if git(repo, "cat-file", "-e", f"HEAD:{o}", check=False).returncode == 0
+    ]
     exact = git(repo, "apply", "--check", "-v", str(diff), check=False)
-    problems = [p.removesuffix(": refresh the patch against this release")
-                for p in apply_problems(patch, exact.stderr)]
+    problems = [
+        p.removesuffix(": refresh the patch against this release")
+        for p in apply_problems(patch, exact.stderr)
+    ]
     if exact.returncode != 0 and not problems:
         problems = [exact.stderr.strip()]
 
-    git(repo, "cherry-pick", "--no-commit", commit, check=False)  # ort: 3-way, renames followed
+    git(
+        repo, "cherry-pick", "--no-commit", commit, check=False
+    )  # ort: 3-way, renames followed
     unmerged = sorted(set(out(repo, "diff", "--name-only", "--diff-filter=U").split()))
     if clash:
         return "new-file clash", [
             f"{to} ships {o}, a path this patch owns: rename ours (and fix its imports), or drop the "
-            f"patch if upstream's file is the same feature" for o in clash
+            f"patch if upstream's file is the same feature"
+            for o in clash
         ] + [f"{u}: conflict left in {repo / u}" for u in unmerged]
     if unmerged:
         return "conflict", _conflict_detail(repo, patch, unmerged, to)
     if git(repo, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
         _reset(repo, state["head"])
-        return "upstream", [f"replaying it onto {to} changes nothing: upstream has the change; drop it (--drop {entry['name']})"]
+        return "upstream", [
+            f"replaying it onto {to} changes nothing: upstream has the change; drop it (--drop {entry['name']})"
+        ]
     git(repo, "commit", "-q", "--allow-empty-message", "-C", commit)
     if exact.returncode == 0 and not problems:
         return "clean", []
     touched = set(out(repo, "diff", "--name-only", "HEAD^", "HEAD").split())
     moved = sorted(touched - set(patch.files) - set(owned_files(repo, "HEAD")))
-    notes = problems + [f"git followed a rename: the change now lands in {m}" for m in moved]
+    notes = problems + [
+        f"git followed a rename: the change now lands in {m}" for m in moved
+    ]
     return "merged", notes or ["git needed its 3-way merge"]
 
 
-def _conflict_detail(repo: Path, patch: Patch, unmerged: list[str], to: str) -> list[str]:
+def _conflict_detail(
+    repo: Path, patch: Patch, unmerged: list[str], to: str
+) -> list[str]:
     """One line per conflict: each region as file:line with the patch hunk it came from, and
     what a modify/delete or delete/modify conflict means and what each choice does."""
     stages: dict[str, set[str]] = {}
@@ -356,7 +409,9 @@ def _conflict_detail(repo: Path, patch: Patch, unmerged: list[str], to: str) -> 
     detail = []
     for u in unmerged:
         have = stages.get(u, set())
-        if "2" not in have:  # HEAD (the target) has no file there: deleted or renamed upstream
+        if (
+            "2" not in have
+        ):  # HEAD (the target) has no file there: deleted or renamed upstream
             detail.append(
                 f"{u}: deleted (or renamed) in {to}, edited by this patch (modify/delete; the worktree "
                 f"holds the patch's version, which is upstream's old file, not ours). Either `git rm {u}` "
@@ -372,12 +427,20 @@ def _conflict_detail(repo: Path, patch: Patch, unmerged: list[str], to: str) -> 
             )
             continue
         path = repo / u
-        regions = conflict_regions(path.read_text(errors="replace").splitlines()) if path.exists() else []
+        regions = (
+            conflict_regions(path.read_text(errors="replace").splitlines())
+            if path.exists()
+            else []
+        )
         if not regions:
-            detail.append(f"{u}: conflict without markers (binary or mode change) in {path}: "
-                          f"pick a side with `git checkout --ours|--theirs {u}`, then `git add {u}`")
+            detail.append(
+                f"{u}: conflict without markers (binary or mode change) in {path}: "
+                f"pick a side with `git checkout --ours|--theirs {u}`, then `git add {u}`"
+            )
         for start_line, base, theirs in regions:
-            detail.append(f"{u}:{start_line}: conflict with hunk {_which_hunk(hunks.get(u, []), base, theirs)}")
+            detail.append(
+                f"{u}:{start_line}: conflict with hunk {_which_hunk(hunks.get(u, []), base, theirs)}"
+            )
     return detail
 
 
@@ -405,18 +468,29 @@ def conflict_regions(lines: list[str]) -> list[tuple[int, list[str], list[str]]]
     return regions
 
 
-def _which_hunk(hunks: list[tuple[str, list[str], list[str], list[str]]], base: list[str], theirs: list[str]) -> str:
+def _which_hunk(
+    hunks: list[tuple[str, list[str], list[str], list[str]]],
+    base: list[str],
+    theirs: list[str],
+) -> str:
     """The hunk whose added lines are the region's patch side (or whose old lines are its base)."""
+
     def norm(rows):
         return {r.strip() for r in rows if r.strip()}
 
     base_set, theirs_set = norm(base), norm(theirs)
     best, score = None, 0
     for header, context, minus, plus in hunks:
-        s = 4 * len(norm(plus) & theirs_set) + 2 * len(norm(minus) & base_set) + len(norm(context) & base_set)
+        s = (
+            4 * len(norm(plus) & theirs_set)
+            + 2 * len(norm(minus) & base_set)
+            + len(norm(context) & base_set)
+        )
         if s > score:
             best, score = header, s
-    return best or "(no hunk of the patch matches this region: an earlier patch's lines?)"
+    return (
+        best or "(no hunk of the patch matches this region: an earlier patch's lines?)"
+    )
 
 
 def _take_resolution(repo: Path, state: dict, entry: dict) -> str:
@@ -426,32 +500,62 @@ def _take_resolution(repo: Path, state: dict, entry: dict) -> str:
     head, base = out(repo, "rev-parse", "HEAD"), state["head"]
     committed = head != base
     if committed:
-        if git(repo, "merge-base", "--is-ancestor", base, head, check=False).returncode != 0:
-            raise ForkError(f"{repo}: HEAD moved off the replay; commit on top of {base[:10]} "
-                            f"(`git reset --soft {base[:10]}` keeps your changes staged), then --continue")
+        if (
+            git(repo, "merge-base", "--is-ancestor", base, head, check=False).returncode
+            != 0
+        ):
+            raise ForkError(
+                f"{repo}: HEAD moved off the replay; commit on top of {base[:10]} "
+                f"(`git reset --soft {base[:10]}` keeps your changes staged), then --continue"
+            )
         git(repo, "reset", "-q", "--soft", base)
     elif out(repo, "ls-files", "-u"):
         raise ForkError(
             f"{entry['name']}: unresolved conflicts in {repo}:\n  "
-            + "\n  ".join(sorted(set(out(repo, "diff", "--name-only", "--diff-filter=U").split())))
+            + "\n  ".join(
+                sorted(set(out(repo, "diff", "--name-only", "--diff-filter=U").split()))
+            )
             + "\nresolve them and `git add` each file, then `tools/fork rebase --continue`"
         )
     unstaged = out(repo, "status", "--porcelain", "--untracked-files=all")
-    loose = [line for line in unstaged.splitlines() if line[1] != " " or line.startswith("??")]
+    loose = [
+        line
+        for line in unstaged.splitlines()
+        if line[1] != " " or line.startswith("??")
+    ]
     if loose:
-        raise ForkError(f"{repo}: changes not added to the index (`git add` or remove them):\n  " + "\n  ".join(loose))
+        raise ForkError(
+            f"{repo}: changes not added to the index (`git add` or remove them):\n  "
+            + "\n  ".join(loose)
+        )
     if git(repo, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
         raise ForkError(
             f"{entry['name']} ({entry['status']}): nothing to continue with in {repo}; "
             f"resolve and `git add`, or drop it with `tools/fork rebase --drop {entry['name']}`"
         )
-    _check_ownership(repo, state, entry, out(repo, "diff", "--cached", "--name-only", "--no-renames",
-                                             "--diff-filter=A", "HEAD", "--", "python/sglang").split())
+    _check_ownership(
+        repo,
+        state,
+        entry,
+        out(
+            repo,
+            "diff",
+            "--cached",
+            "--name-only",
+            "--no-renames",
+            "--diff-filter=A",
+            "HEAD",
+            "--",
+            "python/sglang",
+        ).split(),
+    )
     git(repo, "cherry-pick", "--quit", check=False)
     git(repo, "commit", "-q", "--allow-empty-message", "-C", entry["commit"])
     if committed:
-        print(f"kept the header of {entry['name']}: the tool owns patch headers, so your commit message "
-              "is not used (change a header after the rebase: `make tree`, amend, `make refresh`)")
+        print(
+            f"kept the header of {entry['name']}: the tool owns patch headers, so your commit message "
+            "is not used (change a header after the rebase: `make tree`, amend, `make refresh`)"
+        )
     return out(repo, "rev-parse", "HEAD")
 
 
@@ -461,13 +565,23 @@ def _check_ownership(repo: Path, state: dict, entry: dict, added: list[str]) -> 
     ``added``: the files the resolution adds under python/sglang (they become its Owns:).
     """
     old = set(owned_files(repo, entry["commit"]))
-    adopted = [f for f in added if f not in old and git(
-        repo, "cat-file", "-e", f"{upstream_ref(state['from'])}:{f}", check=False).returncode == 0]
+    adopted = [
+        f
+        for f in added
+        if f not in old
+        and git(
+            repo, "cat-file", "-e", f"{upstream_ref(state['from'])}:{f}", check=False
+        ).returncode
+        == 0
+    ]
     if adopted:
         raise ForkError(
-            f"{entry['name']} would own " + ", ".join(adopted) + f", upstream's file(s) ({state['from']} "
+            f"{entry['name']} would own "
+            + ", ".join(adopted)
+            + f", upstream's file(s) ({state['from']} "
             f"ships them; {state['to']} deleted or renamed them). A patch owns only files of ours. "
-            + " ".join(f"`git rm -f {f}`" for f in adopted) + " drops our edit of a file that no longer "
+            + " ".join(f"`git rm -f {f}`" for f in adopted)
+            + " drops our edit of a file that no longer "
             f"exists; or re-home the edit into the file where {state['to']} has that code and `git rm` "
             "the old one. Then `tools/fork rebase --continue`"
         )
@@ -480,13 +594,18 @@ def _check_ownership(repo: Path, state: dict, entry: dict, added: list[str]) -> 
 
 
 def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
-    print(f"\nstopped at {entry['name']} ({entry['status']}); the replay is in {lay.repo}")
+    print(
+        f"\nstopped at {entry['name']} ({entry['status']}); the replay is in {lay.repo}"
+    )
     for d in entry["detail"]:
         print(f"  - {d}")
     dependents = _dependents(state, entry["name"])
     drop = " ".join(f"--drop {n}" for n in [entry["name"], *dependents])
-    what = (f"it and {', '.join(dependents)}, which depend on it (their Depends: trailer), will be removed"
-            if dependents else "it will be removed")
+    what = (
+        f"it and {', '.join(dependents)}, which depend on it (their Depends: trailer), will be removed"
+        if dependents
+        else "it will be removed"
+    )
     print(
         "then either resolve there, `git add` the files and run `tools/fork rebase --continue`,\n"
         f"or drop the patch: `tools/fork rebase {drop}` ({what} from the series),\n"
@@ -502,8 +621,11 @@ def _dependents(state: dict, name: str) -> list[str]:
     while changed:
         changed = False
         for p in state["patches"]:
-            if (p["status"] != "dropped" and p["name"] not in names
-                    and set(p.get("depends", [])) & names):
+            if (
+                p["status"] != "dropped"
+                and p["name"] not in names
+                and set(p.get("depends", [])) & names
+            ):
                 names.add(p["name"])
                 found.append(p["name"])
                 changed = True
@@ -517,7 +639,10 @@ def table(state: dict) -> str:
         more = f" (+{len(p['detail']) - 1} more)" if len(p["detail"]) > 1 else ""
         rows.append((p["name"], p["status"], note + more))
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
-    lines = [f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}".rstrip() for r in rows]
+    lines = [
+        f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}".rstrip()
+        for r in rows
+    ]
     lines.insert(1, f"{'-' * widths[0]}  {'-' * widths[1]}  -----")
     head = f"{state['package']} {state['from']} -> {state['to']} ({state['seconds']:.1f} s)"
     return head + "\n" + "\n".join(lines)
@@ -533,7 +658,9 @@ def _new_pin(state: dict) -> tuple[Pin, list[str]]:
         if tag in wheels:
             continue
         try:
-            wheels[tag] = file_sha256(fetch_wheel(state["package"], state["to"], tag, sha256=None))
+            wheels[tag] = file_sha256(
+                fetch_wheel(state["package"], state["to"], tag, sha256=None)
+            )
         except ForkError as e:
             warnings.append(f"no hash recorded for {tag}: {e}")
     return Pin(state["package"], state["to"], wheels), warnings
@@ -553,24 +680,48 @@ def _finish(lay: Layout, state: dict) -> None:
     for p in kept:
         owns = owned_files(repo, p["new"])
         if _header(repo, p["new"]) != _header(repo, p["commit"]):
-            raise ForkError(f"{p['name']}: its replayed commit's message differs from the patch's header; "
-                            "--abort and start again (the tool keeps headers; this is a bug)")
+            raise ForkError(
+                f"{p['name']}: its replayed commit's message differs from the patch's header; "
+                "--abort and start again (the tool keeps headers; this is a bug)"
+            )
         for own in owns:
             (staged / own).parent.mkdir(parents=True, exist_ok=True)
             (staged / own).write_bytes(git_show(repo, p["new"], own))
         owned.update(owns)
-        (staged / "patches" / f"{p['name']}.patch").write_text(commit_patch(repo, p["new"], owns))
+        (staged / "patches" / f"{p['name']}.patch").write_text(
+            commit_patch(repo, p["new"], owns)
+        )
     dropped = [p for p in state["patches"] if p["status"] == "dropped"]
-    old_series = [line for line in lay.series_file.read_text().splitlines() if DROPPED_RE.match(line.strip())]
-    (staged / "patches" / "series").write_text("".join(f"{p['name']}.patch\n" for p in kept) + "".join(
-        line + "\n" for line in old_series + [
-            f"# dropped in the rebase from {state['from']} to {state['to']}: {p['name']} (tests: "
-            + ", ".join(parse_patch(root / "patches" / f"{p['name']}.patch").trailers.get("Tests", [])) + ")"
-            for p in dropped]))
+    old_series = [
+        line
+        for line in lay.series_file.read_text().splitlines()
+        if DROPPED_RE.match(line.strip())
+    ]
+    (staged / "patches" / "series").write_text(
+        "".join(f"{p['name']}.patch\n" for p in kept)
+        + "".join(
+            line + "\n"
+            for line in old_series
+            + [
+                f"# dropped in the rebase from {state['from']} to {state['to']}: {p['name']} (tests: "
+                + ", ".join(
+                    parse_patch(root / "patches" / f"{p['name']}.patch").trailers.get(
+                        "Tests", []
+                    )
+                )
+                + ")"
+                for p in dropped
+            ]
+        )
+    )
     (staged / "upstream.toml").write_text(render_pin(pin))
-    if (root / DOCKERFILE).exists():  # the serving image builds on upstream's image of the release
+    if (
+        root / DOCKERFILE
+    ).exists():  # the serving image builds on upstream's image of the release
         (staged / DOCKERFILE).parent.mkdir(parents=True, exist_ok=True)
-        (staged / DOCKERFILE).write_text((root / DOCKERFILE).read_text().replace(state["from"], pin.version))
+        (staged / DOCKERFILE).write_text(
+            (root / DOCKERFILE).read_text().replace(state["from"], pin.version)
+        )
 
     # 2. Proof: the written series applies exactly on the target (the same check as `make`).
     new_patches = load_series(staged / "patches" / "series")
@@ -580,20 +731,39 @@ def _finish(lay: Layout, state: dict) -> None:
 
     # 3. range-diff of the old series against the new one, for the reviewer.
     if kept:
-        rd = out(repo, "range-diff", "--no-color", f"{upstream_ref(state['from'])}..old",
-                 f"{upstream_ref(state['to'])}..fork")
+        rd = out(
+            repo,
+            "range-diff",
+            "--no-color",
+            f"{upstream_ref(state['from'])}..old",
+            f"{upstream_ref(state['to'])}..fork",
+        )
     else:  # git range-diff takes no empty range
-        rd = "every patch was dropped:\n" + out(repo, "log", "--reverse", "--format=  %h %s",
-                                                 f"{upstream_ref(state['from'])}..old")
+        rd = "every patch was dropped:\n" + out(
+            repo,
+            "log",
+            "--reverse",
+            "--format=  %h %s",
+            f"{upstream_ref(state['from'])}..old",
+        )
     (lay.dir / "range-diff.txt").write_text(rd + "\n")
 
     # 4. Move in. A failure or a kill midway restores the paths from git (they were clean).
     state["phase"] = "writing"
     _save_state(lay, state)
     try:
-        gone = [f for f in (root / "patches").glob("*.patch") if f.name not in {f"{p['name']}.patch" for p in kept}]
-        gone += [f for f in (root / "python" / "sglang").rglob("*")
-                 if f.is_file() and "__pycache__" not in f.parts and str(f.relative_to(root)) not in owned]
+        gone = [
+            f
+            for f in (root / "patches").glob("*.patch")
+            if f.name not in {f"{p['name']}.patch" for p in kept}
+        ]
+        gone += [
+            f
+            for f in (root / "python" / "sglang").rglob("*")
+            if f.is_file()
+            and "__pycache__" not in f.parts
+            and str(f.relative_to(root)) not in owned
+        ]
         for f in gone:
             f.unlink()
         for f in sorted(staged.rglob("*")):
@@ -606,29 +776,45 @@ def _finish(lay: Layout, state: dict) -> None:
         state["phase"] = "replay"
         _save_state(lay, state)
         raise
-    (lay.dir / "finished.json").write_text(json.dumps(
-        {"package": state["package"], "from": state["from"], "to": state["to"]}) + "\n")
+    (lay.dir / "finished.json").write_text(
+        json.dumps(
+            {"package": state["package"], "from": state["from"], "to": state["to"]}
+        )
+        + "\n"
+    )
     lay.state_file.unlink()
-    print(f"\ngit range-diff {state['from']}..old {state['to']}..new (kept in {lay.dir / 'range-diff.txt'}):\n{rd}\n")
+    print(
+        f"\ngit range-diff {state['from']}..old {state['to']}..new (kept in {lay.dir / 'range-diff.txt'}):\n{rd}\n"
+    )
     for w in warnings:
         print(f"warning: {w}")
     dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
-    print(f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml, "
-          f"{DOCKERFILE}"
-          + (f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)" if dropped else "")
-          + (f"; review: {', '.join(review)}" if review else "")
-          + ". Check `git diff`, run `make test`, then commit.")
+    print(
+        f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml, "
+        f"{DOCKERFILE}"
+        + (
+            f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)"
+            if dropped
+            else ""
+        )
+        + (f"; review: {', '.join(review)}" if review else "")
+        + ". Check `git diff`, run `make test`, then commit."
+    )
 
 
 def _header(repo: Path, commit: str) -> str:
     """A commit's message without its Owns: trailers (those follow the files it adds)."""
     msg = out(repo, "log", "-1", "--format=%B", commit)
-    return "\n".join(line for line in msg.splitlines() if not line.startswith("Owns: ")).strip()
+    return "\n".join(
+        line for line in msg.splitlines() if not line.startswith("Owns: ")
+    ).strip()
 
 
 def git_show(repo: Path, commit: str, path: str) -> bytes:
-    return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=repo, check=True, capture_output=True).stdout
+    return subprocess.run(
+        ["git", "show", f"{commit}:{path}"], cwd=repo, check=True, capture_output=True
+    ).stdout
 
 
 def _move_in(src: Path, dst: Path) -> None:
@@ -653,10 +839,15 @@ DRIFT_BEGIN = "<!-- begin: written by `tools/fork drift`; do not edit by hand --
 DRIFT_END = "<!-- end: written by `tools/fork drift` -->"
 
 
-def drift(targets: list[str], root: Path = REPO_ROOT, record: Path | None = None,
-          scratch: Path | None = None) -> str:
+def drift(
+    targets: list[str],
+    root: Path = REPO_ROOT,
+    record: Path | None = None,
+    scratch: Path | None = None,
+) -> str:
     """Dry-run the series onto each release and return (and, with ``record``, write between
-    the DRIFT markers of that file) the tool's own output for each, with where it ran."""
+    the DRIFT markers of that file) the tool's own output for each, with where it ran.
+    """
     import contextlib
     import io
     import platform
@@ -676,11 +867,17 @@ def drift(targets: list[str], root: Path = REPO_ROOT, record: Path | None = None
         with contextlib.redirect_stdout(_Tee(sys.stdout, buf)):
             rc = start(target, lay, dry_run=True)
         seconds = time.monotonic() - t0
-        text = buf.getvalue().replace(str(lay.dir), f"build/drift/{target}").replace(str(root), ".")
+        text = (
+            buf.getvalue()
+            .replace(str(lay.dir), f"build/drift/{target}")
+            .replace(str(root), ".")
+        )
         parts += [
             f"### {pin.package} {pin.version} -> {target}: "
-            + ("every patch applies" if rc == 0 else "stops where shown") + f" ({seconds:.1f} s, target wheel "
-            + ("cached" if cached else "downloaded") + ")",
+            + ("every patch applies" if rc == 0 else "stops where shown")
+            + f" ({seconds:.1f} s, target wheel "
+            + ("cached" if cached else "downloaded")
+            + ")",
             "",
             "```text",
             text.rstrip(),
@@ -689,17 +886,19 @@ def drift(targets: list[str], root: Path = REPO_ROOT, record: Path | None = None
         ]
         shutil.rmtree(lay.dir, ignore_errors=True)
     git_version = out(root, "--version").removeprefix("git version ")
-    body = "\n".join([
-        DRIFT_BEGIN,
-        f"`tools/fork drift {' '.join(targets)}`: `tools/fork rebase <release> --dry-run` from "
-        f"{pin.package} {pin.version} with the series of that commit, printed as the tool prints it. "
-        f"Measured on {os.cpu_count()} CPU(s), {platform.machine()} {platform.system()}, Python "
-        f"{platform.python_version()}, git {git_version}; the time includes assembling the series on "
-        f"{pin.version} and importing the target wheel.",
-        "",
-        *parts,
-        DRIFT_END,
-    ])
+    body = "\n".join(
+        [
+            DRIFT_BEGIN,
+            f"`tools/fork drift {' '.join(targets)}`: `tools/fork rebase <release> --dry-run` from "
+            f"{pin.package} {pin.version} with the series of that commit, printed as the tool prints it. "
+            f"Measured on {os.cpu_count()} CPU(s), {platform.machine()} {platform.system()}, Python "
+            f"{platform.python_version()}, git {git_version}; the time includes assembling the series on "
+            f"{pin.version} and importing the target wheel.",
+            "",
+            *parts,
+            DRIFT_END,
+        ]
+    )
     if record is not None:
         old = record.read_text() if record.exists() else ""
         if DRIFT_BEGIN in old and DRIFT_END in old:

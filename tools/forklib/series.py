@@ -73,12 +73,15 @@ def read_series(series_file: Path = SERIES_FILE) -> list[Path]:
     return [series_file.parent / n for n in names]
 
 
-DROPPED_RE = re.compile(r"^# dropped in the rebase from \S+ to \S+: (\S+) \(tests: ([^)]*)\)$")
+DROPPED_RE = re.compile(
+    r"^# dropped in the rebase from \S+ to \S+: (\S+) \(tests: ([^)]*)\)$"
+)
 
 
 def dropped_tests(series_file: Path = SERIES_FILE) -> dict[str, list[str]]:
     """Test file -> the patches a rebase dropped that named it (the series' comments say so);
-    conftest skips those tests, so the suite passes unedited after a rebase drops a patch."""
+    conftest skips those tests, so the suite passes unedited after a rebase drops a patch.
+    """
     out: dict[str, list[str]] = {}
     for line in series_file.read_text().splitlines():
         if m := DROPPED_RE.match(line.strip()):
@@ -114,7 +117,10 @@ def _trailers(message: str) -> dict[str, list[str]]:
     # message that is only the trailer block (no body) for the subject and finds none.
     out = subprocess.run(
         ["git", "interpret-trailers", "--parse", "--no-divider"],
-        input="subject\n\n" + message, capture_output=True, text=True, check=True,
+        input="subject\n\n" + message,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     trailers: dict[str, list[str]] = {}
     for line in out.splitlines():
@@ -154,7 +160,9 @@ def header_problems(patch: Patch, root: Path = REPO_ROOT) -> list[str]:
         elif not (root / own).is_file():
             problems.append(f"Owns {own}, which does not exist in this repository")
         if own in patch.files:
-            problems.append(f"Owns {own} but its diff also edits it (owned files are ours whole)")
+            problems.append(
+                f"Owns {own} but its diff also edits it (owned files are ours whole)"
+            )
     return problems
 
 
@@ -169,7 +177,11 @@ def ownership_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[str
         for f in (root / "python" / "sglang").rglob("*")
         if f.is_file() and "__pycache__" not in f.parts
     )
-    problems = [f"{f} is owned by no patch (add an Owns: trailer)" for f in ours if f not in owners]
+    problems = [
+        f"{f} is owned by no patch (add an Owns: trailer)"
+        for f in ours
+        if f not in owners
+    ]
     problems += [
         f"{f} is owned by {len(names)} patches: {', '.join(names)}"
         for f, names in owners.items()
@@ -188,24 +200,43 @@ def dependency_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[st
         for dep in p.depends:
             if dep not in seen:
                 later = dep in {q.name for q in patches}
-                problems.append(f"{p.path.name}: Depends {dep}, " + (
-                    "which comes after it in the series" if later else "which is not in the series"))
+                problems.append(
+                    f"{p.path.name}: Depends {dep}, "
+                    + (
+                        "which comes after it in the series"
+                        if later
+                        else "which is not in the series"
+                    )
+                )
         for mod in sorted(_imported_modules(p, root)):
             dep = next((owner[f] for f in _module_files(mod) if f in owner), None)
             if dep and dep != p.name and dep not in p.depends:
-                problems.append(f"{p.path.name}: imports {mod}, which {dep} owns: add `Depends: {dep}`")
+                problems.append(
+                    f"{p.path.name}: imports {mod}, which {dep} owns: add `Depends: {dep}`"
+                )
         seen.add(p.name)
     return problems
 
 
-_IMPORT_RE = re.compile(r"^\s*(?:from\s+(sglang(?:\.\w+)+)\s+import|import\s+(sglang(?:\.\w+)+))", re.M)
+_IMPORT_RE = re.compile(
+    r"^\s*(?:from\s+(sglang(?:\.\w+)+)\s+import|import\s+(sglang(?:\.\w+)+))", re.M
+)
 
 
 def _imported_modules(patch: Patch, root: Path) -> set[str]:
-    texts = [(root / own).read_text(errors="replace") for own in patch.owns
-             if own.endswith(".py") and (root / own).is_file()]
+    texts = [
+        (root / own).read_text(errors="replace")
+        for own in patch.owns
+        if own.endswith(".py") and (root / own).is_file()
+    ]
     diff = patch.path.read_text().partition("\n---\n")[2]
-    texts.append("\n".join(line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")))
+    texts.append(
+        "\n".join(
+            line[1:]
+            for line in diff.splitlines()
+            if line.startswith("+") and not line.startswith("+++")
+        )
+    )
     return {a or b for text in texts for a, b in _IMPORT_RE.findall(text)}
 
 
@@ -215,7 +246,9 @@ def _module_files(mod: str) -> list[str]:
 
 
 def series_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[str]:
-    problems = [f"{p.path.name}: {msg}" for p in patches for msg in header_problems(p, root)]
+    problems = [
+        f"{p.path.name}: {msg}" for p in patches for msg in header_problems(p, root)
+    ]
     problems += ownership_problems(patches, root)
     problems += dependency_problems(patches, root)
     return problems

@@ -53,7 +53,9 @@ def import_release(tree: Path, wheel: Path, version: str) -> str:
     Reused when the branch already holds this exact wheel (its sha256 is in the message).
     """
     sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    message = f"upstream sglang {version}\n\nImported from {wheel.name}\nsha256: {sha}\n"
+    message = (
+        f"upstream sglang {version}\n\nImported from {wheel.name}\nsha256: {sha}\n"
+    )
     ref = upstream_ref(version)
     if not (tree / ".git").exists():
         tree.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,9 @@ def extract_package(wheel: Path, dest: Path) -> None:
                 path.chmod(0o755)
 
 
-def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool = False) -> str:
+def apply_patch(
+    tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool = False
+) -> str:
     """Apply one patch exactly (no fuzz, no offset), add the files it owns (from ``src``), commit.
 
     ``three_way`` (editing trees only, never a build): a patch that no longer applies exactly
@@ -110,17 +114,31 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
         problems = apply_problems(patch, check.stderr)
         if check.returncode != 0 and not problems:
             problems = [check.stderr.strip()]
-    clash = [f"owns {own}, but upstream already ships a file there"
-             for own in patch.owns if (tree / own).exists()]
+    clash = [
+        f"owns {own}, but upstream already ships a file there"
+        for own in patch.owns
+        if (tree / own).exists()
+    ]
     if clash or (problems and not three_way):
         raise PatchError(
-            f"patch {patch.path.name} does not apply exactly:\n  " + "\n  ".join(problems + clash)
+            f"patch {patch.path.name} does not apply exactly:\n  "
+            + "\n  ".join(problems + clash)
         )
     if problems:
-        print(f"  {patch.path.name}: merged with git am -3 (" + "; ".join(problems) + ")", flush=True)
+        print(
+            f"  {patch.path.name}: merged with git am -3 (" + "; ".join(problems) + ")",
+            flush=True,
+        )
     before = out(tree, "rev-parse", "HEAD")
     if patch.files:
-        merged = git(tree, "am", "-q", "-3" if problems else "--no-3way", str(patch.path), check=False)
+        merged = git(
+            tree,
+            "am",
+            "-q",
+            "-3" if problems else "--no-3way",
+            str(patch.path),
+            check=False,
+        )
     else:  # no upstream file edited: nothing for git am to apply, only the message
         merged = _commit_message_only(tree, patch)
     copy_files(patch.owns, src, tree)
@@ -147,12 +165,29 @@ def apply_patch(tree: Path, patch: Patch, src: Path = REPO_ROOT, three_way: bool
 def _commit_message_only(tree: Path, patch: Patch):
     """Commit a patch that edits no upstream file (its owned files are added next), with the
     author, date and message ``git am`` would take from it."""
-    info = git(tree, "mailinfo", "/dev/null", "/dev/null", input=patch.path.read_text()).stdout
+    info = git(
+        tree, "mailinfo", "/dev/null", "/dev/null", input=patch.path.read_text()
+    ).stdout
     fields = dict(line.split(": ", 1) for line in info.splitlines() if ": " in line)
-    env = {"GIT_AUTHOR_NAME": fields.get("Author", ""), "GIT_AUTHOR_EMAIL": fields.get("Email", ""),
-           "GIT_AUTHOR_DATE": fields.get("Date", "")}
-    message = f"{patch.subject}\n\n{patch.body}\n" if patch.body else patch.subject + "\n"
-    return git(tree, "commit", "-q", "--allow-empty", "-F", "-", input=message, env=env, check=False)
+    env = {
+        "GIT_AUTHOR_NAME": fields.get("Author", ""),
+        "GIT_AUTHOR_EMAIL": fields.get("Email", ""),
+        "GIT_AUTHOR_DATE": fields.get("Date", ""),
+    }
+    message = (
+        f"{patch.subject}\n\n{patch.body}\n" if patch.body else patch.subject + "\n"
+    )
+    return git(
+        tree,
+        "commit",
+        "-q",
+        "--allow-empty",
+        "-F",
+        "-",
+        input=message,
+        env=env,
+        check=False,
+    )
 
 
 def copy_files(paths: list[str], src: Path, dst: Path) -> None:
@@ -162,7 +197,9 @@ def copy_files(paths: list[str], src: Path, dst: Path) -> None:
         shutil.copyfile(src / path, dst / path)
 
 
-def hunk_texts(patch: Patch) -> dict[str, list[tuple[str, list[str], list[str], list[str]]]]:
+def hunk_texts(
+    patch: Patch,
+) -> dict[str, list[tuple[str, list[str], list[str], list[str]]]]:
     """Each file's hunks, in order: (header, context lines, removed lines, added lines)."""
     hunks: dict[str, list[tuple[str, list[str], list[str], list[str]]]] = {}
     current = None
@@ -191,7 +228,9 @@ def apply_problems(patch: Patch, stderr: str) -> list[str]:
     for line in stderr.splitlines():
         if m := re.match(r"^Checking patch (\S+)\.\.\.$", line):
             current = m.group(1)
-        elif m := re.match(r"^Hunk #(\d+) succeeded at (\d+) \((offset|with fuzz) ([^)]*)\)", line):
+        elif m := re.match(
+            r"^Hunk #(\d+) succeeded at (\d+) \((offset|with fuzz) ([^)]*)\)", line
+        ):
             idx = int(m.group(1)) - 1
             header = hunks.get(current, [])[idx] if current in hunks else "?"
             problems.append(
@@ -201,7 +240,11 @@ def apply_problems(patch: Patch, stderr: str) -> list[str]:
         elif m := re.match(r"^error: patch failed: (\S+):(\d+)$", line):
             path, start = m.group(1), int(m.group(2))
             header = next(
-                (h for h in hunks.get(path, []) if int(re.match(r"@@ -(\d+)", h).group(1)) == start),
+                (
+                    h
+                    for h in hunks.get(path, [])
+                    if int(re.match(r"@@ -(\d+)", h).group(1)) == start
+                ),
                 f"@@ -{start} @@",
             )
             problems.append(f"{path}: hunk {header} does not match the upstream text")
@@ -210,7 +253,9 @@ def apply_problems(patch: Patch, stderr: str) -> list[str]:
     return problems
 
 
-def fork_version(upstream_version: str, patches: list[Patch], src: Path = REPO_ROOT) -> str:
+def fork_version(
+    upstream_version: str, patches: list[Patch], src: Path = REPO_ROOT
+) -> str:
     """``<upstream>+fork.<number of patches>.<7 hex of the series' content>`` (PEP 440 local)."""
     h = hashlib.sha256(upstream_version.encode())
     for p in patches:
@@ -225,14 +270,20 @@ def manifest(upstream_version: str, version: str, patches: list[Patch]) -> dict:
         "version": version,
         "upstream": upstream_version,
         "series": [
-            {"name": p.name, "subject": p.subject, "server_args": p.flags,
-             "upstream_status": p.first("Upstream-Status")}
+            {
+                "name": p.name,
+                "subject": p.subject,
+                "server_args": p.flags,
+                "upstream_status": p.first("Upstream-Status"),
+            }
             for p in patches
         ],
     }
 
 
-def _stamp(tree: Path, upstream_version: str, version: str, patches: list[Patch]) -> None:
+def _stamp(
+    tree: Path, upstream_version: str, version: str, patches: list[Patch]
+) -> None:
     """Record the fork's version where ``sglang.version`` and the fork module read it."""
     local = version.split("+", 1)[1]
     parts = ", ".join(str(int(x)) for x in upstream_version.split(".") if x.isdigit())
@@ -249,11 +300,20 @@ def _stamp(tree: Path, upstream_version: str, version: str, patches: list[Patch]
     git(tree, "commit", "-q", "-m", f"fork stamp: sglang {version}")
 
 
-def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch],
-             stamp: bool = True, src: Path = REPO_ROOT, three_way: bool = False) -> Assembled:
+def assemble(
+    tree: Path,
+    wheel: Path,
+    upstream_version: str,
+    patches: list[Patch],
+    stamp: bool = True,
+    src: Path = REPO_ROOT,
+    three_way: bool = False,
+) -> Assembled:
     """Upstream root commit + one commit per patch; ``src`` is the fork repository holding
     the owned files (another one in tests); ``three_way`` only for editing trees."""
-    if (tree / ".git" / "rebase-apply").exists():  # a stopped `git am` (editing tree): start afresh
+    if (
+        tree / ".git" / "rebase-apply"
+    ).exists():  # a stopped `git am` (editing tree): start afresh
         print(f"  {tree}: discarding the unfinished `git am` left there", flush=True)
         git(tree, "am", "--abort", check=False)
         shutil.rmtree(tree / ".git" / "rebase-apply", ignore_errors=True)
@@ -266,24 +326,35 @@ def assemble(tree: Path, wheel: Path, upstream_version: str, patches: list[Patch
     version = fork_version(upstream_version, patches, src)
     if stamp:
         _stamp(tree, upstream_version, version, patches)
-    return Assembled(tree, upstream_version, base, applied, version, out(tree, "rev-parse", "HEAD"))
+    return Assembled(
+        tree, upstream_version, base, applied, version, out(tree, "rev-parse", "HEAD")
+    )
 
 
-def continue_assembly(tree: Path, upstream_version: str, patches: list[Patch],
-                      src: Path = REPO_ROOT) -> list[Applied]:
+def continue_assembly(
+    tree: Path, upstream_version: str, patches: list[Patch], src: Path = REPO_ROOT
+) -> list[Applied]:
     """After a conflict stopped an editing tree and the person finished ``git am --continue``:
     merge the rest of the series (git am -3), each with the files it owns."""
     if (tree / ".git" / "rebase-apply").exists():
-        raise PatchError(f"a `git am` is still in progress in {tree}: resolve, `git add -A`, "
-                         "`git am --continue`, then continue the tree again")
+        raise PatchError(
+            f"a `git am` is still in progress in {tree}: resolve, `git add -A`, "
+            "`git am --continue`, then continue the tree again"
+        )
     base = out(tree, "merge-base", "HEAD", upstream_ref(upstream_version))
     done = len(out(tree, "rev-list", f"{base}..HEAD").split())
     if done > len(patches):
-        raise PatchError(f"{tree} holds {done} commits above upstream, the series only {len(patches)}")
-    return [Applied(p, apply_patch(tree, p, src, three_way=True)) for p in patches[done:]]
+        raise PatchError(
+            f"{tree} holds {done} commits above upstream, the series only {len(patches)}"
+        )
+    return [
+        Applied(p, apply_patch(tree, p, src, three_way=True)) for p in patches[done:]
+    ]
 
 
-def numstat(tree: Path, parent: str, commit: str, paths: list[str] | None = None) -> tuple[int, int]:
+def numstat(
+    tree: Path, parent: str, commit: str, paths: list[str] | None = None
+) -> tuple[int, int]:
     """Lines added and removed between two commits (optionally only in ``paths``)."""
     text = out(tree, "diff", "--numstat", parent, commit, "--", *(paths or []))
     added = removed = 0
@@ -300,8 +371,17 @@ def numstat(tree: Path, parent: str, commit: str, paths: list[str] | None = None
 
 def owned_files(tree: Path, commit: str) -> list[str]:
     """The files of ours a commit owns: the ones it adds under python/sglang (not the stamp)."""
-    added = out(tree, "diff", "--name-only", "--diff-filter=A", "--no-renames",
-                f"{commit}^", commit, "--", PKG).split()
+    added = out(
+        tree,
+        "diff",
+        "--name-only",
+        "--diff-filter=A",
+        "--no-renames",
+        f"{commit}^",
+        commit,
+        "--",
+        PKG,
+    ).split()
     return [f for f in added if f not in STAMP_FILES]
 
 
@@ -312,7 +392,15 @@ def commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
     header cannot keep naming a file the commit no longer carries.
     """
     excludes = [f":(exclude){o}" for o in owns]
-    fmt = ("format-patch", "-1", commit, "--stdout", "--zero-commit", "--no-signature", "--full-index")
+    fmt = (
+        "format-patch",
+        "-1",
+        commit,
+        "--stdout",
+        "--zero-commit",
+        "--no-signature",
+        "--full-index",
+    )
     if out(tree, "diff", "--name-only", f"{commit}^", commit, "--", ".", *excludes):
         text = out_diff(tree, *fmt, "--", ".", *excludes) + "\n"
         head, sep, diff = text.partition("\n---\n")
@@ -322,12 +410,18 @@ def commit_patch(tree: Path, commit: str, owns: list[str]) -> str:
     head = "\n".join(line for line in head.split("\n") if not line.startswith("Owns: "))
     trailers = [arg for own in owns for arg in ("--trailer", f"Owns: {own}")]
     return git(
-        tree, "interpret-trailers", "--if-exists", "addIfDifferent", *trailers,
+        tree,
+        "interpret-trailers",
+        "--if-exists",
+        "addIfDifferent",
+        *trailers,
         input=head + sep + diff,
     ).stdout
 
 
-def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = None) -> list[str]:
+def refresh(
+    tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = None
+) -> list[str]:
     """Write the commits of ``tree``'s branch ``fork`` back to ``root``'s patches/ and
     python/sglang/; returns what it wrote.
 
@@ -349,11 +443,15 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
             "`make tree`, edit and commit there, then `make refresh`"
         )
     if out(tree, "rev-parse", "--abbrev-ref", "HEAD") != "fork":
-        raise ForkError(f"{tree}: HEAD is not on branch 'fork' (a rebase or am in progress?); finish it first")
+        raise ForkError(
+            f"{tree}: HEAD is not on branch 'fork' (a rebase or am in progress?); finish it first"
+        )
     dirty = out(tree, "status", "--porcelain", "--untracked-files=no")
     if dirty:
-        raise ForkError(f"{tree} has uncommitted changes (commit them, or `git checkout` them away):\n  "
-                        + "\n  ".join(dirty.splitlines()))
+        raise ForkError(
+            f"{tree} has uncommitted changes (commit them, or `git checkout` them away):\n  "
+            + "\n  ".join(dirty.splitlines())
+        )
 
     # Each commit keeps its patch's name: matched by subject, else by position, else new.
     old_paths = read_series(series_file) if series_file.exists() else []
@@ -366,9 +464,15 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
     for i, (commit, subject) in enumerate(zip(commits, subjects)):
         name = old.get(subject)
         if name is None or name in names:
-            name = old_names[i] if i < len(old_names) and old_names[i] not in old.values() else None
+            name = (
+                old_names[i]
+                if i < len(old_names) and old_names[i] not in old.values()
+                else None
+            )
         if name is None or name in names:
-            slug = "-".join(out(tree, "log", "-1", "--format=%f", commit).split("-")[:6])
+            slug = "-".join(
+                out(tree, "log", "-1", "--format=%f", commit).split("-")[:6]
+            )
             name = f"{i + 1:04d}-{slug}.patch"
         names.append(name)
 
@@ -376,7 +480,9 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
     owns_of, problems = [], []
     for commit, name in zip(commits, names):
         owns = owned_files(tree, commit)
-        edited = out(tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit, "--", PKG).split()
+        edited = out(
+            tree, "diff", "--name-only", "--no-renames", f"{commit}^", commit, "--", PKG
+        ).split()
         for f in sorted(set(edited) - set(owns)):
             if f in owner:
                 problems.append(
@@ -400,9 +506,18 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
             (staged / own).write_bytes(_show(tree, commit, own))
         (staged / "patches" / name).write_text(commit_patch(tree, commit, owns))
     # A rebase's comments on the patches it dropped stay (conftest skips their tests by them).
-    dropped = [line for line in series_file.read_text().splitlines()
-               if DROPPED_RE.match(line.strip())] if series_file.exists() else []
-    (staged / "patches" / "series").write_text("".join(n + "\n" for n in names + dropped))
+    dropped = (
+        [
+            line
+            for line in series_file.read_text().splitlines()
+            if DROPPED_RE.match(line.strip())
+        ]
+        if series_file.exists()
+        else []
+    )
+    (staged / "patches" / "series").write_text(
+        "".join(n + "\n" for n in names + dropped)
+    )
     for extra in ("test",):  # what a header names besides our files
         if (root / extra).exists():
             (staged / extra).symlink_to(root / extra)
@@ -413,14 +528,22 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
 
     owned = {f for owns in owns_of for f in owns}
     for f in (root / PKG).rglob("*") if (root / PKG).exists() else []:
-        if f.is_file() and "__pycache__" not in f.parts and str(f.relative_to(root)) not in owned:
+        if (
+            f.is_file()
+            and "__pycache__" not in f.parts
+            and str(f.relative_to(root)) not in owned
+        ):
             f.unlink()
     for f in (root / "patches").glob("*.patch"):
         if f.name not in names:
             f.unlink()
     wrote = []
     for f in sorted(staged.rglob("*")):
-        if f.is_file() and not f.is_symlink() and "test" not in f.relative_to(staged).parts[:1]:
+        if (
+            f.is_file()
+            and not f.is_symlink()
+            and "test" not in f.relative_to(staged).parts[:1]
+        ):
             dst = root / f.relative_to(staged)
             dst.parent.mkdir(parents=True, exist_ok=True)
             if not dst.exists() or dst.read_bytes() != f.read_bytes():
@@ -433,4 +556,6 @@ def refresh(tree: Path, root: Path = REPO_ROOT, upstream_version: str | None = N
 def _show(tree: Path, commit: str, path: str) -> bytes:
     import subprocess
 
-    return subprocess.run(["git", "show", f"{commit}:{path}"], cwd=tree, check=True, capture_output=True).stdout
+    return subprocess.run(
+        ["git", "show", f"{commit}:{path}"], cwd=tree, check=True, capture_output=True
+    ).stdout

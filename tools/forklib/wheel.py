@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import base64
 import csv
-import io
 import hashlib
+import io
 import re
 import subprocess
 import zipfile
@@ -22,12 +22,15 @@ _EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
 def _record_hash(data: bytes) -> str:
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    digest = (
+        base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    )
     return f"sha256={digest}"
 
 
-def build_wheel(tree: Path, upstream_wheel: Path, upstream_version: str, version: str,
-                out_dir: Path) -> Path:
+def build_wheel(
+    tree: Path, upstream_wheel: Path, upstream_version: str, version: str, out_dir: Path
+) -> Path:
     tag = upstream_wheel.name.split("-", 2)[2].removesuffix(".whl")
     out_dir.mkdir(parents=True, exist_ok=True)
     target = out_dir / f"sglang-{version}-{tag}.whl"
@@ -35,7 +38,11 @@ def build_wheel(tree: Path, upstream_wheel: Path, upstream_version: str, version
     old_info = f"sglang-{upstream_version}.dist-info/"
     new_info = f"sglang-{version}.dist-info/"
     files = subprocess.run(
-        ["git", "ls-files", "-s", "--", PKG], cwd=tree, check=True, capture_output=True, text=True
+        ["git", "ls-files", "-s", "--", PKG],
+        cwd=tree,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.splitlines()
     record = []
     with zipfile.ZipFile(upstream_wheel) as up, zipfile.ZipFile(
@@ -61,7 +68,9 @@ def build_wheel(tree: Path, upstream_wheel: Path, upstream_version: str, version
                 continue
             data = up.read(info)
             if name.endswith("/METADATA"):
-                data = re.sub(rb"(?m)^Version: .*$", f"Version: {version}".encode(), data, count=1)
+                data = re.sub(
+                    rb"(?m)^Version: .*$", f"Version: {version}".encode(), data, count=1
+                )
             add(name, data)
         record.append((f"{new_info}RECORD", "", ""))
         text = io.StringIO()

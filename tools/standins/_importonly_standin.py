@@ -19,7 +19,9 @@ class _Stub:
         self._name = name
 
     def __call__(self, *args, **kwargs):
-        raise RuntimeError(f"{self._name} is an import-only stand-in (tools/standins): it cannot run here")
+        raise RuntimeError(
+            f"{self._name} is an import-only stand-in (tools/standins): it cannot run here"
+        )
 
     def __getattr__(self, attr: str):
         if attr.startswith("__"):

@@ -20,6 +20,7 @@ def _after_import(name):
     def register(fn):
         _AFTER_IMPORT[name] = fn
         return fn
+
     return register
 
 
@@ -49,4 +50,6 @@ sys.meta_path.insert(0, _PatchOnImport())
 
 @_after_import("sglang.kernels.ops.layernorm.mhc")
 def _sinkhorn_on_triton(mhc):
-    mhc.is_gfx1250_supported = lambda: True  # read by hc_split_sinkhorn alone, at call time
+    mhc.is_gfx1250_supported = (
+        lambda: True
+    )  # read by hc_split_sinkhorn alone, at call time

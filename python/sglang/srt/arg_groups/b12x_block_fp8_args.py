@@ -16,5 +16,7 @@ def parse_block_fp8_mxfp8_backend(value) -> str:
     """type_parser of the flag: one of CHOICES, or ArgumentTypeError listing them."""
     v = str(value).strip().lower()
     if v not in CHOICES:
-        raise argparse.ArgumentTypeError(f"{FLAG} {value!r}: accepted: b12x (unset: upstream's resolver)")
+        raise argparse.ArgumentTypeError(
+            f"{FLAG} {value!r}: accepted: b12x (unset: upstream's resolver)"
+        )
     return v

@@ -29,7 +29,9 @@ def _int_in(value, lo: int, hi: int, flag: str, what: str) -> int:
 
 def parse_fast_load_num_threads(value) -> int:
     """type_parser of --weight-loader-fast-load-num-threads: an integer in 1..256."""
-    return _int_in(value, 1, 256, "--weight-loader-fast-load-num-threads", "thread count")
+    return _int_in(
+        value, 1, 256, "--weight-loader-fast-load-num-threads", "thread count"
+    )
 
 
 def parse_fast_load_slab_mb(value) -> int:
@@ -40,7 +42,10 @@ def parse_fast_load_slab_mb(value) -> int:
 def validate_fast_load(cfg) -> None:
     """The model namespace's check (Engine(...) bypasses argparse): refuses every
     combination where a fast-load flag would do nothing or read the checkpoint twice."""
-    threads, slab = cfg.weight_loader_fast_load_num_threads, cfg.weight_loader_fast_load_slab_mb
+    threads, slab = (
+        cfg.weight_loader_fast_load_num_threads,
+        cfg.weight_loader_fast_load_slab_mb,
+    )
     if threads is not None:  # Engine(...) bypasses argparse: the values are parsed here
         parse_fast_load_num_threads(threads)
     if slab is not None:
@@ -58,8 +63,15 @@ def validate_fast_load(cfg) -> None:
             f"safetensors); got --load-format {cfg.load_format}"
         )
     path = cfg.model_path
-    if path and os.path.isdir(path) and not glob.glob(os.path.join(path, "*.safetensors")):
-        found = sorted(glob.glob(os.path.join(path, "*.bin")) + glob.glob(os.path.join(path, "*.pt")))
+    if (
+        path
+        and os.path.isdir(path)
+        and not glob.glob(os.path.join(path, "*.safetensors"))
+    ):
+        found = sorted(
+            glob.glob(os.path.join(path, "*.bin"))
+            + glob.glob(os.path.join(path, "*.pt"))
+        )
         if found:
             raise ValueError(
                 f"--weight-loader-fast-load reads safetensors checkpoints; {path} holds "
@@ -70,7 +82,10 @@ def validate_fast_load(cfg) -> None:
             cfg.weight_loader_prefetch_checkpoints,
             "it reads every byte of every shard into the page cache, the bytes fast load skips included",
         ),
-        "--weight-loader-disable-mmap": (cfg.weight_loader_disable_mmap, "fast load never maps the files"),
+        "--weight-loader-disable-mmap": (
+            cfg.weight_loader_disable_mmap,
+            "fast load never maps the files",
+        ),
         "--startup-weight-load-mode overlap": (
             cfg.startup_weight_load_mode == "overlap",
             "it stages whole shards in the page cache during capture",
@@ -78,12 +93,17 @@ def validate_fast_load(cfg) -> None:
     }
     for flag, (on, why) in refused.items():
         if on:
-            raise ValueError(f"--weight-loader-fast-load cannot be combined with {flag}: {why}")
+            raise ValueError(
+                f"--weight-loader-fast-load cannot be combined with {flag}: {why}"
+            )
     try:
         extra = json.loads(cfg.model_loader_extra_config or "{}")
     except ValueError:
         extra = {}
-    clash = sorted({"enable_multithread_load", "num_threads"} & set(extra if isinstance(extra, dict) else {}))
+    clash = sorted(
+        {"enable_multithread_load", "num_threads"}
+        & set(extra if isinstance(extra, dict) else {})
+    )
     if clash:
         raise ValueError(
             f"--weight-loader-fast-load replaces the multi-threaded loader: --model-loader-extra-config "

@@ -13,7 +13,9 @@ FLAG_NAMES = ("--loop-abort-max-period", "--loop-abort-min-tokens")
 MAX_PERIOD_LIMIT = 4096
 
 
-def positive_int(name: str, value: Any, limit: Optional[int] = None, error: type = ValueError) -> int:
+def positive_int(
+    name: str, value: Any, limit: Optional[int] = None, error: type = ValueError
+) -> int:
     """``value`` as an integer in 1..``limit``, or ``error`` naming ``name`` (a flag, or a
     request's custom parameter, whose bad value is a 400)."""
     try:
@@ -28,7 +30,9 @@ def positive_int(name: str, value: Any, limit: Optional[int] = None, error: type
 
 def parse_loop_abort_max_period(value: Any) -> int:
     """type_parser of --loop-abort-max-period: an integer in 1..MAX_PERIOD_LIMIT."""
-    return positive_int(FLAG_NAMES[0], value, MAX_PERIOD_LIMIT, argparse.ArgumentTypeError)
+    return positive_int(
+        FLAG_NAMES[0], value, MAX_PERIOD_LIMIT, argparse.ArgumentTypeError
+    )
 
 
 def parse_loop_abort_min_tokens(value: Any) -> int:

@@ -35,7 +35,9 @@ Weight = tuple[int, int, str]  # (address, bytes, name)
 
 def weight_of(tensor: torch.Tensor, name: str = "") -> Weight:
     if not tensor.is_contiguous():
-        raise ValueError(f"L2 prefetch: weight {name or tuple(tensor.shape)} is not contiguous")
+        raise ValueError(
+            f"L2 prefetch: weight {name or tuple(tensor.shape)} is not contiguous"
+        )
     return tensor.data_ptr(), tensor.numel() * tensor.element_size(), name
 
 
@@ -44,7 +46,9 @@ class L2PrefetchPlanner:
 
     def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
         if budget_bytes <= 0:
-            raise ValueError(f"L2 prefetch: budget {budget_bytes} bytes must be positive")
+            raise ValueError(
+                f"L2 prefetch: budget {budget_bytes} bytes must be positive"
+            )
         self.budget_bytes = budget_bytes
         self.plans: dict[Hashable, tuple[tuple[Weight, ...], ...]] = {}
         self.disabled: set = set()
@@ -60,7 +64,9 @@ class L2PrefetchPlanner:
 
     def begin(self, key) -> Optional[str]:
         if self._key is not None:
-            raise RuntimeError(f"L2 prefetch: forward {key!r} begins inside forward {self._key!r}")
+            raise RuntimeError(
+                f"L2 prefetch: forward {key!r} begins inside forward {self._key!r}"
+            )
         self._key, self._mode, self._spans = key, self.mode_for(key), [[]]
         return self._mode
 
@@ -77,7 +83,9 @@ class L2PrefetchPlanner:
         if self._mode != "apply":
             return []
         spans = self.plans[self._key]
-        index = len(self._spans) - 2  # spans after collectives: plan index 0 = after the first
+        index = (
+            len(self._spans) - 2
+        )  # spans after collectives: plan index 0 = after the first
         return self.ranges(spans[index]) if index < len(spans) else []
 
     def ranges(self, span) -> list[tuple[int, int]]:
@@ -98,7 +106,9 @@ class L2PrefetchPlanner:
         self._spans = []
         if mode is None:
             return None
-        seen = tuple(tuple(s) for s in spans[1:])  # what precedes the first collective has no fork
+        seen = tuple(
+            tuple(s) for s in spans[1:]
+        )  # what precedes the first collective has no fork
         if mode == "learn":
             self.plans[key] = seen
             return "learned"
@@ -109,7 +119,8 @@ class L2PrefetchPlanner:
         del self.plans[key]
         logger.warning(
             "L2 prefetch MISMATCH for %r: %s; this shape runs without prefetch from now on",
-            key, _first_difference(plan, seen),
+            key,
+            _first_difference(plan, seen),
         )
         return "mismatch"
 

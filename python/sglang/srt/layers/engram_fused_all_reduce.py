@@ -79,7 +79,10 @@ def validate_engram_fused_all_reduce(cfg, model_arch: str, hf_config) -> bool:
     from sglang.srt.environ import envs
 
     for env, what in (
-        ("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS", "each rank reads its peers' shards in place"),
+        (
+            "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS",
+            "each rank reads its peers' shards in place",
+        ),
         ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", None),
     ):
         placement = getattr(envs, env, None)  # None: a release without that placement
@@ -90,7 +93,9 @@ def validate_engram_fused_all_reduce(cfg, model_arch: str, hf_config) -> bool:
             if layout != "shared":
                 continue
             what = "every rank reads the whole shared host table (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=shared)"
-        raise ValueError(f"{FLAG} does nothing with {env}=1: {what}, the lookup has no all-reduce")
+        raise ValueError(
+            f"{FLAG} does nothing with {env}=1: {what}, the lookup has no all-reduce"
+        )
     check_rows_partition(hf_config, cfg.tp_size)
     return True
 
@@ -107,7 +112,11 @@ def check_rows_partition(hf_config, tp_size: int) -> None:
         bounds = layout.column_bounds(index)
         ranges = [shard_range(rows, bounds, rank, tp_size) for rank in range(tp_size)]
         edges = [0] + [end for _, end in ranges]
-        if [start for start, _ in ranges] != edges[:-1] or edges[-1] != rows or edges != sorted(edges):
+        if (
+            [start for start, _ in ranges] != edges[:-1]
+            or edges[-1] != rows
+            or edges != sorted(edges)
+        ):
             raise ValueError(
                 f"{FLAG}: Engram layer {layer_id}'s {rows} rows are not split into disjoint "
                 f"ranges over {tp_size} TP ranks ({ranges}); one all-reduce would not give the "
@@ -136,13 +145,18 @@ class FusedRows:
         self.engrams = prefetch.engrams
         gathered = [got.pending[e.layer_hash_index] for e in self.engrams]
         if not all(reduce for _, reduce, _ in gathered):
-            raise RuntimeError(f"{FLAG}: an Engram lookup without a TP all-reduce reached the fused path")
+            raise RuntimeError(
+                f"{FLAG}: an Engram lookup without a TP all-reduce reached the fused path"
+            )
         stream = prefetch.stream
         self.shapes = [rows.shape for rows, _, _ in gathered]
         first = gathered[0][0]
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            self.buffer = torch.empty(sum(r.numel() for r, _, _ in gathered), dtype=first.dtype,
-                                      device=first.device)
+            self.buffer = torch.empty(
+                sum(r.numel() for r, _, _ in gathered),
+                dtype=first.dtype,
+                device=first.device,
+            )
             offset = 0
             for rows, _, _ in gathered:
                 self.buffer[offset : offset + rows.numel()].view(rows.shape).copy_(rows)
@@ -171,7 +185,11 @@ class FusedRows:
         for engram, shape in zip(self.engrams, self.shapes):
             n = shape.numel()
             # handed out by the prefetch as already-reduced rows (its check mode compares them)
-            self.got.pending[engram.layer_hash_index] = (reduced[offset : offset + n].view(shape), False, None)
+            self.got.pending[engram.layer_hash_index] = (
+                reduced[offset : offset + n].view(shape),
+                False,
+                None,
+            )
             offset += n
         self.reduced = True
 
@@ -183,7 +201,9 @@ def fuse_engram_all_reduce(enabled: bool, prefetch, layout):
     if not enabled:
         return prefetch
     if prefetch is None:
-        raise RuntimeError(f"{FLAG} needs --engram-prefetch on and an Engram layer on this rank")
+        raise RuntimeError(
+            f"{FLAG} needs --engram-prefetch on and an Engram layer on this rank"
+        )
     from sglang.srt.layers.engram import shard_range
     from sglang.srt.runtime_context import get_parallel
 
@@ -191,9 +211,19 @@ def fuse_engram_all_reduce(enabled: bool, prefetch, layout):
     for engram in prefetch.engrams:
         embed, index = engram.embed, engram.layer_hash_index
         layer = layout.layer_ids[index]
-        expected = shard_range(layout.num_embeddings[index], layout.column_bounds(index), tp_rank, embed.tp_size)
+        expected = shard_range(
+            layout.num_embeddings[index],
+            layout.column_bounds(index),
+            tp_rank,
+            embed.tp_size,
+        )
         found = (embed.row_start, embed.row_start + embed.rows)
-        if embed.tp_size <= 1 or embed.peer is not None or embed._shared or found != expected:
+        if (
+            embed.tp_size <= 1
+            or embed.peer is not None
+            or embed._shared
+            or found != expected
+        ):
             raise RuntimeError(
                 f"{FLAG}: Engram layer {layer} is not looked up from a TP-sharded table with a "
                 f"per-layer all-reduce (tp_size={embed.tp_size}, peer shards={embed.peer is not None}, "
@@ -202,6 +232,8 @@ def fuse_engram_all_reduce(enabled: bool, prefetch, layout):
     logger.info(
         "engram fused all-reduce (%s): the lookups of %d Engram layers (%s) are reduced with "
         "one TP all-reduce per decode / target-verify forward, at the first Engram layer",
-        FLAG, len(prefetch.engrams), ", ".join(str(layout.layer_ids[e.layer_hash_index]) for e in prefetch.engrams),
+        FLAG,
+        len(prefetch.engrams),
+        ", ".join(str(layout.layer_ids[e.layer_hash_index]) for e in prefetch.engrams),
     )
     return FusedEngramAllReduce(prefetch)

@@ -43,8 +43,18 @@ _USAGE = (
 )
 # upstream EngramEmbedding members the side-stream gather reads (checked at build: a rebase
 # that renames one refuses to load instead of serving a different lookup)
-_EMBEDDING_MEMBERS = ("peer", "host_table", "tp_size", "dim", "new_rows", "_owned_rows",
-                      "_reduce_owned_rows", "_shared", "_table_ptrs", "_sort_host_reads")
+_EMBEDDING_MEMBERS = (
+    "peer",
+    "host_table",
+    "tp_size",
+    "dim",
+    "new_rows",
+    "_owned_rows",
+    "_reduce_owned_rows",
+    "_shared",
+    "_table_ptrs",
+    "_sort_host_reads",
+)
 REPORT_EVERY_S = 60.0
 
 
@@ -68,8 +78,12 @@ def validate_engram_prefetch(cfg, model_arch: str, hf_config) -> str:
             "(DeepSeek-V4.1 checkpoints list them in engram_layer_ids)"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
-        raise ValueError(f"--engram-prefetch={mode}: needs --device cuda (a side stream), got {cfg.device}")
-    if cfg.tp_size > 1 and (getattr(cfg, "attn_dp_size", 1) > 1 or getattr(cfg, "dp_size", 1) > 1):
+        raise ValueError(
+            f"--engram-prefetch={mode}: needs --device cuda (a side stream), got {cfg.device}"
+        )
+    if cfg.tp_size > 1 and (
+        getattr(cfg, "attn_dp_size", 1) > 1 or getattr(cfg, "dp_size", 1) > 1
+    ):
         raise ValueError(
             f"--engram-prefetch={mode} with DP attention: the Engram lookup gathers every DP "
             "rank's hash ids first (a collective per layer), which the side stream does not move"
@@ -101,14 +115,20 @@ class EngramPrefetch:
             or getattr(forward_batch, "engram_staged_rows", None) is not None
         ):
             return None
-        main = torch.cuda.current_stream(self.device) if self.stream is not None else None
+        main = (
+            torch.cuda.current_stream(self.device) if self.stream is not None else None
+        )
         if self.stream is not None:
             self.stream.wait_stream(main)  # the hash ids are written on the main stream
             hash_ids.record_stream(self.stream)
         pending = {}
-        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+        with (
+            torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        ):
             for engram in self.engrams:
-                rows, reduce = _local_rows(engram.embed, hash_ids[:, engram.layer_hash_index])
+                rows, reduce = _local_rows(
+                    engram.embed, hash_ids[:, engram.layer_hash_index]
+                )
                 event = None
                 if self.stream is not None:
                     event = torch.cuda.Event()
@@ -129,11 +149,18 @@ class EngramPrefetch:
         """(gathers checked, gathers whose bits differed) so far; logs them (a device sync)."""
         checked, differing = int(self.checked), int(self.differing)
         if differing:
-            logger.error("engram prefetch check: %d of %d gathers differed from the synchronous "
-                         "lookup (the synchronous values were served)", differing, checked)
+            logger.error(
+                "engram prefetch check: %d of %d gathers differed from the synchronous "
+                "lookup (the synchronous values were served)",
+                differing,
+                checked,
+            )
         else:
-            logger.info("engram prefetch check: %d gathers, all bitwise equal to the synchronous "
-                        "lookup", checked)
+            logger.info(
+                "engram prefetch check: %d gathers, all bitwise equal to the synchronous "
+                "lookup",
+                checked,
+            )
         return checked, differing
 
 
@@ -157,9 +184,13 @@ class Prefetched:
         stock = engram.embed_rows(hash_ids, forward_batch, False)
         same = torch.equal if not stock.is_cuda else None
         if same is not None:
-            self.owner.differing += int(not same(stock.view(torch.int16), rows.view(torch.int16)))
+            self.owner.differing += int(
+                not same(stock.view(torch.int16), rows.view(torch.int16))
+            )
         else:
-            self.owner.differing += (stock.view(torch.int16) != rows.view(torch.int16)).any()
+            self.owner.differing += (
+                stock.view(torch.int16) != rows.view(torch.int16)
+            ).any()
         self.owner.checked += 1
         return stock
 
@@ -176,19 +207,28 @@ def _local_rows(embed, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
         from sglang.kernels.ops.quantization.fp4_fake_quant import FP8_BLOCK_SIZE
 
         out = embed.new_rows(ids)
-        engram_gather(*embed._table_ptrs(), ids.reshape(-1), out.view(-1, embed.dim), embed.dim,
-                      FP8_BLOCK_SIZE, sort_ids=embed._sort_host_reads)
+        engram_gather(
+            *embed._table_ptrs(),
+            ids.reshape(-1),
+            out.view(-1, embed.dim),
+            embed.dim,
+            FP8_BLOCK_SIZE,
+            sort_ids=embed._sort_host_reads,
+        )
         return out, False
     return embed._owned_rows(ids), embed.tp_size > 1
 
 
 def build_engram_prefetch(mode: str, layers, device=None) -> Optional[EngramPrefetch]:
     """The model's prefetch for ``--engram-prefetch`` (None when off or without Engram layers
-    on this rank), on ``device`` (default: the current CUDA device); logs what it serves."""
+    on this rank), on ``device`` (default: the current CUDA device); logs what it serves.
+    """
     mode = parse_engram_prefetch(mode)
     if mode == "off":
         return None
-    engrams = [e for e in (getattr(layer, "engram", None) for layer in layers) if e is not None]
+    engrams = [
+        e for e in (getattr(layer, "engram", None) for layer in layers) if e is not None
+    ]
     if not engrams:
         return None
     missing = [m for m in _EMBEDDING_MEMBERS if not hasattr(engrams[0].embed, m)]
@@ -203,8 +243,14 @@ def build_engram_prefetch(mode: str, layers, device=None) -> Optional[EngramPref
     logger.info(
         "engram prefetch (--engram-prefetch=%s): the gathers of %d Engram layers (%s) run on a "
         "side stream right after the hasher in decode and target-verify%s",
-        mode, len(engrams), ", ".join(str(e.layer_hash_index) for e in engrams),
-        "; check mode serves the synchronous lookup and counts differing gathers" if mode == "check" else "",
+        mode,
+        len(engrams),
+        ", ".join(str(e.layer_hash_index) for e in engrams),
+        (
+            "; check mode serves the synchronous lookup and counts differing gathers"
+            if mode == "check"
+            else ""
+        ),
     )
     return EngramPrefetch(mode, engrams, device)
 

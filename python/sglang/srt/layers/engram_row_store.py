@@ -67,13 +67,18 @@ def validate_engram_row_store(cfg, *, has_engram=None) -> None:
         )
     from sglang.srt.environ import envs
 
-    for env in ("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS"):
+    for env in (
+        "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
+        "SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS",
+    ):
         placement = getattr(envs, env, None)  # None: a release without that placement
         if placement is not None and placement.get():
             raise ValueError(
                 f"{FLAG} cannot be used with {env}=1: that places the Engram tables elsewhere"
             )
-    prefetch = getattr(cfg, "engram_prefetch", "off")  # the Engram prefetch patch's flag, if in the series
+    prefetch = getattr(
+        cfg, "engram_prefetch", "off"
+    )  # the Engram prefetch patch's flag, if in the series
     if prefetch not in (None, "off"):
         raise ValueError(
             f"{FLAG} cannot be used with --engram-prefetch={prefetch}: the prefetch gathers from the "
@@ -110,7 +115,9 @@ DEFAULT_CACHE_GIB = 16.0
 _STORES: list["EngramRowStore"] = []
 
 
-def maybe_engram_row_store(offload_cfg, label: str, row_start: int, rows: int, dim: int):
+def maybe_engram_row_store(
+    offload_cfg, label: str, row_start: int, rows: int, dim: int
+):
     """The store for one Engram table shard when ``--engram-row-store-dir`` is set, else None."""
     directory = offload_cfg.engram_row_store_dir
     if directory is None:
@@ -147,17 +154,22 @@ class EngramRowStore:
         direct_io: Optional[bool] = None,
     ):
         if dim % SCALE_BLOCK:
-            raise ValueError(f"engram row store {label}: dim {dim} is not a multiple of {SCALE_BLOCK}")
+            raise ValueError(
+                f"engram row store {label}: dim {dim} is not a multiple of {SCALE_BLOCK}"
+            )
         self.label, self.row_start, self.rows, self.dim = label, row_start, rows, dim
         self.rec = dim + dim // SCALE_BLOCK
         rank = _rank_tag()
         self.path = os.path.join(
-            directory, f"engram-{label}-rows{row_start}-{row_start + rows}-dim{dim}{rank}.rows"
+            directory,
+            f"engram-{label}-rows{row_start}-{row_start + rows}-dim{dim}{rank}.rows",
         )
         self.cache_bytes = cache_bytes
         # Reads overlap on a thread pool where there are cores for it; on 2 cores the pool's
         # hand-offs cost more than they overlap (benchmark/results/engram_row_store-cpu-2core.json).
-        self.threads = min(16, len(os.sched_getaffinity(0))) if threads is None else threads
+        self.threads = (
+            min(16, len(os.sched_getaffinity(0))) if threads is None else threads
+        )
         self.want_direct = direct_io
         self._pending: dict[str, torch.Tensor] = {}
         self._written_s: Optional[float] = None
@@ -166,8 +178,18 @@ class EngramRowStore:
         self.capacity = 0
         self.pool: Optional[ThreadPoolExecutor] = None
         self.lock = threading.Lock()
-        self.stats = {"lookups": 0, "rows": 0, "unique": 0, "hits": 0, "misses": 0,
-                      "uncached": 0, "reads": 0, "read_bytes": 0, "read_s": 0.0, "lookup_s": 0.0}
+        self.stats = {
+            "lookups": 0,
+            "rows": 0,
+            "unique": 0,
+            "hits": 0,
+            "misses": 0,
+            "uncached": 0,
+            "reads": 0,
+            "read_bytes": 0,
+            "read_s": 0.0,
+            "lookup_s": 0.0,
+        }
 
     # ---------------------------------------------------------------- load
     def load_rows(self, loaded: torch.Tensor, *, scale: bool) -> None:
@@ -176,8 +198,12 @@ class EngramRowStore:
         The loader may call it from several threads."""
         kind = "scale" if scale else "weight"
         width = self.dim // SCALE_BLOCK if scale else self.dim
-        if loaded.dim() != 2 or loaded.element_size() != 1 or loaded.shape[1] != width \
-                or loaded.shape[0] < self.row_start + self.rows:
+        if (
+            loaded.dim() != 2
+            or loaded.element_size() != 1
+            or loaded.shape[1] != width
+            or loaded.shape[0] < self.row_start + self.rows
+        ):
             raise ValueError(
                 f"engram row store {self.label}: checkpoint {kind} {tuple(loaded.shape)} "
                 f"{loaded.dtype}, expected at least {(self.row_start + self.rows, width)} of 1-byte values"
@@ -231,20 +257,27 @@ class EngramRowStore:
         self.used, self.hand, self.epoch = 0, 0, 0
         self.pool = (
             ThreadPoolExecutor(self.threads, thread_name_prefix=f"engram-{self.label}")
-            if self.threads > 2 else None
+            if self.threads > 2
+            else None
         )
         self._bounce = _AlignedBuffer()
         logger.info(
             "engram row store %s: %d rows x %d B in %s (%s reads), cache %d rows = %.2f GiB, written in %.1f s",
-            self.label, self.rows, self.rec, self.path, "O_DIRECT" if self.direct else "buffered",
-            self.capacity, self.capacity * self.rec / 2**30,
+            self.label,
+            self.rows,
+            self.rec,
+            self.path,
+            "O_DIRECT" if self.direct else "buffered",
+            self.capacity,
+            self.capacity * self.rec / 2**30,
             self._written_s,
         )
 
     # ---------------------------------------------------------------- lookup
     def read_records(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Records of shard-local rows ``local`` (int64, all in [0, rows)): (unique records
-        [u, rec] uint8, inverse [n] int64) with ``records[inverse]`` the rows of ``local``."""
+        [u, rec] uint8, inverse [n] int64) with ``records[inverse]`` the rows of ``local``.
+        """
         t0 = time.perf_counter()
         with self.lock:
             out = self._read_records(local)
@@ -299,7 +332,9 @@ class EngramRowStore:
         while need > 0 and self.capacity and swept < 2 * self.capacity:
             lo = self.hand
             hi = min(self.capacity, lo + max(4 * need, 4096))
-            cand = lo + np.flatnonzero((self.ref[lo:hi] == 0) & (self.stamp[lo:hi] != self.epoch))
+            cand = lo + np.flatnonzero(
+                (self.ref[lo:hi] == 0) & (self.stamp[lo:hi] != self.epoch)
+            )
             take = cand[:need]
             end = int(take[-1]) + 1 if take.size == need else hi
             self.ref[lo:end] = 0
@@ -329,9 +364,13 @@ class EngramRowStore:
         def read(run):
             pos, block, n = run
             want = n * IO_BLOCK
-            got = os.preadv(self.fd, [mv[pos * IO_BLOCK : pos * IO_BLOCK + want]], block * IO_BLOCK)
+            got = os.preadv(
+                self.fd, [mv[pos * IO_BLOCK : pos * IO_BLOCK + want]], block * IO_BLOCK
+            )
             if got != want:
-                raise OSError(f"engram row store {self.label}: short read {got} of {want} B at block {block}")
+                raise OSError(
+                    f"engram row store {self.label}: short read {got} of {want} B at block {block}"
+                )
 
         if len(runs) <= 8 or self.pool is None:
             for r in runs:
@@ -350,7 +389,9 @@ class EngramRowStore:
     def owned_rows(self, indices: torch.Tensor) -> torch.Tensor:
         """bf16 rows [*indices.shape, dim] of global ids ``indices``: this shard's rows
         dequantized, zero for ids it does not own (what the TP all-reduce sums)."""
-        out = torch.empty(*indices.shape, self.dim, dtype=torch.bfloat16, device=indices.device)
+        out = torch.empty(
+            *indices.shape, self.dim, dtype=torch.bfloat16, device=indices.device
+        )
         if indices.is_cuda and torch.cuda.is_current_stream_capturing():
             from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
                 is_in_breakable_cuda_graph,
@@ -384,8 +425,16 @@ class EngramRowStore:
             s = s.pin_memory().to(dev, non_blocking=True)
             pos_t = pos_t.pin_memory().to(dev, non_blocking=True)
             # Positions the shard does not own are -1, outside [0, u): the kernel writes zeros.
-            engram_gather(w.data_ptr(), s.data_ptr(), pos_t, dst, self.dim, SCALE_BLOCK,
-                          row_lo=0, row_hi=recs.shape[0])
+            engram_gather(
+                w.data_ptr(),
+                s.data_ptr(),
+                pos_t,
+                dst,
+                self.dim,
+                SCALE_BLOCK,
+                row_lo=0,
+                row_hi=recs.shape[0],
+            )
             # The caching host allocator keeps the pinned sources until their copies complete.
             return
         dst.copy_(dequant_rows_cpu(w, s, pos_t))
@@ -395,7 +444,9 @@ class EngramRowStore:
         return self.stats["hits"] / u if u else 0.0
 
 
-def dequant_rows_cpu(w: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def dequant_rows_cpu(
+    w: torch.Tensor, s: torch.Tensor, pos: torch.Tensor
+) -> torch.Tensor:
     """Upstream's CPU expression (EngramEmbedding._owned_rows) over compact rows: w [u, dim] and
     s [u, dim/32] as uint8, pos [n] (-1: not owned, zero row)."""
     owned = pos >= 0
@@ -409,7 +460,9 @@ def dequant_rows_cpu(w: torch.Tensor, s: torch.Tensor, pos: torch.Tensor) -> tor
     return values.to(torch.bfloat16).masked_fill(~owned.unsqueeze(-1), 0)
 
 
-def _lookup_eager(store: EngramRowStore, indices: torch.Tensor, out: torch.Tensor) -> None:
+def _lookup_eager(
+    store: EngramRowStore, indices: torch.Tensor, out: torch.Tensor
+) -> None:
     store.lookup_into(indices, out)
 
 

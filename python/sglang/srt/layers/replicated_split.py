@@ -70,8 +70,14 @@ def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]
         return None
     names, _, rows = text.partition(":")
     suffixes = tuple(s.strip() for s in names.split(","))
-    bad = argparse.ArgumentTypeError(f"invalid {FLAG} value {value!r}: expected {ACCEPTED}")
-    if not suffixes or any(not _SUFFIX.match(s) for s in suffixes) or len(set(suffixes)) != len(suffixes):
+    bad = argparse.ArgumentTypeError(
+        f"invalid {FLAG} value {value!r}: expected {ACCEPTED}"
+    )
+    if (
+        not suffixes
+        or any(not _SUFFIX.match(s) for s in suffixes)
+        or len(set(suffixes)) != len(suffixes)
+    ):
         raise bad
     max_rows = DEFAULT_MAX_ROWS
     if rows:
@@ -97,12 +103,16 @@ def _canonical(parsed) -> str:
 def validate_replicated_linear_split(cfg) -> None:
     """Resolution-hook check (``Engine(...)`` bypasses argparse): refused where it does nothing
     or where the ranks could disagree on the row count."""
-    parsed = replicated_linear_split_rule(cfg.replicated_linear_split)  # Engine(...) skips argparse
+    parsed = replicated_linear_split_rule(
+        cfg.replicated_linear_split
+    )  # Engine(...) skips argparse
     if parsed is None:
         return
     value = _canonical(parsed)
     if cfg.tp_size < 2:
-        raise ValueError(f"{FLAG}={value} does nothing with --tp {cfg.tp_size}: there is no rank to split over")
+        raise ValueError(
+            f"{FLAG}={value} does nothing with --tp {cfg.tp_size}: there is no rank to split over"
+        )
     attn_dp = getattr(cfg, "attn_dp_size", 1) or 1
     if attn_dp > 1 or getattr(cfg, "enable_dp_attention", False):
         raise ValueError(
@@ -127,8 +137,12 @@ def check_replicated_split_layers(is_draft_worker: bool) -> None:
     check_matched(parsed, get_spec().speculative_algorithm, is_draft_worker, _matched)
 
 
-def check_matched(parsed, speculative_algorithm: Optional[str], is_draft_worker: bool,
-                  matched: Dict[str, int]) -> None:
+def check_matched(
+    parsed,
+    speculative_algorithm: Optional[str],
+    is_draft_worker: bool,
+    matched: Dict[str, int],
+) -> None:
     """The check of ``check_replicated_split_layers`` on explicit inputs."""
     algo = (speculative_algorithm or "").upper()
     if not is_draft_worker and algo not in ("", "NONE", "NGRAM"):
@@ -142,7 +156,9 @@ def check_matched(parsed, speculative_algorithm: Optional[str], is_draft_worker:
         )
     logger.info(
         "%s: %s split at up to %d rows where the first call at a row count finds it bitwise and faster",
-        FLAG, ", ".join(f"{s} x{matched[s]}" for s in parsed[0]), parsed[1],
+        FLAG,
+        ", ".join(f"{s} x{matched[s]}" for s in parsed[0]),
+        parsed[1],
     )
 
 
@@ -154,7 +170,9 @@ def prefix_matches(prefix: str, suffixes: Sequence[str]) -> Optional[str]:
     return None
 
 
-def maybe_replicated_split(layer: nn.Module, prefix: str) -> Optional["ReplicatedSplit"]:
+def maybe_replicated_split(
+    layer: nn.Module, prefix: str
+) -> Optional["ReplicatedSplit"]:
     """The layer's split when the flag lists it, else None (the stock layer)."""
     from sglang.srt.runtime_context import get_context, get_exec
 
@@ -188,7 +206,9 @@ def tile_ranges(n: int, world: int) -> List[Tuple[int, int]]:
     return out
 
 
-def _slice_tensor(name: str, t: torch.Tensor, n: int, lo: int, hi: int, what: str) -> torch.Tensor:
+def _slice_tensor(
+    name: str, t: torch.Tensor, n: int, lo: int, hi: int, what: str
+) -> torch.Tensor:
     """``t``'s part for output rows [lo, hi): a dim of size n is row-indexed, a dim of size
     ceil(n / g) for g dividing 128 is indexed by g-row blocks (block scales), a flat scale buffer
     of ceil(n / 128) equal parts is 128-row-tile-major (the 128x4-swizzled MXFP8 scales); a
@@ -201,15 +221,21 @@ def _slice_tensor(name: str, t: torch.Tensor, n: int, lo: int, hi: int, what: st
         if len(dims) == 1:
             return t.narrow(dims[0], lo // g, -(-hi // g) - lo // g)
         if len(dims) > 1 and dims[0] != 0:
-            raise ValueError(f"{FLAG}: {what}.{name} {tuple(t.shape)}: more than one dim could be the output rows")
-        if dims:  # [N, K] first (upstream's layout); a transposed square view fails the self-check
+            raise ValueError(
+                f"{FLAG}: {what}.{name} {tuple(t.shape)}: more than one dim could be the output rows"
+            )
+        if (
+            dims
+        ):  # [N, K] first (upstream's layout); a transposed square view fails the self-check
             return t.narrow(0, lo // g, -(-hi // g) - lo // g)
     if "swizzled" in name and t.numel() % tiles == 0 and t.is_contiguous():
         per = t.numel() // tiles
         part = t.reshape(-1)[lo // TILE * per : -(-hi // TILE) * per]
         return part if t.dim() == 1 else part.view(-1, *t.shape[1:])
     if any(size % tiles == 0 and size >= tiles for size in t.shape) and "scale" in name:
-        raise ValueError(f"{FLAG}: {what}.{name} {tuple(t.shape)}: a scale layout this split does not know")
+        raise ValueError(
+            f"{FLAG}: {what}.{name} {tuple(t.shape)}: a scale layout this split does not know"
+        )
     return t
 
 
@@ -225,7 +251,9 @@ def slice_layer(layer: nn.Module, lo: int, hi: int, what: str = "layer") -> nn.M
         if p is None:
             sub._parameters[name] = None
             continue
-        q = nn.Parameter(_slice_tensor(name, p.data, n, lo, hi, what), requires_grad=False)
+        q = nn.Parameter(
+            _slice_tensor(name, p.data, n, lo, hi, what), requires_grad=False
+        )
         q.__dict__.update({k: v for k, v in p.__dict__.items() if k not in q.__dict__})
         sub._parameters[name] = q
     for name, b in layer._buffers.items():
@@ -254,16 +282,22 @@ def flashinfer_tuning() -> bool:
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
 
 
-def time_call(fn: Callable[[], object], device: torch.device, reps: int = TIMING_REPS) -> float:
+def time_call(
+    fn: Callable[[], object], device: torch.device, reps: int = TIMING_REPS
+) -> float:
     """Median microseconds of ``fn`` (CUDA events on a GPU, the host clock elsewhere)."""
     fn()
     times = []
     for _ in range(reps):
         if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True
+            )
             start.record()
             fn()
             end.record()
@@ -283,7 +317,14 @@ class ReplicatedSplit:
     """One layer's split: its tile ranges, this rank's slice (built on the first decision) and
     the decision per row count."""
 
-    def __init__(self, layer: nn.Module, name: str, max_rows: int, group, timer: Optional[Timer] = None):
+    def __init__(
+        self,
+        layer: nn.Module,
+        name: str,
+        max_rows: int,
+        group,
+        timer: Optional[Timer] = None,
+    ):
         self.layer, self.name, self.max_rows, self.group = layer, name, max_rows, group
         self.world, self.rank = group.world_size, group.rank_in_group
         n = layer.output_size
@@ -310,7 +351,9 @@ class ReplicatedSplit:
             if x.is_cuda and torch.cuda.is_current_stream_capturing():
                 return self._stock(x, bias)  # undecided: captured stock on every rank
             if flashinfer_tuning():
-                return self._stock(x, bias)  # tactics not settled yet: decide after the tuning pass
+                return self._stock(
+                    x, bias
+                )  # tactics not settled yet: decide after the tuning pass
             use = self.decisions[m] = self._decide(x, bias, m)
         return self._split(x, bias) if use else self._stock(x, bias)
 
@@ -322,7 +365,11 @@ class ReplicatedSplit:
         return self.layer.quant_method.apply(self.sub, x, sub_bias)
 
     def _gather(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        m, width, wmax = x.numel() // x.shape[-1], self.widths[self.rank], max(self.widths)
+        m, width, wmax = (
+            x.numel() // x.shape[-1],
+            self.widths[self.rank],
+            max(self.widths),
+        )
         y = y.reshape(m, width)
         if width < wmax:
             padded = y.new_zeros(m, wmax)
@@ -334,7 +381,9 @@ class ReplicatedSplit:
         if all(w == wmax for w in self.widths):
             out = gathered.permute(1, 0, 2).reshape(m, self.world * wmax)
         else:
-            out = torch.cat([gathered[r, :, :w] for r, w in enumerate(self.widths)], dim=1)
+            out = torch.cat(
+                [gathered[r, :, :w] for r, w in enumerate(self.widths)], dim=1
+            )
         return out.view(*x.shape[:-1], out.shape[-1])
 
     def _split(self, x: torch.Tensor, bias) -> torch.Tensor:
@@ -359,27 +408,51 @@ class ReplicatedSplit:
                 lo, hi = self.ranges[self.rank]
                 self.sub = slice_layer(self.layer, lo, hi, self.name)
             locals_ = [self._local(xi, bias) for xi in inputs]
-        except Exception as e:  # a layout or kernel that refuses the slice: stock, on every rank
+        except (
+            Exception
+        ) as e:  # a layout or kernel that refuses the slice: stock, on every rank
             why = f"{type(e).__name__}: {e}"
         if self._agree_min([0.0 if why else 1.0])[0] < 1:
             if why:
-                logger.warning("%s: %s stays stock, the slice of rank %d fails: %s", FLAG, self.name, self.rank, why)
+                logger.warning(
+                    "%s: %s stays stock, the slice of rank %d fails: %s",
+                    FLAG,
+                    self.name,
+                    self.rank,
+                    why,
+                )
             self._log(m, "stock (a rank's slice failed)")
             return False
-        gathered = [self._gather(y, xi) for y, xi in zip(locals_, inputs)]  # every rank, every input
-        same = all(_same_bits(g, self._stock(xi, bias)) for g, xi in zip(gathered, inputs))
+        gathered = [
+            self._gather(y, xi) for y, xi in zip(locals_, inputs)
+        ]  # every rank, every input
+        same = all(
+            _same_bits(g, self._stock(xi, bias)) for g, xi in zip(gathered, inputs)
+        )
         if not same:
-            logger.warning("%s: %s at %d rows: the split differs from stock on rank %d", FLAG, self.name, m, self.rank)
+            logger.warning(
+                "%s: %s at %d rows: the split differs from stock on rank %d",
+                FLAG,
+                self.name,
+                m,
+                self.rank,
+            )
         if self._agree_min([1.0 if same else 0.0])[0] < 1:
-            self._log(m, "stock (self-check failed: the split is not bitwise the stock layer on every rank)")
+            self._log(
+                m,
+                "stock (self-check failed: the split is not bitwise the stock layer on every rank)",
+            )
             return False
         t_stock = self.timer("stock", lambda: self._stock(x, bias), x.device)
         t_split = self.timer("split", lambda: self._split(x, bias), x.device)
         neg_split, stock = self._agree_min([-t_split, t_stock])
         slowest_split = -neg_split
         use = slowest_split <= (1.0 - SPEED_MARGIN) * stock
-        self._log(m, f"{'split' if use else 'stock'} (split {slowest_split:.1f} us on the slowest rank, "
-                  f"stock {stock:.1f} us on the fastest; tiles {'/'.join(str(-(-w // TILE)) for w in self.widths)})")
+        self._log(
+            m,
+            f"{'split' if use else 'stock'} (split {slowest_split:.1f} us on the slowest rank, "
+            f"stock {stock:.1f} us on the fastest; tiles {'/'.join(str(-(-w // TILE)) for w in self.widths)})",
+        )
         return use
 
     def _log(self, m: int, what: str) -> None:

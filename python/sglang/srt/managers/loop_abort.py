@@ -67,14 +67,26 @@ class FINISH_LOOP(BaseFinishReason):
 # ---------------------------------------------------------------- flags
 
 
-REQUEST_NAMES = (f'custom_params["{CUSTOM_PARAMS_KEY}"]["max_period"]',
-                 f'custom_params["{CUSTOM_PARAMS_KEY}"]["min_tokens"]')
+REQUEST_NAMES = (
+    f'custom_params["{CUSTOM_PARAMS_KEY}"]["max_period"]',
+    f'custom_params["{CUSTOM_PARAMS_KEY}"]["min_tokens"]',
+)
 
 
-def resolve_limits(max_period: Optional[int], min_tokens: Optional[int], names=FLAG_NAMES) -> tuple[int, int]:
+def resolve_limits(
+    max_period: Optional[int], min_tokens: Optional[int], names=FLAG_NAMES
+) -> tuple[int, int]:
     """(P, N) with their defaults (P = 128, N = 4P); a bad value or N < 3P raises, naming ``names``."""
-    p = DEFAULT_MAX_PERIOD if max_period is None else positive_int(names[0], max_period, MAX_PERIOD_LIMIT)
-    n = DEFAULT_TOKENS_PER_PERIOD * p if min_tokens is None else positive_int(names[1], min_tokens)
+    p = (
+        DEFAULT_MAX_PERIOD
+        if max_period is None
+        else positive_int(names[0], max_period, MAX_PERIOD_LIMIT)
+    )
+    n = (
+        DEFAULT_TOKENS_PER_PERIOD * p
+        if min_tokens is None
+        else positive_int(names[1], min_tokens)
+    )
     if n < MIN_TOKENS_PER_PERIOD * p:
         raise ValueError(
             f"{names[1]} {n} < {MIN_TOKENS_PER_PERIOD} x {names[0]} {p}: the detector needs N >= 3P "
@@ -107,7 +119,9 @@ def validate_loop_abort(cfg: Any) -> None:
         None if min_tokens is None else parse_loop_abort_min_tokens(min_tokens),
     )
     if cfg.is_embedding:
-        raise ValueError("--enable-loop-abort: an embedding server decodes no tokens; drop the flag")
+        raise ValueError(
+            "--enable-loop-abort: an embedding server decodes no tokens; drop the flag"
+        )
     if cfg.disaggregation_mode == "prefill":
         raise ValueError(
             "--enable-loop-abort on a prefill server (--disaggregation-mode prefill) would do "
@@ -230,11 +244,17 @@ class LoopGuard:
 def _report(req: Any, period: int, length: int) -> None:
     from sglang.srt.runtime_context import get_context, get_parallel
 
-    if get_context().is_config_namespace_published("parallel") and get_parallel().tp_rank != 0:
+    if (
+        get_context().is_config_namespace_published("parallel")
+        and get_parallel().tp_rank != 0
+    ):
         return
     logger.info(
         "loop abort: request %s finished at %d output tokens: the last %d repeat a %d-token pattern",
-        req.rid, req.finished_len, length, period,
+        req.rid,
+        req.finished_len,
+        length,
+        period,
     )
     collector = getattr(req, "metrics_collector", None)
     if collector is not None:

@@ -60,7 +60,9 @@ from sglang.srt.arg_groups.fast_load_args import DEFAULT_NUM_THREADS, DEFAULT_SL
 logger = logging.getLogger(__name__)
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
-_HEAD_WAIT_S = 0.5  # with no slab released for this long, the slab the model needs is read anyway
+_HEAD_WAIT_S = (
+    0.5  # with no slab released for this long, the slab the model needs is read anyway
+)
 _HEAD_WAIT_MAX_S = 5.0  # ... stretched by 1 s per GB the model holds, up to this
 _INDEX_NAME = "model.safetensors.index.json"
 
@@ -118,14 +120,18 @@ class TensorEntry:
         return self.end - self.begin
 
 
-def _pread_exact(fd: int, n: int, offset: int, path: str, tensor: Optional[str]) -> bytes:
+def _pread_exact(
+    fd: int, n: int, offset: int, path: str, tensor: Optional[str]
+) -> bytes:
     out = bytearray()
     while len(out) < n:
         chunk = os.pread(fd, n - len(out), offset + len(out))
         if not chunk:
             raise CheckpointError(
-                path, tensor, f"truncated: end of file at byte {offset + len(out)}, "
-                f"expected {n} bytes from {offset}"
+                path,
+                tensor,
+                f"truncated: end of file at byte {offset + len(out)}, "
+                f"expected {n} bytes from {offset}",
             )
         out += chunk
     return bytes(out)
@@ -145,12 +151,16 @@ def read_header(path: str, fd: Optional[int] = None) -> Tuple[List[TensorEntry],
     try:
         size = os.fstat(fd).st_size
         if size < 8:
-            raise CheckpointError(path, None, f"truncated: {size} bytes, no header length")
+            raise CheckpointError(
+                path, None, f"truncated: {size} bytes, no header length"
+            )
         (n,) = struct.unpack("<Q", _pread_exact(fd, 8, 0, path, None))
         if n > _MAX_HEADER_BYTES or 8 + n > size:
             raise CheckpointError(
-                path, None, f"header length {n} runs past the end of the file ({size} bytes): "
-                "truncated, or not a safetensors file"
+                path,
+                None,
+                f"header length {n} runs past the end of the file ({size} bytes): "
+                "truncated, or not a safetensors file",
             )
         raw = _pread_exact(fd, n, 8, path, None)
     finally:
@@ -171,48 +181,82 @@ def read_header(path: str, fd: Optional[int] = None) -> Tuple[List[TensorEntry],
             continue
         if not isinstance(info, dict):
             raise CheckpointError(path, name, "header entry is not an object")
-        dtype_str, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        dtype_str, shape, offsets = (
+            info.get("dtype"),
+            info.get("shape"),
+            info.get("data_offsets"),
+        )
         torch_dtype, bits = _DTYPES.get(dtype_str, (None, 0))
         if torch_dtype is None:
-            raise CheckpointError(path, name, f"dtype {dtype_str!r} is not one torch can load")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise CheckpointError(
+                path, name, f"dtype {dtype_str!r} is not one torch can load"
+            )
+        if not (
+            isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+        ):
             raise CheckpointError(path, name, f"shape {shape!r} is not a list of sizes")
         if not (
-            isinstance(offsets, list) and len(offsets) == 2
-            and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]
         ):
-            raise CheckpointError(path, name, f"data_offsets {offsets!r} are not [begin, end]")
+            raise CheckpointError(
+                path, name, f"data_offsets {offsets!r} are not [begin, end]"
+            )
         numel = math.prod(shape)
         if numel * bits % 8:
-            raise CheckpointError(path, name, f"{dtype_str} shape {shape} is not a whole number of bytes")
+            raise CheckpointError(
+                path, name, f"{dtype_str} shape {shape} is not a whole number of bytes"
+            )
         nbytes = numel * bits // 8
         if offsets[1] - offsets[0] != nbytes:
             raise CheckpointError(
-                path, name, f"header lies about its size: {dtype_str} {shape} is {nbytes} bytes, "
-                f"data_offsets {offsets} span {offsets[1] - offsets[0]}"
+                path,
+                name,
+                f"header lies about its size: {dtype_str} {shape} is {nbytes} bytes, "
+                f"data_offsets {offsets} span {offsets[1] - offsets[0]}",
             )
         if bits == 4:
             if not shape or shape[-1] % 2:
-                raise CheckpointError(path, name, f"F4 shape {shape} has an odd last dimension")
+                raise CheckpointError(
+                    path, name, f"F4 shape {shape} has an odd last dimension"
+                )
             shape = shape[:-1] + [shape[-1] // 2]
         entries.append(
-            TensorEntry(name, torch_dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+            TensorEntry(
+                name,
+                torch_dtype,
+                tuple(shape),
+                data_start + offsets[0],
+                data_start + offsets[1],
+            )
         )
 
     entries.sort(key=lambda e: (e.begin, e.end))
     pos = data_start
     for e in entries:
         if e.begin != pos:
-            what = "overlaps the tensor before it" if e.begin < pos else f"leaves a gap of {e.begin - pos} bytes before it"
-            raise CheckpointError(path, e.name, f"header lies about offsets: its data {what}")
+            what = (
+                "overlaps the tensor before it"
+                if e.begin < pos
+                else f"leaves a gap of {e.begin - pos} bytes before it"
+            )
+            raise CheckpointError(
+                path, e.name, f"header lies about offsets: its data {what}"
+            )
         if e.end > size:
             raise CheckpointError(
-                path, e.name, f"truncated: its data ends at byte {e.end}, the file has {size} bytes"
+                path,
+                e.name,
+                f"truncated: its data ends at byte {e.end}, the file has {size} bytes",
             )
         pos = e.end
     if pos != size:
         raise CheckpointError(
-            path, None, f"{size - pos} bytes after the last tensor's data: the header does not describe the file"
+            path,
+            None,
+            f"{size - pos} bytes after the last tensor's data: the header does not describe the file",
         )
     return entries, data_start
 
@@ -240,7 +284,9 @@ class CheckpointOwner:
         """False only if the model never reads a byte of ``name`` on this rank."""
         return True
 
-    def rank_slice(self, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> Optional[RankSlice]:
+    def rank_slice(
+        self, name: str, shape: Tuple[int, ...], dtype: torch.dtype
+    ) -> Optional[RankSlice]:
         """The one narrow the model applies to ``name`` before copying it, or None (whole)."""
         return None
 
@@ -263,11 +309,21 @@ class RankSliceAccessError(RuntimeError):
 
 
 _METADATA = {
-    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.is_cuda.__get__,
-    torch.Tensor.is_cpu.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.size,
-    torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
-    torch.Tensor.is_floating_point, torch.Tensor.__len__,
+    torch.Tensor.shape.__get__,
+    torch.Tensor.dtype.__get__,
+    torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__,
+    torch.Tensor.layout.__get__,
+    torch.Tensor.is_cuda.__get__,
+    torch.Tensor.is_cpu.__get__,
+    torch.Tensor.requires_grad.__get__,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.element_size,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.__len__,
 }
 
 
@@ -281,8 +337,16 @@ class RankSliceTensor(torch.Tensor):
     """
 
     @staticmethod
-    def __new__(cls, name: str, shape: Tuple[int, ...], kept: torch.Tensor, rank_slice: RankSlice):
-        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=kept.dtype, device=kept.device)
+    def __new__(
+        cls,
+        name: str,
+        shape: Tuple[int, ...],
+        kept: torch.Tensor,
+        rank_slice: RankSlice,
+    ):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=kept.dtype, device=kept.device
+        )
         t._fast_load = (name, kept, rank_slice)
         return t
 
@@ -337,7 +401,7 @@ class RankSliceTensor(torch.Tensor):
 
 def _narrow_args(args, kwargs) -> Optional[Tuple[int, int, int]]:
     names = ("dim", "start", "length")
-    vals = list(args) + [kwargs[k] for k in names[len(args):] if k in kwargs]
+    vals = list(args) + [kwargs[k] for k in names[len(args) :] if k in kwargs]
     if len(vals) != 3:
         return None
     try:
@@ -377,7 +441,8 @@ class FastLoadStats:
     Where the load's ``seconds`` went, in the loading thread: ``wait_read_s`` waiting for the
     reads of the slab the model needs next (the storage), ``wait_budget_s`` waiting for the model
     to release slabs before that slab could be issued (the pacing), ``alloc_s`` allocating slabs
-    (pinned ones page-lock as they allocate); the rest is the model consuming the tensors."""
+    (pinned ones page-lock as they allocate); the rest is the model consuming the tensors.
+    """
 
     files: int = 0
     files_opened: int = 0
@@ -396,7 +461,9 @@ class FastLoadStats:
     alloc_s: float = 0.0
 
 
-def _kept_range(entry: TensorEntry, s: Optional[RankSlice]) -> Tuple[int, int, Tuple[int, ...], Optional[RankSlice]]:
+def _kept_range(
+    entry: TensorEntry, s: Optional[RankSlice]
+) -> Tuple[int, int, Tuple[int, ...], Optional[RankSlice]]:
     """(file offset, nbytes, kept shape, slice) of what is read for ``entry``.
 
     A slice is read alone only where it is contiguous (every dim before ``dim`` has
@@ -407,13 +474,25 @@ def _kept_range(entry: TensorEntry, s: Optional[RankSlice]) -> Tuple[int, int, T
     if s is None or not shape:
         return entry.begin, entry.nbytes, shape, None
     dim = s.dim + len(shape) if s.dim < 0 else s.dim
-    if not (0 <= dim < len(shape) and 0 <= s.start and 0 <= s.length and s.start + s.length <= shape[dim]):
-        raise ValueError(f"fast_load: {entry.name!r} {shape}: rank slice {s} is out of bounds")
+    if not (
+        0 <= dim < len(shape)
+        and 0 <= s.start
+        and 0 <= s.length
+        and s.start + s.length <= shape[dim]
+    ):
+        raise ValueError(
+            f"fast_load: {entry.name!r} {shape}: rank slice {s} is out of bounds"
+        )
     if s.length == shape[dim] or (s.length and math.prod(shape[:dim]) != 1):
         return entry.begin, entry.nbytes, shape, None
-    inner = math.prod(shape[dim + 1:]) * entry.dtype.itemsize
-    kept_shape = shape[:dim] + (s.length,) + shape[dim + 1:]
-    return entry.begin + s.start * inner, s.length * inner, kept_shape, RankSlice(dim, s.start, s.length)
+    inner = math.prod(shape[dim + 1 :]) * entry.dtype.itemsize
+    kept_shape = shape[:dim] + (s.length,) + shape[dim + 1 :]
+    return (
+        entry.begin + s.start * inner,
+        s.length * inner,
+        kept_shape,
+        RankSlice(dim, s.start, s.length),
+    )
 
 
 def _align(pos: int, to: int = 64) -> int:
@@ -451,24 +530,35 @@ class FastLoader:
         self.num_threads = num_threads
         self.slab_bytes = slab_bytes
         self.budget = 2 * num_threads * slab_bytes
-        self.pin_memory = pin_memory  # the benchmark's comparison row; the engine reads pageable
+        self.pin_memory = (
+            pin_memory  # the benchmark's comparison row; the engine reads pageable
+        )
         self.index_path = index_path
         self.drop_cache_after_load = drop_cache_after_load
         if log_progress is None:
-            log_progress = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            log_progress = (
+                not torch.distributed.is_initialized()
+                or torch.distributed.get_rank() == 0
+            )
         self.log_progress = log_progress
         self.progress_interval_s = progress_interval_s
         self.head_wait_s = head_wait_s
         self.stats = FastLoadStats(files=len(self.files))
         self._lock = threading.Lock()
-        self._held: List[_Slab] = []  # yielded slabs not yet released (polled by use count)
-        self._pool: List[torch.Tensor] = []  # released pageable slabs, reused while reading
+        self._held: List[_Slab] = (
+            []
+        )  # yielded slabs not yet released (polled by use count)
+        self._pool: List[torch.Tensor] = (
+            []
+        )  # released pageable slabs, reused while reading
         self._reading = False
         self._ahead = 0  # slab bytes issued and not yet yielded (the read-ahead)
         self._paced = True  # whether held slabs count against the budget too
         self._last_release = time.monotonic()
         self._quiet_escapes = 0
-        self._fds: List[Optional[int]] = [None] * len(self.files)  # closed by __iter__'s finally
+        self._fds: List[Optional[int]] = [None] * len(
+            self.files
+        )  # closed by __iter__'s finally
 
     # ---- planning
     def _files_to_open(self) -> Tuple[List[bool], Dict[str, str]]:
@@ -480,17 +570,28 @@ class FastLoader:
             with open(self.index_path) as f:
                 weight_map = json.load(f)["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(self.index_path, None, f"unreadable index ({e})") from None
+            raise CheckpointError(
+                self.index_path, None, f"unreadable index ({e})"
+            ) from None
         folder = os.path.dirname(self.index_path)
         by_file: Dict[str, List[str]] = {}
         for name, fname in weight_map.items():
-            by_file.setdefault(os.path.normpath(os.path.join(folder, fname)), []).append(name)
+            by_file.setdefault(
+                os.path.normpath(os.path.join(folder, fname)), []
+            ).append(name)
         for fname in sorted(set(by_file)):
             if not os.path.exists(fname):
-                raise CheckpointError(fname, by_file[fname][0], f"missing shard: {os.path.basename(self.index_path)} places this tensor in it")
+                raise CheckpointError(
+                    fname,
+                    by_file[fname][0],
+                    f"missing shard: {os.path.basename(self.index_path)} places this tensor in it",
+                )
         norm = [os.path.normpath(p) for p in self.files]
         if not all(p in by_file for p in norm):
-            return wanted, {}  # the index does not describe these files: read every header
+            return (
+                wanted,
+                {},
+            )  # the index does not describe these files: read every header
         wanted = [any(self.owner.keeps(n) for n in by_file[p]) for p in norm]
         if all(wanted):
             return wanted, {}
@@ -508,7 +609,9 @@ class FastLoader:
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                raise CheckpointError(path, None, "missing shard: no such file") from None
+                raise CheckpointError(
+                    path, None, "missing shard: no such file"
+                ) from None
             self._fds[i] = fd
             self.stats.files_opened += 1
             entries, data_start = read_header(path, fd)
@@ -520,21 +623,33 @@ class FastLoader:
             for e in entries:
                 found.add(e.name)
                 if placed and placed.get(e.name, norm) != norm:
-                    raise CheckpointError(path, e.name, f"the index places this tensor in {placed[e.name]}")
+                    raise CheckpointError(
+                        path,
+                        e.name,
+                        f"the index places this tensor in {placed[e.name]}",
+                    )
                 if not self.owner.keeps(e.name):
                     continue
-                off, nbytes, kept_shape, s = _kept_range(e, self.owner.rank_slice(e.name, e.shape, e.dtype))
+                off, nbytes, kept_shape, s = _kept_range(
+                    e, self.owner.rank_slice(e.name, e.shape, e.dtype)
+                )
                 self.stats.tensors_kept += 1
                 self.stats.tensors_sliced += s is not None
                 # a slab never spans files, a tensor never spans slabs; a tensor keeps
                 # its alignment in the file (mod 64) so that view(dtype) works
                 pad = (off - data_start) % 64
-                if cur is None or (cur.nbytes and _align(cur.nbytes) + pad + nbytes > self.slab_bytes):
+                if cur is None or (
+                    cur.nbytes and _align(cur.nbytes) + pad + nbytes > self.slab_bytes
+                ):
                     cur = _Slab(i, 0, [], [])
                     slabs.append(cur)
                 pos = _align(cur.nbytes) + pad
                 cur.pieces.append(_Piece(e, pos, s, kept_shape))
-                if cur.reads and cur.reads[-1][0] + cur.reads[-1][1] == off and cur.reads[-1][2] + cur.reads[-1][1] == pos:
+                if (
+                    cur.reads
+                    and cur.reads[-1][0] + cur.reads[-1][1] == off
+                    and cur.reads[-1][2] + cur.reads[-1][1] == pos
+                ):
                     o, n, p = cur.reads[-1]
                     cur.reads[-1] = (o, n + nbytes, p)
                 else:
@@ -546,12 +661,18 @@ class FastLoader:
             opened = {os.path.normpath(f) for f, w in zip(self.files, wanted) if w}
             for name, p in placed.items():
                 if name not in found and p in opened:
-                    raise CheckpointError(p, name, "the index places this tensor in the file, its header does not list it")
+                    raise CheckpointError(
+                        p,
+                        name,
+                        "the index places this tensor in the file, its header does not list it",
+                    )
         return slabs
 
     # ---- reading
     def _alloc(self, nbytes: int) -> torch.Tensor:
-        size = max(nbytes, self.slab_bytes)  # whole slabs, so that they are reused as they are
+        size = max(
+            nbytes, self.slab_bytes
+        )  # whole slabs, so that they are reused as they are
         if self.pin_memory:
             # torch's host allocator: async copies from it record events, so a block is
             # never handed out again while a copy may still read it; its cache reuses slabs
@@ -564,22 +685,32 @@ class FastLoader:
             mm.madvise(mmap.MADV_HUGEPAGE)
         return torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
 
-    def _read(self, slab: _Slab, base: torch.Tensor, reads: List[Tuple[int, int, int]]) -> int:
+    def _read(
+        self, slab: _Slab, base: torch.Tensor, reads: List[Tuple[int, int, int]]
+    ) -> int:
         fd, path = self._fds[slab.file_idx], self.files[slab.file_idx]
         view = memoryview(base.numpy())
         n_preads = 0
         for off, n, pos in reads:
             done = 0
             while done < n:
-                got = os.preadv(fd, [view[pos + done: pos + n]], off + done)
+                got = os.preadv(fd, [view[pos + done : pos + n]], off + done)
                 n_preads += 1
                 if got <= 0:
                     at = off + done
-                    piece = next((p for p in slab.pieces if p.entry.begin <= at < max(p.entry.end, p.entry.begin + 1)), None)
+                    piece = next(
+                        (
+                            p
+                            for p in slab.pieces
+                            if p.entry.begin <= at < max(p.entry.end, p.entry.begin + 1)
+                        ),
+                        None,
+                    )
                     raise CheckpointError(
-                        path, piece.entry.name if piece else None,
+                        path,
+                        piece.entry.name if piece else None,
                         f"truncated while reading: end of file at byte {at} "
-                        f"(the file has {os.fstat(fd).st_size} bytes now)"
+                        f"(the file has {os.fstat(fd).st_size} bytes now)",
                     )
                 done += got
         return n_preads
@@ -590,9 +721,13 @@ class FastLoader:
             t0 = time.perf_counter()
             slab.base = self._alloc(slab.nbytes)
             self.stats.alloc_s += time.perf_counter() - t0
-            if len(self._pool) == pooled:  # newly allocated (a pooled one is counted already)
+            if (
+                len(self._pool) == pooled
+            ):  # newly allocated (a pooled one is counted already)
                 self.stats.live_bytes += slab.base.numel()
-            self.stats.peak_live_bytes = max(self.stats.peak_live_bytes, self.stats.live_bytes)
+            self.stats.peak_live_bytes = max(
+                self.stats.peak_live_bytes, self.stats.live_bytes
+            )
         slab.baseline_uses = _use_count(slab.base)
         # one task per slab; a slab bigger than slab_bytes (one large tensor) is split
         task: List[Tuple[int, int, int]] = []
@@ -610,7 +745,8 @@ class FastLoader:
 
     def _poll_released(self) -> None:
         """Release the yielded slabs no tensor views any more; pageable ones of slab size
-        go back to the pool while reading (safe: nothing can still be copying from them)."""
+        go back to the pool while reading (safe: nothing can still be copying from them).
+        """
         with self._lock:
             still = []
             for slab in self._held:
@@ -618,7 +754,11 @@ class FastLoader:
                     self._last_release = time.monotonic()
                     self._quiet_escapes = 0
                     self.stats.live_bytes -= slab.base.numel()
-                    if self._reading and not self.pin_memory and slab.base.numel() == self.slab_bytes:
+                    if (
+                        self._reading
+                        and not self.pin_memory
+                        and slab.base.numel() == self.slab_bytes
+                    ):
                         self._pool.append(slab.base)
                         self.stats.live_bytes += slab.base.numel()
                     slab.base = None
@@ -656,7 +796,7 @@ class FastLoader:
         for p in slab.pieces:
             e = p.entry
             n = math.prod(p.kept_shape) * e.dtype.itemsize
-            raw = base[p.slab_pos: p.slab_pos + n]
+            raw = base[p.slab_pos : p.slab_pos + n]
             if p.slab_pos % max(e.dtype.itemsize, 1):
                 raw = raw.clone()  # misaligned in the file: view(dtype) needs alignment
             t = raw.view(e.dtype).view(p.kept_shape)
@@ -666,7 +806,9 @@ class FastLoader:
 
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         t0 = time.perf_counter()
-        pool = concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix="fast_load")
+        pool = concurrent.futures.ThreadPoolExecutor(
+            self.num_threads, thread_name_prefix="fast_load"
+        )
         self._reading = True
         next_issue = 0
         last_log, last_bytes = t0, 0
@@ -693,7 +835,9 @@ class FastLoader:
                         self._ahead += slabs[next_issue].base.numel()
                         next_issue += 1
                     waited = time.perf_counter()
-                    if not slab.futures:  # not issued: over the budget until the model releases slabs
+                    if (
+                        not slab.futures
+                    ):  # not issued: over the budget until the model releases slabs
                         time.sleep(0.005)
                         self.stats.wait_budget_s += time.perf_counter() - waited
                         continue
@@ -702,7 +846,9 @@ class FastLoader:
                     if len(finished) == len(slab.futures):
                         break
                 for f in slab.futures:
-                    self.stats.preads += f.result()  # re-raises a read's CheckpointError
+                    self.stats.preads += (
+                        f.result()
+                    )  # re-raises a read's CheckpointError
                 slab.futures = []
                 done_bytes += sum(r[1] for r in slab.reads)
                 self.stats.bytes_read = done_bytes
@@ -715,7 +861,9 @@ class FastLoader:
                 if self.log_progress and now - last_log >= self.progress_interval_s:
                     logger.info(
                         "fast_load: %.1f / %.1f GiB read (%d%%), %.2f GB/s",
-                        done_bytes / 2**30, total / 2**30, 100 * done_bytes // max(total, 1),
+                        done_bytes / 2**30,
+                        total / 2**30,
+                        100 * done_bytes // max(total, 1),
                         (done_bytes - last_bytes) / (now - last_log) / 1e9,
                     )
                     last_log, last_bytes = now, done_bytes
@@ -747,15 +895,28 @@ class FastLoader:
             "slice; %d of %d files opened) in %.1f s: %.2f GB/s, %d threads, %d MiB slabs%s, peak slab "
             "memory %.2f GiB; waited %.1f s for reads, %.1f s for the model to release slabs, %.1f s "
             "allocating",
-            s.bytes_read / 2**30, s.checkpoint_bytes / 2**30, s.tensors_kept, s.tensors, s.tensors_sliced,
-            s.files_opened, s.files, s.seconds, s.bytes_read / max(s.seconds, 1e-9) / 1e9,
-            self.num_threads, self.slab_bytes >> 20, " pinned" if self.pin_memory else "",
-            s.peak_live_bytes / 2**30, s.wait_read_s, s.wait_budget_s, s.alloc_s,
+            s.bytes_read / 2**30,
+            s.checkpoint_bytes / 2**30,
+            s.tensors_kept,
+            s.tensors,
+            s.tensors_sliced,
+            s.files_opened,
+            s.files,
+            s.seconds,
+            s.bytes_read / max(s.seconds, 1e-9) / 1e9,
+            self.num_threads,
+            self.slab_bytes >> 20,
+            " pinned" if self.pin_memory else "",
+            s.peak_live_bytes / 2**30,
+            s.wait_read_s,
+            s.wait_budget_s,
+            s.alloc_s,
         )
 
     def _release_when_unused(self) -> None:
         """After the last yield the model may still hold slabs (queued copies): a
-        watcher releases them as their use counts drop, then empties torch's pinned cache."""
+        watcher releases them as their use counts drop, then empties torch's pinned cache.
+        """
         self._poll_released()
         if not self._held:
             self._empty_pinned_cache()
@@ -770,12 +931,15 @@ class FastLoader:
             if self._held:
                 logger.warning(
                     "fast_load: the model still holds %d slabs (%.2f GiB) 10 minutes after the load",
-                    len(self._held), self.stats.live_bytes / 2**30,
+                    len(self._held),
+                    self.stats.live_bytes / 2**30,
                 )
             else:
                 self._empty_pinned_cache()
 
-        self._watcher = threading.Thread(target=watch, name="fast_load_release", daemon=True)
+        self._watcher = threading.Thread(
+            target=watch, name="fast_load_release", daemon=True
+        )
         self._watcher.start()
 
     def wait_released(self, timeout: float = 10.0) -> bool:
@@ -821,8 +985,15 @@ def fast_load_weights_iterator(
         logger.info(
             "fast_load: reading %d checkpoint files with %d threads into %d MiB %s slabs "
             "(budget %d MiB); owner: %s",
-            len(loader.files), loader.num_threads, loader.slab_bytes >> 20,
-            "pinned" if loader.pin_memory else "pageable", loader.budget >> 20,
-            type(owner).__name__ if owner is not KEEP_ALL else "every tensor (the model has no checkpoint_owner)",
+            len(loader.files),
+            loader.num_threads,
+            loader.slab_bytes >> 20,
+            "pinned" if loader.pin_memory else "pageable",
+            loader.budget >> 20,
+            (
+                type(owner).__name__
+                if owner is not KEEP_ALL
+                else "every tensor (the model has no checkpoint_owner)"
+            ),
         )
     return iter(loader)

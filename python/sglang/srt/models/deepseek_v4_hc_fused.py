@@ -83,7 +83,9 @@ def validate_hc_fused_stats(cfg, model_arch: str, hf_config) -> str:
             "statistics with its own kernels, which the one-pass kernel does not reproduce"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
-        raise ValueError(f"--dsv4-hc-fused-stats={mode}: needs --device cuda, got {cfg.device}")
+        raise ValueError(
+            f"--dsv4-hc-fused-stats={mode}: needs --device cuda, got {cfg.device}"
+        )
     return mode
 
 
@@ -100,8 +102,8 @@ class HcFusedStats:
                 raise RuntimeError(
                     f"--dsv4-hc-fused-stats auto: on {device_name} the one-pass kernel never beat "
                     "upstream's at any measured row count, so it would never serve; leave the flag off"
-                    if measured else
-                    f"--dsv4-hc-fused-stats auto: the one-pass kernel's row threshold is not "
+                    if measured
+                    else f"--dsv4-hc-fused-stats auto: the one-pass kernel's row threshold is not "
                     f"measured on {device_name} (run benchmark/hc/bench_hc_fused.py there and add its "
                     "min_rows to MEASURED_MIN_ROWS in sglang/srt/models/deepseek_v4_hc_fused.py), "
                     "or give the threshold: --dsv4-hc-fused-stats ROWS; refusing to guess"
@@ -126,7 +128,9 @@ class HcFusedStats:
         n = self.min_rows[route]
         return not self.in_stock_call and n is not None and rows >= n
 
-    def serve(self, variant: tuple[str, int], rows: int, ours: Callable, stock: Callable):
+    def serve(
+        self, variant: tuple[str, int], rows: int, ours: Callable, stock: Callable
+    ):
         """ours() where ``variant`` is verified; the self-check where it is new; None (stock)."""
         state = self.state.get(variant)
         if state == "stock":
@@ -147,14 +151,21 @@ class HcFusedStats:
             logger.error(
                 "dsv4 hc fused stats: the one-pass %s kernel (row tile %d) differs from upstream's "
                 "in %d of %d values at %d rows; that kernel stays stock for the rest of this process",
-                variant[0], variant[1], differ, total, rows,
+                variant[0],
+                variant[1],
+                differ,
+                total,
+                rows,
             )
             return ref
         self.state[variant] = "verified"
         logger.info(
             "dsv4 hc fused stats: the one-pass %s kernel (row tile %d) matched upstream's bit for "
             "bit at %d rows; serving it from %d rows",
-            variant[0], variant[1], rows, self.min_rows[_route_of(variant[0])],
+            variant[0],
+            variant[1],
+            rows,
+            self.min_rows[_route_of(variant[0])],
         )
         return mine
 
@@ -170,7 +181,9 @@ def _differing_bits(a, b) -> tuple[int, int]:
     for x, y in zip(a, b, strict=True):
         if x.shape != y.shape or x.dtype != y.dtype:
             return max(x.numel(), y.numel()), max(x.numel(), y.numel())
-        differ += int((x.contiguous().view(torch.int32) != y.contiguous().view(torch.int32)).sum())
+        differ += int(
+            (x.contiguous().view(torch.int32) != y.contiguous().view(torch.int32)).sum()
+        )
         total += x.numel()
     return differ, total
 
@@ -192,7 +205,9 @@ def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:
         raise RuntimeError(f"--dsv4-hc-fused-stats={mode}: needs a CUDA GPU")
     feature = HcFusedStats(mode, torch.cuda.get_device_name())
     ceiling = _prefill_rows_ceiling()
-    if ceiling is not None and all(n is None or n > ceiling for n in feature.min_rows.values()):
+    if ceiling is not None and all(
+        n is None or n > ceiling for n in feature.min_rows.values()
+    ):
         raise RuntimeError(
             f"--dsv4-hc-fused-stats={mode}: the one-pass kernel would serve {feature.describe()}, "
             f"but no prefill forward of this server holds more than {ceiling} rows "
@@ -203,7 +218,8 @@ def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:
     logger.info(
         "dsv4 hc fused stats (--dsv4-hc-fused-stats=%s): one pass over K for %s; each kernel "
         "self-checks against upstream's on its first call",
-        mode, _ACTIVE.describe(),
+        mode,
+        _ACTIVE.describe(),
     )
     return _ACTIVE
 
@@ -216,7 +232,9 @@ def _prefill_rows_ceiling() -> Optional[int]:
 
     try:
         rows = max_prefill_buffer_tokens()
-    except ValueError:  # "config namespace 'schedule' not published": no server configured
+    except (
+        ValueError
+    ):  # "config namespace 'schedule' not published": no server configured
         return None
     return rows or None
 
@@ -225,9 +243,12 @@ def _prefill_rows_ceiling() -> Optional[int]:
 # each returns that function's result computed in one pass, or None for upstream's own.
 
 
-def _reduce_sinkhorn(part, sq, scale, base, mix, k, hc_mult, sinkhorn_iters, rms_eps, hc_eps):
+def _reduce_sinkhorn(
+    part, sq, scale, base, mix, k, hc_mult, sinkhorn_iters, rms_eps, hc_eps
+):
     """Upstream's reduce + Sinkhorn kernel over one-pass partials (one slice): the second half of
-    both Sinkhorn routes, launched exactly as upstream launches it on its own partials."""
+    both Sinkhorn routes, launched exactly as upstream launches it on its own partials.
+    """
     from sglang.kernels.ops.layernorm import mhc
 
     m = sq.shape[-1]  # sq: [1 slice, m rows]
@@ -235,13 +256,29 @@ def _reduce_sinkhorn(part, sq, scale, base, mix, k, hc_mult, sinkhorn_iters, rms
     post = torch.empty_like(pre)
     comb = torch.empty((m, hc_mult, hc_mult), device=part.device, dtype=torch.float32)
     mhc._hc_mix_reduce_sinkhorn_kernel[(m,)](
-        part, sq, scale, base, pre, post, comb, m, 1.0 / k, rms_eps,
-        MIX=mix, HC=hc_mult, NUM_SLICES=1, ITERS=sinkhorn_iters, EPS=hc_eps, num_warps=1,
+        part,
+        sq,
+        scale,
+        base,
+        pre,
+        post,
+        comb,
+        m,
+        1.0 / k,
+        rms_eps,
+        MIX=mix,
+        HC=hc_mult,
+        NUM_SLICES=1,
+        ITERS=sinkhorn_iters,
+        EPS=hc_eps,
+        num_warps=1,
     )
     return pre, post, comb
 
 
-def mix_stats_sinkhorn_bf16x3(x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult):
+def mix_stats_sinkhorn_bf16x3(
+    x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult
+):
     f = _ACTIVE
     if f is None or not f.wants("bf16x3", x.shape[0]):
         return None
@@ -259,8 +296,18 @@ def mix_stats_sinkhorn_bf16x3(x, weight_parts, scale, base, sinkhorn_iters, rms_
 
     def ours():
         part, sq = hc_mix_one_pass_bf16x3(x, weight_parts, block_m)
-        return _reduce_sinkhorn(part, sq, scale, base, (2 + hc_mult) * hc_mult, k, hc_mult,
-                                sinkhorn_iters, rms_eps, hc_eps)
+        return _reduce_sinkhorn(
+            part,
+            sq,
+            scale,
+            base,
+            (2 + hc_mult) * hc_mult,
+            k,
+            hc_mult,
+            sinkhorn_iters,
+            rms_eps,
+            hc_eps,
+        )
 
     def stock():
         return mhc.hc_mix_stats_sinkhorn_bf16x3(
@@ -287,9 +334,17 @@ def mix_stats(x_flat, hc_fn, eps):
         part, sq = hc_mix_one_pass(x_flat, hc_fn)
         mixes = torch.empty((m, mix), dtype=torch.float32, device=x_flat.device)
         mhc._hc_mix_stats_reduce_kernel[(triton.cdiv(m, block_m),)](
-            part, sq, mixes, m, 1.0 / k, eps,
-            MIX=mix, MIX_PAD=max(16, triton.next_power_of_2(mix)), NUM_SLICES=1,
-            BLOCK_M=block_m, num_warps=4,
+            part,
+            sq,
+            mixes,
+            m,
+            1.0 / k,
+            eps,
+            MIX=mix,
+            MIX_PAD=max(16, triton.next_power_of_2(mix)),
+            NUM_SLICES=1,
+            BLOCK_M=block_m,
+            num_warps=4,
         )
         return mixes
 
@@ -299,7 +354,9 @@ def mix_stats(x_flat, hc_fn, eps):
     return f.serve(("tf32x3", block_m), m, ours, stock)
 
 
-def mix_stats_sinkhorn(x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps):
+def mix_stats_sinkhorn(
+    x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps
+):
     f = _ACTIVE
     if f is None or x_flat.shape[0] == 0 or not f.wants("tf32x3", x_flat.shape[0]):
         return None
@@ -314,8 +371,18 @@ def mix_stats_sinkhorn(x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters
     def ours():
         part, sq = hc_mix_one_pass(x_flat, hc_fn)
         # scale and base as upstream's hc_mix_stats_sinkhorn passes them to the same kernel
-        return _reduce_sinkhorn(part, sq, hc_scale.float().contiguous(), hc_base.float().contiguous(),
-                                hc_fn.shape[0], k, hc_mult, sinkhorn_iters, rms_eps, hc_eps)
+        return _reduce_sinkhorn(
+            part,
+            sq,
+            hc_scale.float().contiguous(),
+            hc_base.float().contiguous(),
+            hc_fn.shape[0],
+            k,
+            hc_mult,
+            sinkhorn_iters,
+            rms_eps,
+            hc_eps,
+        )
 
     def stock():
         return mhc.hc_mix_stats_sinkhorn(

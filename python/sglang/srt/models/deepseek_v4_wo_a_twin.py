@@ -69,6 +69,7 @@ def mid_rows_faster(g: int) -> int:
 def small_kernel_rows(g: int) -> int:
     return SMALL_KERNEL_MAX.get(g, 8)
 
+
 # weight data_ptr (after drop: the stand-in's) -> _Twin; filled after load, only when the flag is on
 _TWINS: dict = {}
 _MODE = {"mode": "off"}
@@ -89,18 +90,29 @@ def parse_wo_a_fp8_twin(value) -> str:
 # (server argument, its flag, why the twin cannot serve with it on) checked at startup; the
 # second set only under drop
 _REFUSED_WITH = (
-    ("enable_deterministic_inference", "--enable-deterministic-inference",
-     "the twin picks its kernel (and split) by row count, so a request's bits would depend on its batch"),
-    ("enable_torch_compile", "--enable-torch-compile",
-     "a traced wo_a.data_ptr() does not find the twin, so compiled decode would skip it (under drop: "
-     "multiply the released weight's stand-in)"),
+    (
+        "enable_deterministic_inference",
+        "--enable-deterministic-inference",
+        "the twin picks its kernel (and split) by row count, so a request's bits would depend on its batch",
+    ),
+    (
+        "enable_torch_compile",
+        "--enable-torch-compile",
+        "a traced wo_a.data_ptr() does not find the twin, so compiled decode would skip it (under drop: "
+        "multiply the released weight's stand-in)",
+    ),
 )
 _DROP_REFUSED_WITH = (
-    ("enable_cp_decode_attn_tp", "--enable-cp-decode-attn-tp",
-     "decode narrows wo_a to the rank's groups, a slice of the released weight"),
-    ("remote_instance_weight_loader_start_seed_via_transfer_engine",
-     "--remote-instance-weight-loader-start-seed-via-transfer-engine",
-     "peers would read the released weight's memory as wo_a"),
+    (
+        "enable_cp_decode_attn_tp",
+        "--enable-cp-decode-attn-tp",
+        "decode narrows wo_a to the rank's groups, a slice of the released weight",
+    ),
+    (
+        "remote_instance_weight_loader_start_seed_via_transfer_engine",
+        "--remote-instance-weight-loader-start-seed-via-transfer-engine",
+        "peers would read the released weight's memory as wo_a",
+    ),
 )
 
 
@@ -121,9 +133,13 @@ def validate_wo_a_fp8_twin(cfg, model_arch: str) -> str:
             f"--dsv4-wo-a-fp8-twin={mode}: this torch is a ROCm build ({torch.version.hip}); the "
             "twin's kernels are built and measured for NVIDIA GPUs only; use --dsv4-wo-a-fp8-twin off"
         )
-    for attr, flag, why in _REFUSED_WITH + (_DROP_REFUSED_WITH if mode == "drop" else ()):
+    for attr, flag, why in _REFUSED_WITH + (
+        _DROP_REFUSED_WITH if mode == "drop" else ()
+    ):
         if getattr(cfg, attr):
-            raise ValueError(f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}")
+            raise ValueError(
+                f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}"
+            )
     if mode == "drop" and not _weight_export_honours_refusals():
         raise ValueError(
             "--dsv4-wo-a-fp8-twin=drop: this sglang's weight export (remote-instance send, "
@@ -135,8 +151,11 @@ def validate_wo_a_fp8_twin(cfg, model_arch: str) -> str:
 
 def _weight_export_honours_refusals() -> bool:
     """Whether upstream's weight export refuses a layer that sets ``_weight_export_error``
-    (drop relies on it: a released layer must not be exported; 0.5.23 has it, 0.5.22 not)."""
-    from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
+    (drop relies on it: a released layer must not be exported; 0.5.23 has it, 0.5.22 not).
+    """
+    from sglang.srt.model_executor.model_runner_components.weight_exporter import (
+        WeightExporter,
+    )
 
     return hasattr(WeightExporter, "_weight_export_unsupported_reason")
 
@@ -144,7 +163,8 @@ def _weight_export_honours_refusals() -> bool:
 class _Twin:
     """One layer's twin. On Hopper ``packed`` holds the fragment-major words both Hopper kernels
     read, with their arrival ``counters``; elsewhere ``weight8`` (row-major e4m3) feeds the
-    portable Triton kernel. ``dropped``: the bf16 weight is released and ``dequant`` rebuilds it."""
+    portable Triton kernel. ``dropped``: the bf16 weight is released and ``dequant`` rebuilds it.
+    """
 
     __slots__ = ("name", "weight8", "packed", "exp", "counters", "shape", "dropped")
 
@@ -162,8 +182,11 @@ class _Twin:
         return k.wo_a_fp8_dequant(self.weight8, self.exp)
 
     def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() for a in (self.weight8, self.packed, self.exp, self.counters)
-                   if a is not None)
+        return sum(
+            a.numel() * a.element_size()
+            for a in (self.weight8, self.packed, self.exp, self.counters)
+            if a is not None
+        )
 
 
 def make_twin(w: torch.Tensor) -> Optional[tuple]:
@@ -205,7 +228,11 @@ _BYPASSES = (
     ("use_fused_wo_a", True, "the fused rope + wo_a kernel (SGLANG_DSV41_FUSED_WO_A)"),
     ("use_mega_attention", True, "the mega attention backend's quantize_wo_a"),
     ("use_npu_arch35_mxfp8_wo_a", True, "the NPU MXFP8 wo_a"),
-    ("_use_fast_kernel", False, "the DSpark draft's einsum (SGLANG_DSPARK_FAST_KERNEL=0)"),
+    (
+        "_use_fast_kernel",
+        False,
+        "the DSpark draft's einsum (SGLANG_DSPARK_FAST_KERNEL=0)",
+    ),
 )
 
 
@@ -223,7 +250,8 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
     is freed (``resize_(0)``, as upstream releases weights it repacks), not just unreferenced: the
     first build of a process released nothing before, because upstream's torch_memory_saver_adapter
     keeps the ImportError of its lazy import, whose frames reach back to this build's locals. Views
-    left in such dead frames now point at freed memory; no reader is left (_BYPASSES refuses those)."""
+    left in such dead frames now point at freed memory; no reader is left (_BYPASSES refuses those).
+    """
     released = failed = 0
     for name, mod, view, twin in entries:
         old = mod.wo_a.weight.data
@@ -234,8 +262,12 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
         elif not torch.equal(twin.dequant().view(torch.int16), view.view(torch.int16)):
             why = "the twin's dequantisation is not bit-identical to the weight"
         if why is not None:
-            logger.warning("--dsv4-wo-a-fp8-twin=drop (%s): %s.wo_a: %s; keeping the bf16 weight",
-                           label, name, why)
+            logger.warning(
+                "--dsv4-wo-a-fp8-twin=drop (%s): %s.wo_a: %s; keeping the bf16 weight",
+                label,
+                name,
+                why,
+            )
             failed += 1
             continue
         key = view.data_ptr()
@@ -260,13 +292,15 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     update session) keeps it: CUDA graphs captured since hold its buffers, and its weight cannot
     have changed, since every layer with a twin refuses online weight updates (upstream's
     ``_derived_weight_cache_error``). A layer that got none at the first build stays stock: graphs
-    captured since read its bf16 weight, which a twin built now would bypass (drop: free)."""
+    captured since read its bf16 weight, which a twin built now would bypass (drop: free).
+    """
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
         _TWINS.clear()  # twins of a model this process loaded earlier must not serve this one
         return 0, 0  # upstream's path: no kernel of ours is imported
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
     from sglang.kernels.ops.gemm.dsv4_wo_a_fp8 import counters_for, wo_a_fp8_dequant
+
     if mode == "drop":
         from sglang.srt.models import deepseek_v4
 
@@ -313,7 +347,9 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
         ):
             twin = None  # the kernel's own dequantisation must agree too
         if twin is None:
-            _TWINS.pop(view.data_ptr(), None)  # nor may an earlier model's twin at this address
+            _TWINS.pop(
+                view.data_ptr(), None
+            )  # nor may an earlier model's twin at this address
             kept += 1
             continue
         weight8, exp = twin
@@ -348,10 +384,20 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     logger.info(
         "--dsv4-wo-a-fp8-twin=%s (%s): fp8 twins for %d wo_a weights (%d on the Hopper kernels), "
         "%d left on bf16%s%s; twins hold %.1f MiB%s",
-        mode, label, made, hopper, kept, f", {had} kept from before" if had else "",
-        f", {late} without one since the first load stay stock" if late else "", twin_mb,
-        f"; released {released / 2**20:.1f} MiB of bf16 weights ({made - failed} layers, "
-        f"{failed} kept theirs)" if mode == "drop" else "",
+        mode,
+        label,
+        made,
+        hopper,
+        kept,
+        f", {had} kept from before" if had else "",
+        f", {late} without one since the first load stay stock" if late else "",
+        twin_mb,
+        (
+            f"; released {released / 2**20:.1f} MiB of bf16 weights ({made - failed} layers, "
+            f"{failed} kept theirs)"
+            if mode == "drop"
+            else ""
+        ),
     )
     return made, kept
 
@@ -384,7 +430,12 @@ def apply_wo_a_fp8_twin(
     Elsewhere the portable Triton kernel serves the bf16 calls (its partials are not bitwise, so
     MXFP8 calls stay stock)."""
     twin = _TWINS.get(wo_a.data_ptr())
-    if twin is None or tuple(wo_a.shape) != twin.shape or is_prefill or not (is_decode or is_target_verify):
+    if (
+        twin is None
+        or tuple(wo_a.shape) != twin.shape
+        or is_prefill
+        or not (is_decode or is_target_verify)
+    ):
         return None
     if not _token_major(o, twin.shape):
         return None
@@ -405,7 +456,11 @@ def apply_wo_a_fp8_twin(
 
             partials = sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp, partials=True)
             return Mxfp8SwizzledInput(*_quantize_partial(partials))
-        top = MID_MAX_ROWS if twin.dropped else mid_rows_faster(g) if mode in ("mid", "drop") else 0
+        top = (
+            MID_MAX_ROWS
+            if twin.dropped
+            else mid_rows_faster(g) if mode in ("mid", "drop") else 0
+        )
         if 9 <= m <= top and not fuse_mxfp8_quant:
             if m <= small_kernel_rows(g):
                 return sm90.wo_a_fp8_small_sm90(o, twin.packed, twin.exp)
@@ -422,7 +477,8 @@ def apply_wo_a_fp8_twin(
 
 def stock_weight(wo_a: torch.Tensor) -> torch.Tensor:
     """The weight the stock path multiplies: ``wo_a`` itself, or for a dropped weight its bf16
-    rebuilt from the twin into a fresh buffer (bit-identical, checked before the release)."""
+    rebuilt from the twin into a fresh buffer (bit-identical, checked before the release).
+    """
     twin = _TWINS.get(wo_a.data_ptr())
     if twin is None or not twin.dropped:
         return wo_a

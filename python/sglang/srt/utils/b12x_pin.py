@@ -45,7 +45,10 @@ def found_b12x(api: str, attr: str) -> tuple[Optional[str], str]:
         module = importlib.import_module(f"b12x.{api}")
         getattr(module, attr)
     except Exception as e:
-        return version, f"b12x {version} is installed but b12x.{api}.{attr} does not load ({type(e).__name__}: {e})"
+        return (
+            version,
+            f"b12x {version} is installed but b12x.{api}.{attr} does not load ({type(e).__name__}: {e})",
+        )
     return version, ""
 
 
@@ -54,15 +57,23 @@ def b12x_refusal(flag: str, api: str, attr: str) -> Optional[str]:
     cap, device = found_device()
     problems = []
     if cap is None or cap[0] != 12:
-        problems.append(f"device: {device}, b12x kernels need SM120/SM121 (RTX Blackwell, GB10)")
+        problems.append(
+            f"device: {device}, b12x kernels need SM120/SM121 (RTX Blackwell, GB10)"
+        )
     version, why = found_b12x(api, attr)
     if why:
         problems.append(why)
     elif version != B12X_VERSION:
-        problems.append(f"b12x {version} is installed, the fork is written against b12x=={B12X_VERSION}")
+        problems.append(
+            f"b12x {version} is installed, the fork is written against b12x=={B12X_VERSION}"
+        )
     if not problems:
         return None
-    return f"{flag} refused: " + "; ".join(problems) + f" (install: pip install b12x=={B12X_VERSION})"
+    return (
+        f"{flag} refused: "
+        + "; ".join(problems)
+        + f" (install: pip install b12x=={B12X_VERSION})"
+    )
 
 
 def require_b12x(flag: str, api: str, attr: str) -> None:

@@ -14,7 +14,9 @@ standin(__name__, globals())
 
 def rmsnorm(input, weight, eps=1e-6, out=None, enable_pdl=None):
     x = input.float()
-    y = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()).to(input.dtype)
+    y = (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * weight.float()).to(
+        input.dtype
+    )
     if out is None:
         return y
     out.copy_(y)
@@ -32,12 +34,30 @@ def moe_sum_reduce(input, output, routed_scaling_factor=1.0):
     output.mul_(routed_scaling_factor)
 
 
-def moe_align_block_size(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad,
-                         cumsum_buffer, pad_sorted_token_ids=False, ignore_invalid_expert=False):
+def moe_align_block_size(
+    topk_ids,
+    num_experts,
+    block_size,
+    sorted_token_ids,
+    expert_ids,
+    num_tokens_post_pad,
+    cumsum_buffer,
+    pad_sorted_token_ids=False,
+    ignore_invalid_expert=False,
+):
     from sglang.kernels.ops.moe.moe_align import moe_align_block_size as jit
 
-    jit(topk_ids, num_experts, block_size, sorted_token_ids, expert_ids, num_tokens_post_pad, cumsum_buffer,
-        pad_sorted_token_ids, map_invalid_experts_to_sentinel=ignore_invalid_expert)
+    jit(
+        topk_ids,
+        num_experts,
+        block_size,
+        sorted_token_ids,
+        expert_ids,
+        num_tokens_post_pad,
+        cumsum_buffer,
+        pad_sorted_token_ids,
+        map_invalid_experts_to_sentinel=ignore_invalid_expert,
+    )
 
 
 def weak_ref_tensor(tensor):
@@ -45,9 +65,13 @@ def weak_ref_tensor(tensor):
     if not isinstance(tensor, torch.Tensor) or not tensor.is_cuda:
         return tensor
     storage = torch._C._construct_storage_from_data_pointer(
-        tensor.untyped_storage().data_ptr(), tensor.device, tensor.untyped_storage().nbytes())
+        tensor.untyped_storage().data_ptr(),
+        tensor.device,
+        tensor.untyped_storage().nbytes(),
+    )
     return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
-        storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        storage, tensor.storage_offset(), tensor.size(), tensor.stride()
+    )
 
 
 def silu_and_mul(input, out=None):

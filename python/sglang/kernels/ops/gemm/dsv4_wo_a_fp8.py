@@ -55,7 +55,8 @@ MID_ROWS = (9, 192)
 def _dot_twin(acc, x, w8, e, INTERPRETED: tl.constexpr):
     """acc + x @ (w8 * 2**(e - 127)); ``e`` holds one biased exponent per K row of the tile (the
     tile's rows lie in one 32-row block). The scale is built from its bits and the product is an
-    exact bf16 value (|e4m3| >= 2**-9, scale >= 2**-117), so the dot sees the bf16 weight."""
+    exact bf16 value (|e4m3| >= 2**-9, scale >= 2**-117), so the dot sees the bf16 weight.
+    """
     if INTERPRETED:  # the interpreter's dot multiplies bf16 bit patterns as integers
         scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
         acc += tl.dot(x.to(tl.float32), w8.to(tl.float32) * scale[:, None])
@@ -66,9 +67,24 @@ def _dot_twin(acc, x, w8, e, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _reduce_epilogue(acc, P, Y, C, M, m, n, tile, mt, split, group,
-                     G: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, BN: tl.constexpr,
-                     REDUCE: tl.constexpr):
+def _reduce_epilogue(
+    acc,
+    P,
+    Y,
+    C,
+    M,
+    m,
+    n,
+    tile,
+    mt,
+    split,
+    group,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BN: tl.constexpr,
+    REDUCE: tl.constexpr,
+):
     rows = m[:, None] < M
     out = (m[:, None] * G + group) * R + n[None, :]
     if SPLIT == 1:
@@ -83,15 +99,30 @@ def _reduce_epilogue(acc, P, Y, C, M, m, n, tile, mt, split, group,
             if arrived == SPLIT - 1:
                 total = tl.load(P + out, rows, 0.0, cache_modifier=".cg")
                 for s in tl.static_range(1, SPLIT):
-                    total += tl.load(P + s * M * G * R + out, rows, 0.0, cache_modifier=".cg")
+                    total += tl.load(
+                        P + s * M * G * R + out, rows, 0.0, cache_modifier=".cg"
+                    )
                 tl.store(Y + out, total.to(tl.bfloat16), rows)
                 tl.atomic_xchg(counter, 0)
 
 
 @triton.jit
-def _wo_a_fp8_small_kernel(X, W8, E, P, Y, C, M, SX,
-                           G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                           REDUCE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _wo_a_fp8_small_kernel(
+    X,
+    W8,
+    E,
+    P,
+    Y,
+    C,
+    M,
+    SX,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    REDUCE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Upstream's split (8 x 512) and dots (4 x [16, 128] @ [128, BN], accumulated in order);
     every load of the CTA (16 KB of e4m3 at BN = 32) is issued before the first dot."""
     tile, group, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -123,10 +154,25 @@ def _wo_a_fp8_small_kernel(X, W8, E, P, Y, C, M, SX,
 
 
 @triton.jit
-def _wo_a_fp8_kernel(X, W8, E, P, Y, C, M, SX,
-                     G: tl.constexpr, R: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     REDUCE: tl.constexpr, INTERPRETED: tl.constexpr):
+def _wo_a_fp8_kernel(
+    X,
+    W8,
+    E,
+    P,
+    Y,
+    C,
+    M,
+    SX,
+    G: tl.constexpr,
+    R: tl.constexpr,
+    D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    REDUCE: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
     """Mid rows: grid (R/BN, G, row tiles x SPLIT); the next K chunk is loaded before this one's dot."""
     tile, group, mk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     mt = mk // SPLIT
@@ -151,7 +197,9 @@ def _wo_a_fp8_kernel(X, W8, E, P, Y, C, M, SX,
         x_next = tl.load(xp + j, rows, 0)
         e_next = tl.load(ep + j // 32)
         acc = _dot_twin(acc, x, w8, e, INTERPRETED)
-    _reduce_epilogue(acc, P, Y, C, M, m, n, tile, mt, split, group, G, R, SPLIT, BN, REDUCE)
+    _reduce_epilogue(
+        acc, P, Y, C, M, m, n, tile, mt, split, group, G, R, SPLIT, BN, REDUCE
+    )
 
 
 def counters_for(weight8: torch.Tensor) -> torch.Tensor:
@@ -161,15 +209,23 @@ def counters_for(weight8: torch.Tensor) -> torch.Tensor:
     return torch.zeros(tiles, dtype=torch.int32, device=weight8.device)
 
 
-def _check(x: torch.Tensor, weight8: torch.Tensor, exp: torch.Tensor, counters: torch.Tensor):
+def _check(
+    x: torch.Tensor, weight8: torch.Tensor, exp: torch.Tensor, counters: torch.Tensor
+):
     g, r, d = weight8.shape
     assert weight8.dtype == torch.float8_e4m3fn and weight8.is_contiguous()
-    assert exp.dtype == torch.uint8 and exp.shape == (g, r // 32, d // 32) and exp.is_contiguous()
+    assert (
+        exp.dtype == torch.uint8
+        and exp.shape == (g, r // 32, d // 32)
+        and exp.is_contiguous()
+    )
     assert x.dtype == torch.bfloat16 and x.ndim == 3 and x.shape[1:] == (g, d)
     assert x.stride(2) == 1 and x.stride(1) == d and x.stride(0) >= g * d
     assert x.device == weight8.device == exp.device == counters.device
     assert r % 64 == 0 and d % (SMALL_SPLIT * SMALL_BK) == 0
-    assert counters.dtype == torch.int32 and counters.numel() >= triton.cdiv(MID_ROWS[1], 16) * g * (r // 16)
+    assert counters.dtype == torch.int32 and counters.numel() >= triton.cdiv(
+        MID_ROWS[1], 16
+    ) * g * (r // 16)
 
 
 def _launch(x, weight8, exp, counters, split, bm, bn, warps, stages, reduce):
@@ -177,23 +233,59 @@ def _launch(x, weight8, exp, counters, split, bm, bn, warps, stages, reduce):
     g, r, d = weight8.shape
     assert bn in (16, 32)  # a tile's rows lie in one 32-row scale block
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
-    partial = torch.empty((split, m, g, r), dtype=torch.float32, device=x.device) if split > 1 else y
+    partial = (
+        torch.empty((split, m, g, r), dtype=torch.float32, device=x.device)
+        if split > 1
+        else y
+    )
     if split == SMALL_SPLIT and bm == SMALL_BM and m <= 8 and d == 4096:
         _wo_a_fp8_small_kernel[(r // bn, g, split)](
-            x, weight8, exp, partial, y, counters, m, x.stride(0), g, r, d, bn, reduce, _INTERPRETED,
-            num_warps=warps, num_stages=stages,
+            x,
+            weight8,
+            exp,
+            partial,
+            y,
+            counters,
+            m,
+            x.stride(0),
+            g,
+            r,
+            d,
+            bn,
+            reduce,
+            _INTERPRETED,
+            num_warps=warps,
+            num_stages=stages,
         )
     else:
         _wo_a_fp8_kernel[(r // bn, g, triton.cdiv(m, bm) * split)](
-            x, weight8, exp, partial, y, counters, m, x.stride(0), g, r, d, split, bm, bn, MID_BK,
-            reduce, _INTERPRETED, num_warps=warps, num_stages=stages,
+            x,
+            weight8,
+            exp,
+            partial,
+            y,
+            counters,
+            m,
+            x.stride(0),
+            g,
+            r,
+            d,
+            split,
+            bm,
+            bn,
+            MID_BK,
+            reduce,
+            _INTERPRETED,
+            num_warps=warps,
+            num_stages=stages,
         )
     return y, partial
 
 
 def wo_a_fp8_matmul(x, weight8, exp, counters, cfg=None):
     """``einsum('tgd,grd->tgr', x, twin)`` for 2..192 rows in one launch, bf16 token-major out.
-    Partial sums stay in FP32 and are added in split order until the final BF16 store."""
+    Partial sums stay in FP32 and are added in split order until the final BF16 store.
+    """
     _check(x, weight8, exp, counters)
     m = x.shape[0]
     assert 2 <= m <= MID_ROWS[1]
@@ -206,11 +298,22 @@ def wo_a_fp8_matmul(x, weight8, exp, counters, cfg=None):
 
 def wo_a_fp8_partial(x, weight8, exp, counters):
     """The per-split FP32 partials ``[8, M, G, R]`` (2..8 rows) from the twin. Not bit-identical to
-    ``_wo_a_partial``'s on the H200 (last-bit differences), so not used for the MXFP8 epilogue."""
+    ``_wo_a_partial``'s on the H200 (last-bit differences), so not used for the MXFP8 epilogue.
+    """
     _check(x, weight8, exp, counters)
     assert 2 <= x.shape[0] <= 8
-    return _launch(x, weight8, exp, counters, SMALL_SPLIT, SMALL_BM, SMALL_BN, SMALL_WARPS,
-                   SMALL_STAGES, False)[1]
+    return _launch(
+        x,
+        weight8,
+        exp,
+        counters,
+        SMALL_SPLIT,
+        SMALL_BM,
+        SMALL_BN,
+        SMALL_WARPS,
+        SMALL_STAGES,
+        False,
+    )[1]
 
 
 @triton.jit
@@ -236,7 +339,8 @@ def wo_a_fp8_dequant(weight8: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 def _dequant_packed_kernel(P, E, OUT, D: tl.constexpr):
     """One 8-row group x one 128-K chunk of the Hopper kernels' fragment-major words
     ([G, R/8, chunk 4, block 4, split 8, row 8, word 8]; word 2 t + w holds, byte b, the logical
-    k = 16 w + 8 (b // 2) + 2 t + b % 2 of its 32-block, see ``pack_twin``) -> bf16 rows."""
+    k = 16 w + 8 (b // 2) + 2 t + b % 2 of its 32-block, see ``pack_twin``) -> bf16 rows.
+    """
     rg, q = tl.program_id(0), tl.program_id(1)
     s, c = q // 4, q % 4
     blk = tl.arange(0, 4)[:, None, None, None]
@@ -245,7 +349,15 @@ def _dequant_packed_kernel(P, E, OUT, D: tl.constexpr):
     by = tl.arange(0, 4)[None, None, None, :]
     words = tl.load(P + (((rg * 4 + c) * 4 + blk) * 8 + s) * 64 + row * 8 + tw)
     byte = (words >> (8 * by)) & 0xFF
-    k = s * 512 + c * 128 + blk * 32 + 16 * (tw % 2) + 8 * (by // 2) + 2 * (tw // 2) + by % 2
+    k = (
+        s * 512
+        + c * 128
+        + blk * 32
+        + 16 * (tw % 2)
+        + 8 * (by // 2)
+        + 2 * (tw // 2)
+        + by % 2
+    )
     r = rg * 8 + row
     e = tl.load(E + (r // 32) * (D // 32) + k // 32)
     scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
@@ -253,7 +365,9 @@ def _dequant_packed_kernel(P, E, OUT, D: tl.constexpr):
     ex, man = (byte >> 3) & 0xF, byte & 7
     normal = (((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
     mag = tl.where(ex == 0, man.to(tl.float32) * 0.001953125, normal)
-    val = ((mag * scale).to(tl.int32, bitcast=True) | ((byte >> 7) << 31)).to(tl.float32, bitcast=True)
+    val = ((mag * scale).to(tl.int32, bitcast=True) | ((byte >> 7) << 31)).to(
+        tl.float32, bitcast=True
+    )
     tl.store(OUT + r * D + k, val.to(tl.bfloat16))  # the sign as a bit: -0.0 stays -0.0
 
 
@@ -261,7 +375,11 @@ def wo_a_fp8_dequant_packed(packed: torch.Tensor, exp: torch.Tensor) -> torch.Te
     """The bf16 weight [G, R, 4096] rebuilt from the Hopper kernels' packed words (a fresh buffer)."""
     g, rg = packed.shape[0], packed.shape[1]
     d = 4096
-    assert packed.dtype == torch.int32 and packed.is_contiguous() and packed.numel() == g * rg * 8 * d // 4
+    assert (
+        packed.dtype == torch.int32
+        and packed.is_contiguous()
+        and packed.numel() == g * rg * 8 * d // 4
+    )
     assert exp.dtype == torch.uint8 and exp.shape == (g, rg * 8 // 32, d // 32)
     out = torch.empty((g, rg * 8, d), dtype=torch.bfloat16, device=packed.device)
     _dequant_packed_kernel[(g * rg, 32)](packed, exp, out, d)

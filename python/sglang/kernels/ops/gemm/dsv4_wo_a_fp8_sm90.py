@@ -54,7 +54,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sglang.kernels.ops.gemm.e4m3_to_bf16 import permute_k
-from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import bf16_pair, dequant_block, words_layout
+from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import (
+    bf16_pair,
+    dequant_block,
+    words_layout,
+)
 
 N_SPLITS = 8  # upstream's split of K = 4096 into 8 x 512, one warp each
 SPLITS = gl.constexpr(N_SPLITS)
@@ -63,7 +67,9 @@ D = 4096
 DK = gl.constexpr(D)
 MAX_ROWS = 16  # rows of x one small-kernel call takes with x up front (8 per n8 tile of the MMA)
 _SM_SMEM = 227 * 1024  # shared memory one SM gives its CTAs (H100 / H200)
-MAX_RING_ROWS = 64  # with x in the ring (x up front would not fit shared memory): 8 n8 tiles
+MAX_RING_ROWS = (
+    64  # with x in the ring (x up front would not fit shared memory): 8 n8 tiles
+)
 
 # The small kernel's e4m3 -> bf16 conversion (exact: the twin's scale is a power of two): each
 # byte sign-extended into a 16-bit half by PRMT, shifted so that e4m3's exponent and mantissa land
@@ -71,7 +77,8 @@ MAX_RING_ROWS = 64  # with x in the ring (x up front would not fit shared memory
 # subnormals become bf16 subnormals, which the HMUL2 by 2**(e - 127 + 120) takes exactly): 4
 # instructions per pair. (The mid kernel converts through f16, q * 2**-112: e4m3_to_bf16_sm90.)
 PRMT_SCALE_BIAS = 120
-_E4M3X4_TO_BF16_PRMT_ASM = gl.constexpr("""{
+_E4M3X4_TO_BF16_PRMT_ASM = gl.constexpr(
+    """{
 .reg .b32 t0, t1;
 prmt.b32 t0, $2, 0, 0x9180;
 prmt.b32 t1, $2, 0, 0xB3A2;
@@ -81,14 +88,23 @@ and.b32 t0, t0, 0x87F087F0;
 and.b32 t1, t1, 0x87F087F0;
 mul.rn.bf16x2 $0, t0, $3;
 mul.rn.bf16x2 $1, t1, $4;
-}""")
+}"""
+)
 
 
 # Largest ue8m0 exponent the small kernel's bf16 scale word 2**(e - 127 + 120) can carry: 134.
 MAX_BIASED_EXP = 254 - PRMT_SCALE_BIAS
 _PRMT_BIAS = gl.constexpr(PRMT_SCALE_BIAS)
 
-__all__ = ["available", "pack_twin", "small_config", "ring_fit", "wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90", "mid_counters"]
+__all__ = [
+    "available",
+    "pack_twin",
+    "small_config",
+    "ring_fit",
+    "wo_a_fp8_small_sm90",
+    "wo_a_fp8_mid_sm90",
+    "mid_counters",
+]
 
 
 def available(device: torch.device) -> bool:
@@ -100,11 +116,16 @@ def pack_twin(weight8: torch.Tensor) -> torch.Tensor:
     """e4m3 [G, R, 4096] -> int32 words in the kernel's fragment-major order
     [G, R/8, chunk 4, block 4, split 8, row 8, quad thread 4, word 2]: K permuted inside each
     32-block (``permute_k``) and each warp's A fragment of one 32-K block contiguous (256 B),
-    so a thread loads its 8 bytes of one block with one LDG.64 and a warp reads whole lines."""
+    so a thread loads its 8 bytes of one block with one LDG.64 and a warp reads whole lines.
+    """
     g, r, d = weight8.shape
     assert d == D and r % ROWS == 0, (g, r, d)
     wp = permute_k(weight8.reshape(g * r, d)).view(torch.int32)
-    return wp.view(g, r // 8, 8, 8, 4, 4, 4, 2).permute(0, 1, 4, 5, 3, 2, 6, 7).contiguous()
+    return (
+        wp.view(g, r // 8, 8, 8, 4, 4, 4, 2)
+        .permute(0, 1, 4, 5, 3, 2, 6, 7)
+        .contiguous()
+    )
 
 
 # [SPLITS, 8 rows, 8 words] of one 32-K block as loaded: warp = split, lane = 4 row + t, 2 words
@@ -153,10 +174,14 @@ _W_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # x in the ring (x_ring): [split, rows of x, 32 K] of one block, 16 B per thread and copy
 _XB_LAYOUT = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [8, 1, 1], [2, 1, 0])
 _XB_SMEM = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=3)
-_MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[8, 1, 1], instr_shape=[1, 16, 8])
+_MMA = gl.NVMMADistributedLayout(
+    version=[2, 0], warps_per_cta=[8, 1, 1], instr_shape=[1, 16, 8]
+)
 _P_SMEM = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 # [8, 8] fp32 (rows x x-rows) of one split's partial, one element per thread (4 warps)
-_OUT16_LAYOUT = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 2], order=[1, 0])
+_OUT16_LAYOUT = gl.BlockedLayout(
+    size_per_thread=[1, 1], threads_per_warp=[4, 8], warps_per_cta=[4, 2], order=[1, 0]
+)
 
 
 @gluon.jit
@@ -164,10 +189,21 @@ def _dequant(w32, sb):
     """[S, 8, 8] words of a K-permuted e4m3 32-block of 8 rows + per-split bf16x2 scale words ->
     the logical [S, 8, 32] bf16 rows, the permutation undone by renaming."""
     sb = gl.expand_dims(gl.expand_dims(sb, 1), 2) + gl.zeros_like(w32)
-    o0, o1 = gl.inline_asm_elementwise(_E4M3X4_TO_BF16_PRMT_ASM, "=r,=r,r,r,r", [w32, sb, sb],
-                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    w = gl.join(bf16_pair(o0), bf16_pair(o1))  # [S, 8, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
-    return gl.reshape(gl.permute(gl.reshape(w, [SPLITS, 8, 4, 2, 2, 2]), [0, 1, 3, 5, 2, 4]), [SPLITS, 8, 32])
+    o0, o1 = gl.inline_asm_elementwise(
+        _E4M3X4_TO_BF16_PRMT_ASM,
+        "=r,=r,r,r,r",
+        [w32, sb, sb],
+        dtype=(gl.int32, gl.int32),
+        is_pure=True,
+        pack=1,
+    )
+    w = gl.join(
+        bf16_pair(o0), bf16_pair(o1)
+    )  # [S, 8, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
+    return gl.reshape(
+        gl.permute(gl.reshape(w, [SPLITS, 8, 4, 2, 2, 2]), [0, 1, 3, 5, 2, 4]),
+        [SPLITS, 8, 32],
+    )
 
 
 @gluon.jit
@@ -184,19 +220,43 @@ def _x_tiles(L: gl.constexpr, XN: gl.constexpr, KW: gl.constexpr, group, SX, M):
     s = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
     t = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
     k = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
-    off = (gl.expand_dims(gl.expand_dims(s * 512 + group * DK, 1), 2)
-           + gl.expand_dims(gl.expand_dims(t * SX, 0), 2) + gl.expand_dims(gl.expand_dims(k, 0), 1))
+    off = (
+        gl.expand_dims(gl.expand_dims(s * 512 + group * DK, 1), 2)
+        + gl.expand_dims(gl.expand_dims(t * SX, 0), 2)
+        + gl.expand_dims(gl.expand_dims(k, 0), 1)
+    )
     return off, gl.expand_dims(gl.expand_dims(t < M, 0), 2) & (off >= 0)
 
 
 @gluon.jit
-def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexpr,
-                           PARTIALS: gl.constexpr, LD_L: gl.constexpr, X_L: gl.constexpr,
-                           MMA: gl.constexpr, P_SMEM: gl.constexpr, OUT_L: gl.constexpr,
-                           XC_L: gl.constexpr, X_SMEM: gl.constexpr, RB: gl.constexpr,
-                           XN: gl.constexpr, STAGE: gl.constexpr, WC_L: gl.constexpr,
-                           WS_L: gl.constexpr, W_SMEM: gl.constexpr, XRING: gl.constexpr, XB_L: gl.constexpr,
-                           XB_SMEM: gl.constexpr):
+def _wo_a_fp8_small_kernel(
+    W,
+    X,
+    E,
+    Y,
+    P,
+    M,
+    SX,
+    G: gl.constexpr,
+    R: gl.constexpr,
+    PARTIALS: gl.constexpr,
+    LD_L: gl.constexpr,
+    X_L: gl.constexpr,
+    MMA: gl.constexpr,
+    P_SMEM: gl.constexpr,
+    OUT_L: gl.constexpr,
+    XC_L: gl.constexpr,
+    X_SMEM: gl.constexpr,
+    RB: gl.constexpr,
+    XN: gl.constexpr,
+    STAGE: gl.constexpr,
+    WC_L: gl.constexpr,
+    WS_L: gl.constexpr,
+    W_SMEM: gl.constexpr,
+    XRING: gl.constexpr,
+    XB_L: gl.constexpr,
+    XB_SMEM: gl.constexpr,
+):
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     NB: gl.constexpr = 16  # 32-K blocks per split
@@ -209,7 +269,9 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     # biased exponents of this CTA's 32-row block: split s, 32-K block 16 s + i
     es = ()
     e_base = E + (group * (R // 32) + r0 // 32) * (DK // 32) + ls * NB
-    NBUF: gl.constexpr = STAGE + 1 if STAGE < NB else NB  # ring buffers (1 <= STAGE <= 16: the wrapper)
+    NBUF: gl.constexpr = (
+        STAGE + 1 if STAGE < NB else NB
+    )  # ring buffers (1 <= STAGE <= 16: the wrapper)
     # the exponents first: issued behind the CTA's 64 KB of weights they would arrive last
     for i in gl.static_range(NB):
         es = es + (gl.load(e_base + i).to(gl.int32),)
@@ -220,7 +282,9 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     if not XRING:
         c_off, c_mask = _x_tiles(XC_L, XN, 64, group, SX, M)
         for kc in gl.static_range(8):
-            x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),)
+            x_s = x_s + (
+                gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 64], X_SMEM),
+            )
             async_copy.async_copy_global_to_shared(x_s[kc], X + c_off + 64 * kc, c_mask)
             if kc % 2 == 1:
                 async_copy.commit_group()
@@ -233,15 +297,23 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
     w_s = ()
     cp = gl.arange(0, NPC, layout=gl.SliceLayout(1, WC_L))
     cw = gl.arange(0, 512, layout=gl.SliceLayout(0, WC_L))
-    cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(cw, 0)  # rows 0..7, 8..15, ..
+    cp_off = gl.expand_dims(cp * (NB * 512), 1) + gl.expand_dims(
+        cw, 0
+    )  # rows 0..7, 8..15, ..
     for j in gl.static_range(NBUF):
-        w_s = w_s + (gl.allocate_shared_memory(gl.int32, [NPC, 512], W_SMEM),)  # one each, as for x
+        w_s = w_s + (
+            gl.allocate_shared_memory(gl.int32, [NPC, 512], W_SMEM),
+        )  # one each, as for x
         if XRING:
-            x_s = x_s + (gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 32], XB_SMEM),)
+            x_s = x_s + (
+                gl.allocate_shared_memory(gl.bfloat16, [SPLITS, XN, 32], XB_SMEM),
+            )
     for j in gl.static_range(STAGE):
         if XRING:
             async_copy.async_copy_global_to_shared(x_s[j], X + b_off + 32 * j, b_mask)
-        async_copy.async_copy_global_to_shared(w_s[j], W + (pid * NPC * NB + j) * 512 + cp_off)
+        async_copy.async_copy_global_to_shared(
+            w_s[j], W + (pid * NPC * NB + j) * 512 + cp_off
+        )
         async_copy.commit_group()
     accs = ()
     for h in gl.static_range(NA):
@@ -252,29 +324,44 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         if STAGE < NB:
             if i + STAGE < NB:  # into block i - 1's buffer
                 if XRING:
-                    async_copy.async_copy_global_to_shared(x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE),
-                                                           b_mask)
-                async_copy.async_copy_global_to_shared(w_s[(i + STAGE) % NBUF],
-                                                       W + (pid * NPC * NB + i + STAGE) * 512 + cp_off)
+                    async_copy.async_copy_global_to_shared(
+                        x_s[(i + STAGE) % NBUF], X + b_off + 32 * (i + STAGE), b_mask
+                    )
+                async_copy.async_copy_global_to_shared(
+                    w_s[(i + STAGE) % NBUF],
+                    W + (pid * NPC * NB + i + STAGE) * 512 + cp_off,
+                )
             async_copy.commit_group()  # possibly empty: keeps the wait count uniform
         wb = w_s[i % NBUF]
         wp = ()
         for q in gl.static_range(NPC):
-            wp = wp + (gl.convert_layout(gl.reshape(wb.slice(q, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L),)
+            wp = wp + (
+                gl.convert_layout(
+                    gl.reshape(wb.slice(q, 1, dim=0).load(WS_L), [SPLITS, 32, 2]), LD_L
+                ),
+            )
         if XRING:
             xb = x_s[i % NBUF].load(X_L)
         else:
             xb = x_s[i // 2].slice(32 * (i % 2), 32, dim=2).load(X_L)
         w32 = gl.reshape(wp[0], [SPLITS, 8, 8])
-        sb = (es[i] + _PRMT_BIAS) << 7  # bf16 bits of 2**(e - 127) * 2**120, the conversion's offset
-        sb = gl.convert_layout(sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout)))
+        sb = (
+            es[i] + _PRMT_BIAS
+        ) << 7  # bf16 bits of 2**(e - 127) * 2**120, the conversion's offset
+        sb = gl.convert_layout(
+            sb | (sb << 16), gl.SliceLayout(1, gl.SliceLayout(2, w32.type.layout))
+        )
         lo = _dequant(w32, sb)
         b = gl.convert_layout(gl.permute(xb, (0, 2, 1)), B_L)
         nxt = ()
-        for h in gl.static_range(NA):  # 32 rows: both A operands take the same B fragment of x
+        for h in gl.static_range(
+            NA
+        ):  # 32 rows: both A operands take the same B fragment of x
             if h > 0:
                 lo = _dequant(gl.reshape(wp[2 * h], [SPLITS, 8, 8]), sb)
-            a = _a_operand(lo, _dequant(gl.reshape(wp[2 * h + 1], [SPLITS, 8, 8]), sb), A_L)
+            a = _a_operand(
+                lo, _dequant(gl.reshape(wp[2 * h + 1], [SPLITS, 8, 8]), sb), A_L
+            )
             nxt = nxt + (mma_v2(a, b, accs[h]),)
         accs = nxt
     if PARTIALS:  # upstream's partial layout [8, M, G, R] for its MXFP8 epilogue
@@ -291,7 +378,9 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
         # the split partials meet in shared memory and are added as _wo_a_reduce's tl.sum adds them
         p_s = gl.allocate_shared_memory(gl.float32, [NA * SPLITS * 16, XN], P_SMEM)
         for h in gl.static_range(NA):
-            p_s.slice(h * SPLITS * 16, SPLITS * 16).store(gl.reshape(accs[h], [SPLITS * 16, XN]))
+            p_s.slice(h * SPLITS * 16, SPLITS * 16).store(
+                gl.reshape(accs[h], [SPLITS * 16, XN])
+            )
         gl.thread_barrier()
         otok = gl.arange(0, XN, layout=gl.SliceLayout(0, OUT_L))
         for h in gl.static_range(NA):
@@ -302,11 +391,22 @@ def _wo_a_fp8_small_kernel(W, X, E, Y, P, M, SX, G: gl.constexpr, R: gl.constexp
                 odd = odd + p_s.slice(h * SPLITS * 16 + 32 * s + 16, 16).load(OUT_L)
             total = even + odd
             orow = gl.arange(0, 16, layout=gl.SliceLayout(1, OUT_L))
-            o_off = (gl.expand_dims(otok, 0) * G + group) * R + r0 + 16 * h + gl.expand_dims(orow, 1)
-            gl.store(Y + o_off, total.to(gl.bfloat16), gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1))
+            o_off = (
+                (gl.expand_dims(otok, 0) * G + group) * R
+                + r0
+                + 16 * h
+                + gl.expand_dims(orow, 1)
+            )
+            gl.store(
+                Y + o_off,
+                total.to(gl.bfloat16),
+                gl.expand_dims(otok < M, 0) & gl.expand_dims(orow >= 0, 1),
+            )
 
 
-def small_config(m: int, g: int, r: int, sms: int, rows_per_cta: int | None = None) -> tuple[int, int, bool]:
+def small_config(
+    m: int, g: int, r: int, sms: int, rows_per_cta: int | None = None
+) -> tuple[int, int, bool]:
     """(weight rows per CTA, stage, x_ring) the small kernel serves for ``m`` rows of x, the fastest
     of benchmark/results/wo_a_fp8_rows_probe-, wo_a_fp8_depth_probe- and
     wo_a_fp8_depth2_probe-NVIDIA_H200.json (132 SMs): 16 weight rows per CTA where that grid is
@@ -335,9 +435,16 @@ def ring_fit(rows_per_cta: int, m: int) -> int:
     return (_SM_SMEM - 1024) // (rows_per_cta * 256 + _x_rows(m) * 512) - 1
 
 
-def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor,
-                        partials: bool = False, *, rows_per_cta: int | None = None,
-                        stage: int | None = None, x_ring: bool | None = None) -> torch.Tensor:
+def wo_a_fp8_small_sm90(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    exp: torch.Tensor,
+    partials: bool = False,
+    *,
+    rows_per_cta: int | None = None,
+    stage: int | None = None,
+    x_ring: bool | None = None,
+) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..64 rows from ``pack_twin``'s words: bf16
     [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
     (rows past 8: each row's bits those of a call of <= 8 rows). ``rows_per_cta``: 16 or 32
@@ -348,9 +455,16 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     configuration gives the same bits."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
-    assert x.shape[1:] == (g, D) and x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == D
+    assert (
+        x.shape[1:] == (g, D)
+        and x.dtype == torch.bfloat16
+        and x.stride(2) == 1
+        and x.stride(1) == D
+    )
     if stage is None:
-        rows_per_cta, stage, x_ring = small_config(m, g, r, _sm_count(x.device), rows_per_cta)
+        rows_per_cta, stage, x_ring = small_config(
+            m, g, r, _sm_count(x.device), rows_per_cta
+        )
     rows_per_cta = rows_per_cta or 16
     assert 1 <= m <= (MAX_RING_ROWS if x_ring else MAX_ROWS), (m, x_ring)
     assert rows_per_cta in (16, 32) and r % rows_per_cta == 0, (rows_per_cta, r)
@@ -359,11 +473,38 @@ def wo_a_fp8_small_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor
     x_ring = bool(x_ring)
     assert not x_ring or 0 < stage < 16, ("x travels in the weights' ring", stage)
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
-    p = torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device) if partials else y
+    p = (
+        torch.empty((N_SPLITS, m, g, r), dtype=torch.float32, device=x.device)
+        if partials
+        else y
+    )
     _wo_a_fp8_small_kernel[(g * r // rows_per_cta,)](
-        packed, x, exp, y, p, m, x.stride(0), g, r, partials, _LD_LAYOUT, _X_LAYOUTS[xn],
-        _MMA, _P_SMEM, _OUT16_LAYOUT, _XC_LAYOUT, _X_SMEM, rows_per_cta,
-        xn, stage, _WC_LAYOUT, _WS_LAYOUT, _W_SMEM, x_ring, _XB_LAYOUT, _XB_SMEM,
+        packed,
+        x,
+        exp,
+        y,
+        p,
+        m,
+        x.stride(0),
+        g,
+        r,
+        partials,
+        _LD_LAYOUT,
+        _X_LAYOUTS[xn],
+        _MMA,
+        _P_SMEM,
+        _OUT16_LAYOUT,
+        _XC_LAYOUT,
+        _X_SMEM,
+        rows_per_cta,
+        xn,
+        stage,
+        _WC_LAYOUT,
+        _WS_LAYOUT,
+        _W_SMEM,
+        x_ring,
+        _XB_LAYOUT,
+        _XB_SMEM,
         num_warps=N_SPLITS,
     )
     return p if partials else y
@@ -379,9 +520,12 @@ def _sm_count(device: torch.device) -> int:
 MAX_SPLITS = gl.constexpr(16)  # K splits of the mid kernel: a power of two up to this
 
 
-def mid_stages(g: int, r: int, split: int, np_: int, sms: int, bv: int = 64, ntiles: int = 1) -> int:
+def mid_stages(
+    g: int, r: int, split: int, np_: int, sms: int, bv: int = 64, ntiles: int = 1
+) -> int:
     """Pipeline depth for one wave: every CTA of the grid resident at once (the split-K wait needs
-    a tile's CTAs together), as deep as shared memory then allows, 2..8 steps of 128 K."""
+    a tile's CTAs together), as deep as shared memory then allows, 2..8 steps of 128 K.
+    """
     ctas_per_sm = -(-(g * r // bv * split * ntiles) // sms)
     stage = 4 * bv * 8 * 4 + np_ * 128 * 2
     fit = (_SM_SMEM // ctas_per_sm - 1024) // stage
@@ -394,19 +538,39 @@ def mid_stages(g: int, r: int, split: int, np_: int, sms: int, bv: int = 64, nti
 # share per split grows; past 64 rows, x's rows in tiles of 64 (128 at G = 8 and G = 4 past 128)
 # with a CTA each beat one tile of NP.
 _MID_TILES = {
-    (2, 16): (16, 16), (2, 32): (8, 32), (2, 64): (8, 64), (2, 128): (4, 64), (2, 256): (4, 64),
-    (4, 16): (16, 16), (4, 32): (8, 32), (4, 64): (8, 64), (4, 128): (4, 64), (4, 256): (1, 128),
-    (8, 16): (8, 16), (8, 32): (4, 32), (8, 64): (4, 64), (8, 128): (1, 128), (8, 256): (1, 128),
+    (2, 16): (16, 16),
+    (2, 32): (8, 32),
+    (2, 64): (8, 64),
+    (2, 128): (4, 64),
+    (2, 256): (4, 64),
+    (4, 16): (16, 16),
+    (4, 32): (8, 32),
+    (4, 64): (8, 64),
+    (4, 128): (4, 64),
+    (4, 256): (1, 128),
+    (8, 16): (8, 16),
+    (8, 32): (4, 32),
+    (8, 64): (4, 64),
+    (8, 128): (1, 128),
+    (8, 256): (1, 128),
 }
 
 
-def mid_config(m: int, g: int, r: int, sms: int = 132) -> tuple[int, int, int, int, int]:
+def mid_config(
+    m: int, g: int, r: int, sms: int = 132
+) -> tuple[int, int, int, int, int]:
     """(weight rows per CTA, warps, K splits, rows of x per CTA NP, pipeline stages) for ``m`` rows
-    on a device with ``sms`` SMs; x's rows go to ceil(m / NP) CTAs per weight tile and split."""
+    on a device with ``sms`` SMs; x's rows go to ceil(m / NP) CTAs per weight tile and split.
+    """
     full = max(16, 1 << (m - 1).bit_length())
     split, np_ = _MID_TILES.get((g, full), (None, full)) if r == 1024 else (None, full)
-    if split is None:  # unmeasured shapes: ~512 CTAs up to 64 x rows, ~128 above (a power of two)
-        split = 1 << (max(1, min(16, (512 if full <= 64 else 128) // (g * r // 64))).bit_length() - 1)
+    if (
+        split is None
+    ):  # unmeasured shapes: ~512 CTAs up to 64 x rows, ~128 above (a power of two)
+        split = 1 << (
+            max(1, min(16, (512 if full <= 64 else 128) // (g * r // 64))).bit_length()
+            - 1
+        )
     nt = -(-m // np_)
     while split > 1 and mid_stages(g, r, split, np_, sms, 64, nt) < 2:
         split //= 2
@@ -414,7 +578,9 @@ def mid_config(m: int, g: int, r: int, sms: int = 132) -> tuple[int, int, int, i
     return 64, 4, split, np_, max(2, mid_stages(g, r, split, np_, sms, 64, nt))
 
 
-MAX_X_TILES = 16  # tiles of x's rows one mid launch may split them into (NP >= 16: 256 rows)
+MAX_X_TILES = (
+    16  # tiles of x's rows one mid launch may split them into (NP >= 16: 256 rows)
+)
 
 
 def mid_counters(g: int, r: int, device) -> torch.Tensor:
@@ -425,22 +591,51 @@ def mid_counters(g: int, r: int, device) -> torch.Tensor:
 
 
 @gluon.jit
-def _mid_refill(W, w_off, x_desc, bar, w_s, x_s, st, kg, n0, xcol, XBYTES: gl.constexpr):
+def _mid_refill(
+    W, w_off, x_desc, bar, w_s, x_s, st, kg, n0, xcol, XBYTES: gl.constexpr
+):
     """Stage st <- global 128-K step kg: the weights by cp.async (the fragment-major words of one
-    step are 256-byte pieces, not a box TMA can read), x by TMA on the stage's mbarrier."""
+    step are 256-byte pieces, not a box TMA can read), x by TMA on the stage's mbarrier.
+    """
     # packed [.., row group, chunk c, block b, split s, 64 words]: step kg = 4 s + c
-    async_copy.async_copy_global_to_shared(w_s.index(st), W + w_off + (kg % 4) * 2048 + (kg // 4) * 64)
+    async_copy.async_copy_global_to_shared(
+        w_s.index(st), W + w_off + (kg % 4) * 2048 + (kg // 4) * 64
+    )
     mbarrier.expect(bar, XBYTES)
-    tma.async_copy_global_to_shared(x_desc, [n0, xcol + kg * 128], bar, x_s.index(2 * st))
-    tma.async_copy_global_to_shared(x_desc, [n0, xcol + kg * 128 + 64], bar, x_s.index(2 * st + 1))
+    tma.async_copy_global_to_shared(
+        x_desc, [n0, xcol + kg * 128], bar, x_s.index(2 * st)
+    )
+    tma.async_copy_global_to_shared(
+        x_desc, [n0, xcol + kg * 128 + 64], bar, x_s.index(2 * st + 1)
+    )
 
 
 @gluon.jit
-def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, NT, G: gl.constexpr, R: gl.constexpr, S: gl.constexpr,
-                         BV: gl.constexpr, NP: gl.constexpr, ST: gl.constexpr, NW: gl.constexpr,
-                         W_L: gl.constexpr, WC_L: gl.constexpr, W_SMEM: gl.constexpr, OUT_L: gl.constexpr,
-                         RED_L: gl.constexpr):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NP, 16])
+def _wo_a_fp8_mid_kernel(
+    W,
+    x_desc,
+    E,
+    Y,
+    P,
+    C,
+    M,
+    NT,
+    G: gl.constexpr,
+    R: gl.constexpr,
+    S: gl.constexpr,
+    BV: gl.constexpr,
+    NP: gl.constexpr,
+    ST: gl.constexpr,
+    NW: gl.constexpr,
+    W_L: gl.constexpr,
+    WC_L: gl.constexpr,
+    W_SMEM: gl.constexpr,
+    OUT_L: gl.constexpr,
+    RED_L: gl.constexpr,
+):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NP, 16]
+    )
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     KS: gl.constexpr = DK // S
     NSTEP: gl.constexpr = KS // 128
@@ -453,7 +648,9 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, NT, G: gl.constexpr, R: gl.co
     group = tile // (R // BV)
     r0 = (tile % (R // BV)) * BV
     kg0 = split * NSTEP
-    w_s = gl.allocate_shared_memory(gl.int32, [ST, 4 * BV, 8], W_SMEM)  # [block b, row] x word
+    w_s = gl.allocate_shared_memory(
+        gl.int32, [ST, 4 * BV, 8], W_SMEM
+    )  # [block b, row] x word
     x_s = gl.allocate_shared_memory(gl.bfloat16, [2 * ST, NP, 64], x_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [ST, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(ST):
@@ -463,11 +660,15 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, NT, G: gl.constexpr, R: gl.co
     cq = gl.arange(0, 4 * BV, layout=gl.SliceLayout(1, WC_L))
     cw = gl.arange(0, 8, layout=gl.SliceLayout(0, WC_L))
     cr = cq % BV
-    w_off = gl.expand_dims((cq // BV) * 512 + ((group * R + r0) // 8 + cr // 8) * 8192 + (cr % 8) * 8, 1) + gl.expand_dims(cw, 0)
+    w_off = gl.expand_dims(
+        (cq // BV) * 512 + ((group * R + r0) // 8 + cr // 8) * 8192 + (cr % 8) * 8, 1
+    ) + gl.expand_dims(cw, 0)
     xcol = group * DK
     for j in gl.static_range(ST - 1):
         if j < NSTEP:
-            _mid_refill(W, w_off, x_desc, bars.index(j), w_s, x_s, j, kg0 + j, n0, xcol, XBYTES)
+            _mid_refill(
+                W, w_off, x_desc, bars.index(j), w_s, x_s, j, kg0 + j, n0, xcol, XBYTES
+            )
         async_copy.commit_group()
     # biased exponents of this thread's rows: block (row // 32, k // 32)
     rows = r0 + gl.arange(0, BV, layout=gl.SliceLayout(1, W_L))
@@ -475,15 +676,31 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, NT, G: gl.constexpr, R: gl.co
     acc = gl.zeros([BV, NP], gl.float32, layout=MMA)
     for i in range(NSTEP):
         st = i % ST
-        es = (gl.load(e_base + 4 * i), gl.load(e_base + 4 * i + 1), gl.load(e_base + 4 * i + 2),
-              gl.load(e_base + 4 * i + 3))
+        es = (
+            gl.load(e_base + 4 * i),
+            gl.load(e_base + 4 * i + 1),
+            gl.load(e_base + 4 * i + 2),
+            gl.load(e_base + 4 * i + 3),
+        )
         async_copy.wait_group(ST - 2)
         mbarrier.wait(bars.index(st), (i // ST) & 1)
         gl.thread_barrier()  # every thread's weight copies landed; every warp is done with step i - 1
         nxt = i + ST - 1
         if nxt < NSTEP:
             sn = nxt % ST
-            _mid_refill(W, w_off, x_desc, bars.index(sn), w_s, x_s, sn, kg0 + nxt, n0, xcol, XBYTES)
+            _mid_refill(
+                W,
+                w_off,
+                x_desc,
+                bars.index(sn),
+                w_s,
+                x_s,
+                sn,
+                kg0 + nxt,
+                n0,
+                xcol,
+                XBYTES,
+            )
         async_copy.commit_group()  # possibly empty: keeps the wait count above uniform
         for kb in gl.static_range(4):
             w32 = w_s.index(st).slice(kb * BV, BV, dim=0).load(W_L)
@@ -525,8 +742,17 @@ def _wo_a_fp8_mid_kernel(W, x_desc, E, Y, P, C, M, NT, G: gl.constexpr, R: gl.co
         total = gl.load(P + pt * S * (BV * NP) + r_off, cache_modifier=".cg")
         for s in gl.static_range(1, S):
             total += gl.load(P + (pt * S + s) * (BV * NP) + r_off, cache_modifier=".cg")
-        y2 = ((n0 + gl.expand_dims(rc, 0)) * G + group) * R + r0 + split * RC + gl.expand_dims(rr, 1)
-        gl.store(Y + y2, total.to(gl.bfloat16), gl.expand_dims(n0 + rc < M, 0) & gl.expand_dims(rr >= 0, 1))
+        y2 = (
+            ((n0 + gl.expand_dims(rc, 0)) * G + group) * R
+            + r0
+            + split * RC
+            + gl.expand_dims(rr, 1)
+        )
+        gl.store(
+            Y + y2,
+            total.to(gl.bfloat16),
+            gl.expand_dims(n0 + rc < M, 0) & gl.expand_dims(rr >= 0, 1),
+        )
 
 
 @functools.cache
@@ -535,15 +761,23 @@ def _mid_layouts(bv: int, nw: int, np_: int):
     w_smem = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
     out = gl.BlockedLayout([2, 1], [32, 1], [1, nw], [0, 1])
     tn = min(32, np_ // 4)
-    red = gl.BlockedLayout([1, 4], [32 // tn, tn], [nw, 1], [1, 0])  # 16-byte loads of a partial's rows
+    red = gl.BlockedLayout(
+        [1, 4], [32 // tn, tn], [nw, 1], [1, 0]
+    )  # 16-byte loads of a partial's rows
     return words_layout(bv, nw), wc, w_smem, out, red
 
 
-def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, counters: torch.Tensor,
-                      cfg: tuple | None = None) -> torch.Tensor:
+def wo_a_fp8_mid_sm90(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    exp: torch.Tensor,
+    counters: torch.Tensor,
+    cfg: tuple | None = None,
+) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 9..192 rows from ``pack_twin``'s words, bf16 [M, G, R];
     the split-K partials of a tile are added in split order by its CTAs, each its own rows
-    (deterministic). ``counters``: ``mid_counters`` of this twin, never shared between streams."""
+    (deterministic). ``counters``: ``mid_counters`` of this twin, never shared between streams.
+    """
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= 256 and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16
@@ -556,11 +790,32 @@ def wo_a_fp8_mid_sm90(x: torch.Tensor, packed: torch.Tensor, exp: torch.Tensor, 
     if x.data_ptr() % 16 or x.stride(0) % 8:
         x = x.clone()  # TMA reads x: 16-byte aligned rows
     x2 = x.as_strided((m, g * D), (x.stride(0), 1))
-    x_desc = TensorDescriptor.from_tensor(x2, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16))
+    x_desc = TensorDescriptor.from_tensor(
+        x2, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
+    )
     y = torch.empty((m, g, r), dtype=torch.bfloat16, device=x.device)
-    p = torch.empty(g * r * split * np_ * nt if split > 1 else 1, dtype=torch.float32, device=x.device)
+    p = torch.empty(
+        g * r * split * np_ * nt if split > 1 else 1,
+        dtype=torch.float32,
+        device=x.device,
+    )
     _wo_a_fp8_mid_kernel[(g * r // bv * nt * split,)](
-        packed, x_desc, exp, y, p, counters, m, nt, g, r, split, bv, np_, st, nw, *_mid_layouts(bv, nw, np_),
+        packed,
+        x_desc,
+        exp,
+        y,
+        p,
+        counters,
+        m,
+        nt,
+        g,
+        r,
+        split,
+        bv,
+        np_,
+        st,
+        nw,
+        *_mid_layouts(bv, nw, np_),
         num_warps=nw,
     )
     return y

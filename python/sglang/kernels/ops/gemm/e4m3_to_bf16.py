@@ -13,7 +13,8 @@ import triton.language as tl
 # cvt to f16x2 (exact), then each f16's sign stays and its exponent/mantissa shift right by 3
 # into bf16 position (the exponent keeps the f16 bias: 2**-112, undone by the scale). 5
 # instructions per pair of weights, no F2F.
-E4M3X4_TO_BF16_ASM = tl.constexpr("""{
+E4M3X4_TO_BF16_ASM = tl.constexpr(
+    """{
 .reg .b16 lo, hi;
 .reg .b32 h0, h1, a0, a1;
 mov.b32 {lo, hi}, $2;
@@ -29,7 +30,8 @@ or.b32 a0, a0, h0;
 or.b32 a1, a1, h1;
 mul.rn.bf16x2 $0, a0, $3;
 mul.rn.bf16x2 $1, a1, $4;
-}""")
+}"""
+)
 
 
 def permute_k(q: torch.Tensor) -> torch.Tensor:

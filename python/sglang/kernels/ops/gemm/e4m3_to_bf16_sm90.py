@@ -45,10 +45,23 @@ def bf16_pair(word):
 def dequant_block(w32, s, A_L: gl.constexpr, BV: gl.constexpr):
     """[BV, 8] words of a K-permuted e4m3 block + its per-row fp32 scale -> the logical [BV, 32]
     bf16 block in the wgmma A layout (the permutation undone by renaming registers)."""
-    sb = (s * 5.192296858534828e33).to(gl.bfloat16).to(gl.uint16, bitcast=True).to(gl.int32)  # * 2**112
+    sb = (
+        (s * 5.192296858534828e33)
+        .to(gl.bfloat16)
+        .to(gl.uint16, bitcast=True)
+        .to(gl.int32)
+    )  # * 2**112
     sb = gl.expand_dims(sb | (sb << 16), 1) + gl.zeros_like(w32)
-    o0, o1 = gl.inline_asm_elementwise(E4M3X4_TO_BF16_ASM, "=r,=r,r,r,r", [w32, sb, sb],
-                                       dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    w = gl.join(bf16_pair(o0), bf16_pair(o1))  # [BV, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
+    o0, o1 = gl.inline_asm_elementwise(
+        E4M3X4_TO_BF16_ASM,
+        "=r,=r,r,r,r",
+        [w32, sb, sb],
+        dtype=(gl.int32, gl.int32),
+        is_pure=True,
+        pack=1,
+    )
+    w = gl.join(
+        bf16_pair(o0), bf16_pair(o1)
+    )  # [BV, 8 (2t + w), 2 (e), 2 (o)]: j = 2w + o
     w = gl.permute(gl.reshape(w, [BV, 4, 2, 2, 2]), [0, 2, 4, 1, 3])  # [BV, w, o, t, e]
     return gl.convert_layout(gl.reshape(w, [BV, 32]), A_L)

@@ -162,7 +162,9 @@ def hc_mix_one_pass_bf16x3(
     return out, sq
 
 
-def hc_mix_one_pass(x_flat: torch.Tensor, hc_fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hc_mix_one_pass(
+    x_flat: torch.Tensor, hc_fn: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x_flat [M, K] (unit K stride), hc_fn [MIX, K] fp32 -> (mix [1, M, MIX], sq [1, M]) fp32:
     upstream's split-K tf32x3 partials (hc_mix_stats, hc_mix_stats_sinkhorn) summed in slice
     order."""

@@ -48,8 +48,10 @@ def chunk_table(ranges: list[tuple[int, int]], device, chunk: int = CHUNK_BYTES)
         for off in range(0, nbytes, chunk):
             addrs.append(addr + off)
             sizes.append(min(chunk, nbytes - off))
-    return (torch.tensor(addrs, dtype=torch.int64, device=device),
-            torch.tensor(sizes, dtype=torch.int32, device=device))
+    return (
+        torch.tensor(addrs, dtype=torch.int64, device=device),
+        torch.tensor(sizes, dtype=torch.int32, device=device),
+    )
 
 
 def l2_prefetch(addrs: torch.Tensor, sizes: torch.Tensor) -> None:
@@ -57,4 +59,6 @@ def l2_prefetch(addrs: torch.Tensor, sizes: torch.Tensor) -> None:
     assert addrs.is_cuda and addrs.dtype == torch.int64 and sizes.dtype == torch.int32
     n = addrs.numel()
     if n:
-        _l2_prefetch_kernel[(triton.cdiv(n, LANES),)](addrs, sizes, n, LANES=LANES, num_warps=1)
+        _l2_prefetch_kernel[(triton.cdiv(n, LANES),)](
+            addrs, sizes, n, LANES=LANES, num_warps=1
+        )

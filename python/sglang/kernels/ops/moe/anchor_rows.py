@@ -38,12 +38,20 @@ def _anchor_rows_kernel(
         tl.store(b_ptr + row * stride_b + cols, vb, mask=cols < COLS_B)
 
 
-def anchor_rows_(a: torch.Tensor, b: torch.Tensor, live_lens: torch.Tensor, stride: int) -> None:
+def anchor_rows_(
+    a: torch.Tensor, b: torch.Tensor, live_lens: torch.Tensor, stride: int
+) -> None:
     """In place on ``a`` and ``b`` ([M, *] each, rows contiguous): rows past their request's
     live length become a copy of the request's first row."""
     m = a.shape[0]
-    assert b.shape[0] == m and a.ndim == b.ndim == 2, "anchor_rows_ wants two [M, cols] tensors"
-    assert a.stride(1) == 1 and b.stride(1) == 1 and a.device == b.device == live_lens.device
+    assert (
+        b.shape[0] == m and a.ndim == b.ndim == 2
+    ), "anchor_rows_ wants two [M, cols] tensors"
+    assert (
+        a.stride(1) == 1
+        and b.stride(1) == 1
+        and a.device == b.device == live_lens.device
+    )
     assert stride >= 1 and m % stride == 0 and m // stride <= live_lens.numel(), (
         f"anchor_rows_: M = {m} rows is not whole requests of {stride} rows "
         f"covered by {live_lens.numel()} live lengths"
@@ -52,6 +60,14 @@ def anchor_rows_(a: torch.Tensor, b: torch.Tensor, live_lens: torch.Tensor, stri
         return
     block = triton.next_power_of_2(max(a.shape[1], b.shape[1]))
     _anchor_rows_kernel[(m,)](
-        a, b, live_lens, a.stride(0), b.stride(0),
-        COLS_A=a.shape[1], COLS_B=b.shape[1], BLOCK=block, STRIDE=int(stride), num_warps=1,
+        a,
+        b,
+        live_lens,
+        a.stride(0),
+        b.stride(0),
+        COLS_A=a.shape[1],
+        COLS_B=b.shape[1],
+        BLOCK=block,
+        STRIDE=int(stride),
+        num_warps=1,
     )

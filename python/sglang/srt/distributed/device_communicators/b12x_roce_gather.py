@@ -46,7 +46,9 @@ def validate_b12x_roce_all_gather(cfg) -> None:
             f"{FLAG} needs TP ranks on different nodes joined by RoCE (found --nnodes {nnodes})"
         )
     if tp > 16:
-        raise ValueError(f"{FLAG}: b12x's RoCE runtime serves 2..16 ranks, found --tp {tp}")
+        raise ValueError(
+            f"{FLAG}: b12x's RoCE runtime serves 2..16 ranks, found --tp {tp}"
+        )
     require_b12x(FLAG, "comm.roce", "AllReduce")
 
 
@@ -55,7 +57,9 @@ def gather_shape_fits(nbytes: int, max_gather_bytes: int) -> bool:
     return 0 < nbytes <= max_gather_bytes
 
 
-def maybe_roce_gather(group_name: Optional[str], world_size: int, cpu_group, device) -> Optional["RoceGather"]:
+def maybe_roce_gather(
+    group_name: Optional[str], world_size: int, cpu_group, device
+) -> Optional["RoceGather"]:
     """The TP group's RoCE gather when the flag is on, else None."""
     if group_name != GROUP or world_size < 2:
         return None
@@ -77,27 +81,47 @@ class RoceGather:
         from b12x.comm import roce
         from b12x.preparation import PreparationSession, PreparedCall
 
-        self.runtime = roce.AllReduce.from_exchange_group(exchange_group=cpu_group, device=device)
+        self.runtime = roce.AllReduce.from_exchange_group(
+            exchange_group=cpu_group, device=device
+        )
         hosts = [None] * dist.get_world_size(group=cpu_group)
         dist.all_gather_object(hosts, socket.gethostname(), group=cpu_group)
         query = roce.query_from_runtime(
-            self.runtime, surface="AllReduce.all_gather", topology="roce_rdma", peer_hosts=hosts,
+            self.runtime,
+            surface="AllReduce.all_gather",
+            topology="roce_rdma",
+            peer_hosts=hosts,
             call={"dim": 0, "max_gather_bytes": self.runtime.max_gather_bytes},
         )
         self.plan = roce.plan(query, runtime=self.runtime)
         probe = torch.zeros(256, dtype=torch.bfloat16, device=device)
-        self.session = PreparationSession(device=device).__enter__()  # lives with the group
-        self.session.prepare((self.plan.request(
-            name=f"roce all-gather {device}",
-            prepare_call=lambda state: PreparedCall(run=lambda: state.all_gather(probe), owners=(probe,)),
-        ),))
+        self.session = PreparationSession(
+            device=device
+        ).__enter__()  # lives with the group
+        self.session.prepare(
+            (
+                self.plan.request(
+                    name=f"roce all-gather {device}",
+                    prepare_call=lambda state: PreparedCall(
+                        run=lambda: state.all_gather(probe), owners=(probe,)
+                    ),
+                ),
+            )
+        )
         self.max_gather_bytes = self.runtime.max_gather_bytes
-        logger.info("%s: RoCE all-gather for %d ranks (hosts %s), shards up to %d bytes", FLAG,
-                    len(hosts), ",".join(hosts), self.max_gather_bytes)
+        logger.info(
+            "%s: RoCE all-gather for %d ranks (hosts %s), shards up to %d bytes",
+            FLAG,
+            len(hosts),
+            ",".join(hosts),
+            self.max_gather_bytes,
+        )
 
     def gather_into(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """Gather ``input`` (dim 0) into ``output`` on RoCE when it fits; False leaves it to NCCL."""
-        if not (output.is_contiguous() and self.runtime.should_all_gather(input, dim=0)):
+        if not (
+            output.is_contiguous() and self.runtime.should_all_gather(input, dim=0)
+        ):
             return False
         self.runtime.all_gather(input, dim=0, out=output, plan=self.plan)
         return True

@@ -68,13 +68,24 @@ def _flag(name: str, value: Any) -> bool:
     raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
-def _switches(ctk: dict, thinking: Any, effort: Any, where: str) -> list[tuple[str, bool]]:
+def _switches(
+    ctk: dict, thinking: Any, effort: Any, where: str
+) -> list[tuple[str, bool]]:
     votes = []
     if TOGGLE in ctk:
-        votes.append((f"{where}chat_template_kwargs.thinking", _flag("chat_template_kwargs.thinking", ctk[TOGGLE])))
+        votes.append(
+            (
+                f"{where}chat_template_kwargs.thinking",
+                _flag("chat_template_kwargs.thinking", ctk[TOGGLE]),
+            )
+        )
     if "enable_thinking" in ctk:
-        votes.append((f"{where}chat_template_kwargs.enable_thinking",
-                      _flag("chat_template_kwargs.enable_thinking", ctk["enable_thinking"])))
+        votes.append(
+            (
+                f"{where}chat_template_kwargs.enable_thinking",
+                _flag("chat_template_kwargs.enable_thinking", ctk["enable_thinking"]),
+            )
+        )
     if thinking is not None:
         if isinstance(thinking, dict):
             kind = thinking.get("type")
@@ -115,7 +126,9 @@ def apply_thinking_aliases(request: Any, default_kwargs: Optional[dict]) -> None
     decision = _decide(_switches(ctk, thinking, request.reasoning_effort, ""))
     if decision is None and default_kwargs:
         defaults = default_kwargs
-        decision = _decide(_switches(defaults, None, defaults.get("reasoning_effort"), "default "))
+        decision = _decide(
+            _switches(defaults, None, defaults.get("reasoning_effort"), "default ")
+        )
     if decision is None:
         return
     ctk[TOGGLE] = decision

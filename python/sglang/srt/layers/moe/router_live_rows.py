@@ -28,7 +28,9 @@ import torch
 
 @dataclasses.dataclass(frozen=True)
 class LiveRows:
-    lens: torch.Tensor  # [>= requests] int, live rows per request (1..stride), read by address
+    lens: (
+        torch.Tensor
+    )  # [>= requests] int, live rows per request (1..stride), read by address
     stride: int  # verify rows per request
     owner: str  # the feature that opened the scope, named in errors (its flag)
 

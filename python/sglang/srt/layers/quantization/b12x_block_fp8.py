@@ -29,19 +29,26 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.arg_groups.b12x_block_fp8_args import FLAG, parse_block_fp8_mxfp8_backend
+from sglang.srt.arg_groups.b12x_block_fp8_args import (
+    FLAG,
+    parse_block_fp8_mxfp8_backend,
+)
 from sglang.srt.utils.b12x_pin import require_b12x
 
 logger = logging.getLogger(__name__)
 
+
 def serves_block_fp8_as_mxfp8(block_size, scale_fmt) -> bool:
     """A 32x32 ue8m0 block-fp8 weight is an MXFP8 operand b12x's linear takes."""
-    return block_size is not None and list(block_size) == [32, 32] and scale_fmt == "ue8m0"
+    return (
+        block_size is not None and list(block_size) == [32, 32] and scale_fmt == "ue8m0"
+    )
 
 
 def validate_block_fp8_mxfp8_backend(cfg, *, quant_config=None) -> None:
     """Resolution-hook check (``Engine(...)`` bypasses argparse). ``quant_config``: a callable
-    returning the checkpoint's quantization_config (dict or None), asked only when set."""
+    returning the checkpoint's quantization_config (dict or None), asked only when set.
+    """
     value = cfg.block_fp8_mxfp8_backend
     if value is None:
         return
@@ -72,7 +79,9 @@ def capacity_for(rows: int, capacities: tuple[int, ...]) -> int:
     )
 
 
-def maybe_b12x_block_fp8(backend: Optional[str], block_size, scale_fmt) -> Optional["B12xBlockFp8Linear"]:
+def maybe_b12x_block_fp8(
+    backend: Optional[str], block_size, scale_fmt
+) -> Optional["B12xBlockFp8Linear"]:
     """The b12x linear for a block-fp8 linear method when the flag is on and the weights fit."""
     if backend != "b12x" or not serves_block_fp8_as_mxfp8(block_size, scale_fmt):
         return None
@@ -81,7 +90,9 @@ def maybe_b12x_block_fp8(backend: Optional[str], block_size, scale_fmt) -> Optio
     decode_bs = max(get_exec().graph.cuda_graph_config.decode.bs or [1])
     rows = max(1, int(getattr(get_spec(), "speculative_num_draft_tokens", None) or 1))
     chunk = int(get_schedule().chunked_prefill_size or 0)
-    return B12xBlockFp8Linear(tuple(block_size), plan_capacities(decode_bs * rows, chunk))
+    return B12xBlockFp8Linear(
+        tuple(block_size), plan_capacities(decode_bs * rows, chunk)
+    )
 
 
 _SESSIONS: dict[int, object] = {}
@@ -105,32 +116,53 @@ class B12xBlockFp8Linear:
 
         n, k = layer.weight.shape
         device = layer.weight.device
-        packed = block_fp8_linear.pack_weight(layer.weight.data, layer.weight_scale_inv.data,
-                                              block_size=self.block_size)
+        packed = block_fp8_linear.pack_weight(
+            layer.weight.data, layer.weight_scale_inv.data, block_size=self.block_size
+        )
         session = _SESSIONS.get(device.index)
         if session is None:  # lives with the process: closing it releases the plans
-            session = _SESSIONS[device.index] = PreparationSession(device=device).__enter__()
+            session = _SESSIONS[device.index] = PreparationSession(
+                device=device
+            ).__enter__()
         plans, requests = {}, []
         for cap in self.capacities:
-            plan = block_fp8_linear.plan(block_fp8_linear.Caps(
-                device=device, max_tokens=cap, in_features=k, out_features=n,
-                block_size=self.block_size, output_mode="functional"))
+            plan = block_fp8_linear.plan(
+                block_fp8_linear.Caps(
+                    device=device,
+                    max_tokens=cap,
+                    in_features=k,
+                    out_features=n,
+                    block_size=self.block_size,
+                    output_mode="functional",
+                )
+            )
 
             def call(state, cap=cap):
                 x = torch.randn(cap, k, dtype=torch.bfloat16, device=device) * 0.125
                 return PreparedCall(run=lambda: state.run(x, packed), owners=(x,))
 
             plans[cap] = plan
-            requests.append(plan.request(name=f"{getattr(layer, 'prefix', 'linear')}:{cap}", prepare_call=call))
+            requests.append(
+                plan.request(
+                    name=f"{getattr(layer, 'prefix', 'linear')}:{cap}",
+                    prepare_call=call,
+                )
+            )
         session.prepare(tuple(requests))
         layer.b12x_block_fp8 = (packed, plans)
         return True
 
-    def apply(self, layer, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def apply(
+        self, layer, x: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         from b12x.gemm import block_fp8_linear
 
         packed, plans = layer.b12x_block_fp8
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
-        out = block_fp8_linear.run(x2, packed, plan=plans[capacity_for(x2.shape[0], self.capacities)],
-                                   bias=bias)
+        out = block_fp8_linear.run(
+            x2,
+            packed,
+            plan=plans[capacity_for(x2.shape[0], self.capacities)],
+            bias=bias,
+        )
         return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -38,7 +38,9 @@ from sglang.srt.utils.b12x_pin import require_b12x
 logger = logging.getLogger(__name__)
 
 FLAG = "--moe-runner-backend b12x"
-MICRO_PIN_MAX_ROWS = 8  # rows up to which the dynamic path is pinned for N64-compact experts
+MICRO_PIN_MAX_ROWS = (
+    8  # rows up to which the dynamic path is pinned for N64-compact experts
+)
 LADDER_MIN = 16  # first prefill rung
 
 
@@ -74,7 +76,9 @@ def wants_b12x_moe(is_fp4_experts: bool, backend_value: str, prefix: str) -> boo
     return True
 
 
-def plan_token_counts(decode_bs: list[int], rows_per_request: list[int], chunk: int) -> tuple[int, ...]:
+def plan_token_counts(
+    decode_bs: list[int], rows_per_request: list[int], chunk: int
+) -> tuple[int, ...]:
     """Row counts to prepare: every decode / verify graph batch size times its rows per request,
     and a prefill ladder (16, 32, ... up to ``chunk``, and ``chunk``)."""
     counts = {bs * r for bs in decode_bs for r in rows_per_request if bs > 0 and r > 0}
@@ -106,13 +110,17 @@ def pinned_config(rows: int, intermediate_per_rank: int) -> Optional[dict]:
     return None
 
 
-def plan_groups(counts: tuple[int, ...], intermediate_per_rank: int) -> list[tuple[tuple[int, ...], Optional[dict]]]:
+def plan_groups(
+    counts: tuple[int, ...], intermediate_per_rank: int
+) -> list[tuple[tuple[int, ...], Optional[dict]]]:
     """Counts grouped by their pin: one b12x declaration per group (an override is per
     declaration)."""
     groups: dict[Optional[tuple], list[int]] = {}
     for c in counts:
         pin = pinned_config(c, intermediate_per_rank)
-        groups.setdefault(None if pin is None else tuple(sorted(pin.items())), []).append(c)
+        groups.setdefault(
+            None if pin is None else tuple(sorted(pin.items())), []
+        ).append(c)
     return [(tuple(v), None if k is None else dict(k)) for k, v in groups.items()]
 
 
@@ -161,20 +169,36 @@ class Mxfp4B12xMoEMethod:
         """FC1 loaded as [up; gate]: b12x's kernel order (its W13Layout.W13)."""
         return True
 
-    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
-                       params_dtype, **extra_weight_attrs):
+    def create_weights(
+        self,
+        layer,
+        num_experts,
+        hidden_size,
+        intermediate_size_per_partition,
+        params_dtype,
+        **extra_weight_attrs,
+    ):
         if hidden_size % 128 or intermediate_size_per_partition % 64:
             raise ValueError(
                 f"{FLAG}: layer {self.prefix}: b12x's MXFP4 MoE needs hidden % 128 == 0 and "
                 f"intermediate % 64 == 0, found hidden={hidden_size}, "
                 f"intermediate per rank={intermediate_size_per_partition}"
             )
-        self._fp8.create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition,
-                                 params_dtype, fp4_scale_dtype=torch.float8_e8m0fnu, **extra_weight_attrs)
+        self._fp8.create_weights(
+            layer,
+            num_experts,
+            hidden_size,
+            intermediate_size_per_partition,
+            params_dtype,
+            fp4_scale_dtype=torch.float8_e8m0fnu,
+            **extra_weight_attrs,
+        )
 
     def create_moe_runner(self, layer, moe_runner_config) -> None:
         if moe_runner_config.num_fused_shared_experts:
-            raise ValueError(f"{FLAG}: layer {self.prefix} fuses shared experts; b12x runs routed experts only")
+            raise ValueError(
+                f"{FLAG}: layer {self.prefix} fuses shared experts; b12x runs routed experts only"
+            )
         self.moe_runner_config = moe_runner_config
 
     def get_moe_runner_backend(self, layer):
@@ -205,7 +229,9 @@ class Mxfp4B12xMoEMethod:
                 io_dtype=torch.bfloat16,
                 swiglu_limit=getattr(cfg, "swiglu_limit", None),
             ),
-            geometry=fused_moe.MoEGeometry(num_experts=e, hidden_size=k, intermediate_size=n),
+            geometry=fused_moe.MoEGeometry(
+                num_experts=e, hidden_size=k, intermediate_size=n
+            ),
         )
         ones = torch.ones(e, dtype=torch.float32, device=w13.device)
         self.experts = fused_moe.prepare_weights(
@@ -223,13 +249,25 @@ class Mxfp4B12xMoEMethod:
         packing = plan.prepared_format.packing.value
         if packing not in ("source_native", "mma_view"):
             # b12x holds its own packed copy: keep the weights once
-            for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
+            for name in (
+                "w13_weight",
+                "w2_weight",
+                "w13_weight_scale_inv",
+                "w2_weight_scale_inv",
+            ):
                 p = getattr(layer, name)
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             torch.cuda.empty_cache()
         self._prepare_plans(layer, fused_moe)
-        logger.info("%s: %s, %d experts x %d, %d plans (%s)", FLAG, self.prefix, e, n,
-                    len(self.plans), packing)
+        logger.info(
+            "%s: %s, %d experts x %d, %d plans (%s)",
+            FLAG,
+            self.prefix,
+            e,
+            n,
+            len(self.plans),
+            packing,
+        )
 
     def _prepare_plans(self, layer, fused_moe) -> None:
         from b12x.preparation import PreparationSession, PreparedCall
@@ -239,40 +277,79 @@ class Mxfp4B12xMoEMethod:
         device = layer.w13_weight.device
         session = _SESSIONS.get(device.index)
         if session is None:  # lives with the process: closing it releases the plans
-            session = _SESSIONS[device.index] = PreparationSession(device=device).__enter__()
+            session = _SESSIONS[device.index] = PreparationSession(
+                device=device
+            ).__enter__()
         root = self.prefix.split(".", 1)[0]
         requests = []
         for counts, pin in plan_groups(self.counts, n):
             decl = fused_moe.plan_execution(
                 experts=self.experts,
                 capacity=fused_moe.ExecutionCapacity(
-                    max_tokens=counts[-1], top_k=top_k, warmup_token_counts=counts, route_num_experts=0),
+                    max_tokens=counts[-1],
+                    top_k=top_k,
+                    warmup_token_counts=counts,
+                    route_num_experts=0,
+                ),
                 routing=fused_moe.RoutingSpec(apply_router_weight_on_input=False),
                 override=None if pin is None else fused_moe.MoeDecodeConfig(**pin),
             )
             variants = getattr(decl, "variants", None)
-            self.plans.update({int(c): p for c, p in variants.items()} if variants else {counts[-1]: decl})
+            self.plans.update(
+                {int(c): p for c, p in variants.items()}
+                if variants
+                else {counts[-1]: decl}
+            )
 
             def call(tokens):
                 def prepare(state):
                     scratch = _scratch(root, self.geometry, tokens, state, device)
-                    hidden = torch.randn(tokens, k, dtype=torch.bfloat16, device=device) * 0.125
-                    ids = (torch.arange(tokens, device=device)[:, None]
-                           + torch.arange(top_k, device=device)[None, :]).remainder_(e).to(torch.int32)
-                    weights = torch.full((tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=device)
+                    hidden = (
+                        torch.randn(tokens, k, dtype=torch.bfloat16, device=device)
+                        * 0.125
+                    )
+                    ids = (
+                        (
+                            torch.arange(tokens, device=device)[:, None]
+                            + torch.arange(top_k, device=device)[None, :]
+                        )
+                        .remainder_(e)
+                        .to(torch.int32)
+                    )
+                    weights = torch.full(
+                        (tokens, top_k), 1.0 / top_k, dtype=torch.float32, device=device
+                    )
                     out = torch.empty_like(hidden)
-                    binding = state.bind(scratch=scratch, a=hidden, experts=self.experts,
-                                         topk_weights=weights, topk_ids=ids, output=out,
-                                         input_scales_static=True)
-                    return PreparedCall(run=binding.run, output=out,
-                                        owners=(scratch, hidden, ids, weights, out, binding))
+                    binding = state.bind(
+                        scratch=scratch,
+                        a=hidden,
+                        experts=self.experts,
+                        topk_weights=weights,
+                        topk_ids=ids,
+                        output=out,
+                        input_scales_static=True,
+                    )
+                    return PreparedCall(
+                        run=binding.run,
+                        output=out,
+                        owners=(scratch, hidden, ids, weights, out, binding),
+                    )
+
                 return prepare
 
             if hasattr(decl, "token_counts"):
-                requests.append(decl.request(name=f"{self.prefix}:{counts[0]}",
-                                             prepare_calls={c: call(c) for c in decl.token_counts}))
+                requests.append(
+                    decl.request(
+                        name=f"{self.prefix}:{counts[0]}",
+                        prepare_calls={c: call(c) for c in decl.token_counts},
+                    )
+                )
             else:
-                requests.append(decl.request(name=f"{self.prefix}:{counts[0]}", prepare_call=call(counts[-1])))
+                requests.append(
+                    decl.request(
+                        name=f"{self.prefix}:{counts[0]}", prepare_call=call(counts[-1])
+                    )
+                )
         session.prepare(tuple(requests))
 
     def apply(self, layer, dispatch_output):
@@ -289,19 +366,32 @@ class Mxfp4B12xMoEMethod:
         if count != rows:
             x = torch.cat([x, x.new_zeros(count - rows, x.shape[1])])
             ids = torch.cat([ids, ids.new_full((count - rows, ids.shape[1]), -1)])
-            weights = torch.cat([weights, weights.new_zeros(count - rows, weights.shape[1])])
+            weights = torch.cat(
+                [weights, weights.new_zeros(count - rows, weights.shape[1])]
+            )
         plan = self.plans[count]
         state = require_prepared(plan, "moe.decode", x.device)
-        scratch = _scratch(self.prefix.split(".", 1)[0], self.geometry, count, state, x.device)
+        scratch = _scratch(
+            self.prefix.split(".", 1)[0], self.geometry, count, state, x.device
+        )
         out = torch.empty(count, x.shape[1], dtype=x.dtype, device=x.device)
-        binding = fused_moe.bind(plan, scratch=scratch, a=x.contiguous(), experts=self.experts,
-                                 topk_weights=weights.contiguous(), topk_ids=ids.contiguous(),
-                                 output=out, input_scales_static=True)
+        binding = fused_moe.bind(
+            plan,
+            scratch=scratch,
+            a=x.contiguous(),
+            experts=self.experts,
+            topk_weights=weights.contiguous(),
+            topk_ids=ids.contiguous(),
+            output=out,
+            input_scales_static=True,
+        )
         fused_moe.run(binding=binding)
         return StandardCombineInput(hidden_states=out[:rows])
 
 
-def _scratch(root: str, geometry: tuple, tokens: int, state, device) -> tuple[torch.Tensor, ...]:
+def _scratch(
+    root: str, geometry: tuple, tokens: int, state, device
+) -> tuple[torch.Tensor, ...]:
     key = (root, geometry, tokens)
     scratch = _SCRATCH.get(key)
     if scratch is None:

@@ -34,9 +34,12 @@ E8M0_ONE = 127
 def plan_k_pad(k: int, granule: int, block_k: int) -> Optional[int]:
     """The padded K for a weight of contraction dim ``k`` whose scales cover ``block_k``-wide K
     blocks, on a backend that takes K % ``granule`` == 0; None when ``k`` already fits.
-    Raises where the padded K would split a scale block (the scales could not be re-blocked)."""
+    Raises where the padded K would split a scale block (the scales could not be re-blocked).
+    """
     if granule <= 0 or block_k <= 0 or k <= 0:
-        raise ValueError(f"pad-K: granule {granule}, block_k {block_k} and K {k} must be positive")
+        raise ValueError(
+            f"pad-K: granule {granule}, block_k {block_k} and K {k} must be positive"
+        )
     if k % granule == 0:
         return None
     padded = -(-k // granule) * granule
@@ -51,20 +54,28 @@ def plan_k_pad(k: int, granule: int, block_k: int) -> Optional[int]:
 def pad_weight_k(weight: torch.Tensor, padded_k: int) -> torch.Tensor:
     """[N, K] -> [N, padded_k]: the weight, then zeros (a new contiguous tensor)."""
     if weight.ndim != 2 or weight.shape[1] > padded_k:
-        raise ValueError(f"pad-K: weight {tuple(weight.shape)} cannot be padded to K = {padded_k}")
-    out = torch.zeros((weight.shape[0], padded_k), dtype=weight.dtype, device=weight.device)
+        raise ValueError(
+            f"pad-K: weight {tuple(weight.shape)} cannot be padded to K = {padded_k}"
+        )
+    out = torch.zeros(
+        (weight.shape[0], padded_k), dtype=weight.dtype, device=weight.device
+    )
     out[:, : weight.shape[1]] = weight
     return out
 
 
 def pad_block_scales_k(
-    scale: torch.Tensor, weight_shape: tuple[int, int], block: tuple[int, int], padded_k: int
+    scale: torch.Tensor,
+    weight_shape: tuple[int, int],
+    block: tuple[int, int],
+    padded_k: int,
 ) -> torch.Tensor:
     """Block scales ``[ceil(N / bn), ceil(K / bk)]`` of a weight ``[N, K]`` -> the scales of the
     padded weight ``[ceil(N / bn), padded_k / bk]``: the same scales, then a unit scale for each
     new K block. ``block`` is (bn, bk): (128, 128) or (32, 32) for block fp8, (1, 32) for MXFP8
     per-row e8m0 scales. Floating scales get 1.0, e8m0 scales (uint8 exponent bytes or
-    float8_e8m0fnu) the code of 1.0. Packed or swizzled layouts are refused: pad before them."""
+    float8_e8m0fnu) the code of 1.0. Packed or swizzled layouts are refused: pad before them.
+    """
     n, k = weight_shape
     bn, bk = block
     want = (-(-n // bn), -(-k // bk))
@@ -74,7 +85,9 @@ def pad_block_scales_k(
             f"found {tuple(scale.shape)} (pad before a backend packs or swizzles them)"
         )
     if padded_k % bk:
-        raise ValueError(f"pad-K: padded K {padded_k} is not a multiple of the scale block {bk}")
+        raise ValueError(
+            f"pad-K: padded K {padded_k} is not a multiple of the scale block {bk}"
+        )
     if scale.dtype in (torch.float32, torch.bfloat16, torch.float16):
         raw, unit = scale, 1.0
     elif scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
@@ -83,7 +96,9 @@ def pad_block_scales_k(
         raise ValueError(
             f"pad-K: scales of dtype {scale.dtype} are not a plain block layout (float or e8m0)"
         )
-    out = torch.full((want[0], padded_k // bk), unit, dtype=raw.dtype, device=scale.device)
+    out = torch.full(
+        (want[0], padded_k // bk), unit, dtype=raw.dtype, device=scale.device
+    )
     out[:, : want[1]] = raw
     return out.view(scale.dtype)
 
@@ -129,7 +144,9 @@ class KPad:
         """x [..., K] -> [..., padded_k], zeros in the tail. Pad *before* quantizing: an fp8
         input's scales would describe the unpadded groups."""
         if x.shape[-1] != self.k:
-            raise ValueError(f"pad-K {self.name}: input K {x.shape[-1]} is not the weight's {self.k}")
+            raise ValueError(
+                f"pad-K {self.name}: input K {x.shape[-1]} is not the weight's {self.k}"
+            )
         if not x.dtype.is_floating_point or x.element_size() < 2:
             raise ValueError(
                 f"pad-K {self.name}: input of dtype {x.dtype} is already quantized; pad the "
@@ -148,5 +165,7 @@ class KPad:
             out = torch.zeros((m, self.padded_k), dtype=x.dtype, device=x.device)
             out[:, : self.k] = x2
             return out.view(*lead, self.padded_k)
-        self.buffer[:m, : self.k].copy_(x2)  # the tail [:, k:] is never written: it stays zero
+        self.buffer[:m, : self.k].copy_(
+            x2
+        )  # the tail [:, k:] is never written: it stays zero
         return self.buffer[:m].view(*lead, self.padded_k)

@@ -44,12 +44,15 @@ def fingerprint_path(cache_path: Path) -> Path:
 
 
 def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(obj, sort_keys=True, default=repr).encode()
+    ).hexdigest()
 
 
 def launch_fingerprint(server_args: Any, environ: Optional[dict] = None) -> str:
     """sha256 of the resolved configuration that reaches kernels, the engine build and its
-    SGLANG_* / FLASHINFER_* environment; equal for two launches of the same configuration."""
+    SGLANG_* / FLASHINFER_* environment; equal for two launches of the same configuration.
+    """
     from sglang.srt.arg_groups.arg_utils import namespace_of
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.version import __version__
@@ -59,8 +62,11 @@ def launch_fingerprint(server_args: Any, environ: Optional[dict] = None) -> str:
         for field, path in namespace_of(type(server_args)).items()
         if path.split(".")[0] not in IGNORED_NAMESPACES and field not in VOLATILE_FIELDS
     }
-    env = {k: v for k, v in (os.environ if environ is None else environ).items()
-           if k.startswith(ENV_PREFIXES) and k not in VOLATILE_ENV}
+    env = {
+        k: v
+        for k, v in (os.environ if environ is None else environ).items()
+        if k.startswith(ENV_PREFIXES) and k not in VOLATILE_ENV
+    }
     return _digest({"sglang": __version__, "config": config, "env": env})
 
 
@@ -80,7 +86,13 @@ def write_launch_fingerprint(cache_path: Path, fingerprint: str) -> None:
 
 def cache_record(cache_path: Path, env: dict, fingerprint: str) -> dict:
     """What this rank would do with its cache, as the gate compares it across ranks."""
-    record = {"loadable": False, "why": "", "stamp": "", "env": _digest(env), "launch": False}
+    record = {
+        "loadable": False,
+        "why": "",
+        "stamp": "",
+        "env": _digest(env),
+        "launch": False,
+    }
     try:
         configs = json.loads(cache_path.read_text())
     except FileNotFoundError:
@@ -94,34 +106,50 @@ def cache_record(cache_path: Path, env: dict, fingerprint: str) -> dict:
         record["why"] = "cache file has no _metadata stamp"
         return record
     record["stamp"] = _digest(stamp)
-    stale = {k: (stamp.get(k), v) for k, v in env.items() if stamp.get(k) not in (v, "*")}
+    stale = {
+        k: (stamp.get(k), v) for k, v in env.items() if stamp.get(k) not in (v, "*")
+    }
     if stale:
         record["why"] = "stamp differs from this environment: " + ", ".join(
-            f"{k} {old!r} != {new!r}" for k, (old, new) in sorted(stale.items()))
+            f"{k} {old!r} != {new!r}" for k, (old, new) in sorted(stale.items())
+        )
         return record
     record["loadable"] = True
     try:
-        written = json.loads(fingerprint_path(cache_path).read_text()).get("launch_fingerprint")
+        written = json.loads(fingerprint_path(cache_path).read_text()).get(
+            "launch_fingerprint"
+        )
     except (OSError, ValueError, AttributeError):
         written = None
     record["launch"] = written == fingerprint
     if not record["launch"]:
-        record["why"] = ("no launch fingerprint beside it" if written is None
-                         else "written by a launch with another configuration")
+        record["why"] = (
+            "no launch fingerprint beside it"
+            if written is None
+            else "written by a launch with another configuration"
+        )
     return record
 
 
-def keep_or_drop_autotune_cache(cache_path: Path, group: Any, env: dict, fingerprint: str) -> bool:
+def keep_or_drop_autotune_cache(
+    cache_path: Path, group: Any, env: dict, fingerprint: str
+) -> bool:
     """One collective over ``group``: True when every rank keeps its cache, else every rank drops it."""
     import torch.distributed as dist
 
     mine = cache_record(cache_path, env, fingerprint)
     records: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(records, mine, group=group)
-    keep = (all(r["loadable"] and r["launch"] for r in records)
-            and len({r["stamp"] for r in records}) == 1 and len({r["env"] for r in records}) == 1)
+    keep = (
+        all(r["loadable"] and r["launch"] for r in records)
+        and len({r["stamp"] for r in records}) == 1
+        and len({r["env"] for r in records}) == 1
+    )
     if keep:
-        _log_rank0(group, "FlashInfer autotune: every rank keeps its cache (same stamp, same launch configuration).")
+        _log_rank0(
+            group,
+            "FlashInfer autotune: every rank keeps its cache (same stamp, same launch configuration).",
+        )
         return True
     if all(r["why"] == "no cache file" for r in records):
         _log_rank0(group, "FlashInfer autotune: no rank has a cache yet; tuning.")
@@ -129,7 +157,12 @@ def keep_or_drop_autotune_cache(cache_path: Path, group: Any, env: dict, fingerp
     reasons = [f"rank {i}: {r['why']}" for i, r in enumerate(records) if r["why"]]
     if not reasons:
         reasons = ["stamps or environments differ between ranks"]
-    _log_rank0(group, "FlashInfer autotune: dropping the cache on every rank and retuning (" + "; ".join(reasons) + ").")
+    _log_rank0(
+        group,
+        "FlashInfer autotune: dropping the cache on every rank and retuning ("
+        + "; ".join(reasons)
+        + ").",
+    )
     cache_path.unlink(missing_ok=True)
     fingerprint_path(cache_path).unlink(missing_ok=True)
     return False
@@ -156,7 +189,9 @@ def validate_flashinfer_autotune_keep(cfg: Any) -> None:
     elif cfg.enable_deterministic_inference:
         why = "--enable-deterministic-inference turns FlashInfer autotune off"
     elif cfg.tp_size == 1:
-        why = "--tp-size 1 has no other rank to agree with (the cache is loaded as it is)"
+        why = (
+            "--tp-size 1 has no other rank to agree with (the cache is loaded as it is)"
+        )
     elif not envs.SGLANG_FLASHINFER_AUTOTUNE_CACHE.get():
         why = "SGLANG_FLASHINFER_AUTOTUNE_CACHE=0 writes a fresh cache per run and reuses none"
     if why:

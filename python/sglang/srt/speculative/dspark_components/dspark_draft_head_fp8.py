@@ -48,12 +48,18 @@ class DraftHeadFp8:
         )
 
         q, self.scales = quantize_head_fp8(weight.detach())
-        if float(self.scales.max()) > MAX_SCALE:  # the kernel's scale * 2**112 must stay finite
+        if (
+            float(self.scales.max()) > MAX_SCALE
+        ):  # the kernel's scale * 2**112 must stay finite
             raise ValueError(
                 f"--speculative-dspark-draft-head-fp8: LM head block scale {float(self.scales.max())} "
                 f"> {MAX_SCALE} (|weight| up to {float(weight.abs().max())}): not supported"
             )
-        self.kernel = "wgmma" if _wgmma_available(weight.device) and weight.shape[1] % 128 == 0 else "mma.sync"
+        self.kernel = (
+            "wgmma"
+            if _wgmma_available(weight.device) and weight.shape[1] % 128 == 0
+            else "mma.sync"
+        )
         if self.kernel == "wgmma":
             from sglang.kernels.ops.gemm.e4m3_to_bf16 import permute_k
 
@@ -70,13 +76,17 @@ class DraftHeadFp8:
         # Logits in the head's dtype straight from the kernel (rounded once from fp32).
         x = x.to(torch.bfloat16).contiguous()
         if self.kernel == "wgmma":
-            if x.data_ptr() % 16:  # TMA needs 16-byte aligned rows (a view at an odd offset)
+            if (
+                x.data_ptr() % 16
+            ):  # TMA needs 16-byte aligned rows (a view at an odd offset)
                 x = x.clone()
             from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
                 draft_head_fp8_logits_wgmma,
             )
 
-            return draft_head_fp8_logits_wgmma(x, self.q, self.scales, out_dtype=self.out_dtype)
+            return draft_head_fp8_logits_wgmma(
+                x, self.q, self.scales, out_dtype=self.out_dtype
+            )
         from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
             draft_head_fp8_logits,
         )
@@ -100,8 +110,12 @@ def check_draft_head_fp8_applies(model, lm_head) -> None:
 
     what = "--speculative-dspark-draft-head-fp8"
     if getattr(model, "uses_own_vocab_modules", False):
-        raise ValueError(f"{what}: the draft uses its own vocab modules, not the target's head")
-    if should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None)):
+        raise ValueError(
+            f"{what}: the draft uses its own vocab modules, not the target's head"
+        )
+    if should_apply_lm_head_quant_method(
+        lm_head, getattr(lm_head, "quant_method", None)
+    ):
         raise ValueError(
             f"{what}: the LM head is already quantized ({type(lm_head.quant_method).__name__})"
         )
@@ -113,12 +127,16 @@ def check_draft_head_fp8_applies(model, lm_head) -> None:
             f"{what}: expected a 2-D bf16/fp16 head, found {weight.dtype} {tuple(weight.shape)}"
         )
     if weight.shape[1] % 32:
-        raise ValueError(f"{what}: hidden size {weight.shape[1]} is not a multiple of 32")
+        raise ValueError(
+            f"{what}: hidden size {weight.shape[1]} is not a multiple of 32"
+        )
     if weight.device.type != "cuda":
         raise ValueError(f"{what}: needs CUDA, the head is on {weight.device}")
     cap = torch.cuda.get_device_capability(weight.device)
     if cap < (8, 9):
-        raise ValueError(f"{what}: needs SM89 or newer (e4m3), found SM{cap[0]}{cap[1]}")
+        raise ValueError(
+            f"{what}: needs SM89 or newer (e4m3), found SM{cap[0]}{cap[1]}"
+        )
     try:
         from sglang.srt.kernel_plugins.nvidia.binding import megakernel_draft_sampler
 
@@ -126,14 +144,18 @@ def check_draft_head_fp8_applies(model, lm_head) -> None:
     except Exception:  # the plugin is optional; without it no megakernel draft runs
         megakernel = False
     if megakernel:
-        raise ValueError(f"{what}: the NVIDIA megakernel draft sampler computes its own logits")
+        raise ValueError(
+            f"{what}: the NVIDIA megakernel draft sampler computes its own logits"
+        )
 
 
 # targets whose DSpark draft (DeepseekV4ForCausalLMDSpark) builds the fp8 copy of the head
 FP8_HEAD_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
-def validate_draft_head_fp8(server_args, enabled: bool, algorithm, deterministic: bool = False) -> None:
+def validate_draft_head_fp8(
+    server_args, enabled: bool, algorithm, deterministic: bool = False
+) -> None:
     """Resolution-hook check: where no draft would build the copy, the flag is refused, not
     ignored (the dense DSpark draft and the other algorithms keep the bf16 head); so is
     deterministic inference, which the copy would break."""
@@ -147,7 +169,9 @@ def validate_draft_head_fp8(server_args, enabled: bool, algorithm, deterministic
             "would depend on how many rows its batch has"
         )
     if (algorithm or "").upper() != "DSPARK":
-        raise ValueError(f"{what} applies to --speculative-algorithm DSPARK only (got {algorithm!r})")
+        raise ValueError(
+            f"{what} applies to --speculative-algorithm DSPARK only (got {algorithm!r})"
+        )
     from sglang.srt.arg_groups.model_override_base import model_config_of
 
     arch = model_config_of(server_args).hf_config.architectures[0]
@@ -176,6 +200,9 @@ def maybe_build_draft_head_fp8(model, lm_head, enabled: bool):
     logger.info(
         "DSpark draft LM head in fp8 (e4m3, 32x32 power-of-two scales) for 1..%d rows, %s kernel: "
         "%s x %s, %.1f MB on this rank (taken from the KV pool); the target keeps bf16.",
-        head.max_rows, head.kernel, *lm_head.weight.shape, head.nbytes / 1e6,
+        head.max_rows,
+        head.kernel,
+        *lm_head.weight.shape,
+        head.nbytes / 1e6,
     )
     return head

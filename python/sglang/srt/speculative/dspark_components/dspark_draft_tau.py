@@ -68,7 +68,8 @@ def draft_temperature_buffer(temperatures: torch.Tensor) -> torch.Tensor:
     if tau == 1.0:
         return temperatures
     logger.info(
-        "DSpark draft samples at %g x the request temperature; the target keeps it.", tau
+        "DSpark draft samples at %g x the request temperature; the target keeps it.",
+        tau,
     )
     # a copy, not empty: padded rows past bs are never staged and must hold a valid temperature
     return temperatures.clone()

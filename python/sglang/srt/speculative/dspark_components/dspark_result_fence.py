@@ -93,8 +93,14 @@ CHECK_EVERY = 64  # consumptions between device-counter read-backs
 
 
 @triton.jit
-def _ring_copy_kernel(arena_ptr, ring_ptr, counter_ptr, gate_ptr,
-                      N_WORDS: tl.constexpr, BLOCK: tl.constexpr):
+def _ring_copy_kernel(
+    arena_ptr,
+    ring_ptr,
+    counter_ptr,
+    gate_ptr,
+    N_WORDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # One program: it reads the counter, copies, then advances it (no cross-CTA race).
     if tl.load(gate_ptr) != 0:
         count = tl.load(counter_ptr)
@@ -134,7 +140,9 @@ class AcceptResultFence:
         self.ring = torch.zeros((2, nbytes), dtype=torch.uint8, device=device)
         self.counter = torch.zeros((1,), dtype=torch.int64, device=device)
         self.count = 0  # folded steps the host consumed == ring copies the device ran
-        self._captured = False  # a capture since the last consumption: count from the device
+        self._captured = (
+            False  # a capture since the last consumption: count from the device
+        )
         self._views: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.last_block_accept_lens: Optional[torch.Tensor] = None
         self._check: Optional[tuple] = None
@@ -156,7 +164,9 @@ class AcceptResultFence:
     def snapshot(self, bs: int):
         """This step's accept outputs (rows ``[:bs]``) in the ring slot the graph wrote."""
         if _capturing():
-            raise RuntimeError("the accept-result ring is read after replay, not in capture")
+            raise RuntimeError(
+                "the accept-result ring is read after replay, not in capture"
+            )
         if self._captured:
             self._count_from_device()
         slot = self.count % 2
@@ -174,7 +184,11 @@ class AcceptResultFence:
                 bs,
             )
         return _accept_outs_cls()(
-            **{field: views[name] for name, field, *_ in self._layout if field is not None}
+            **{
+                field: views[name]
+                for name, field, *_ in self._layout
+                if field is not None
+            }
         )
 
     def block_accept_lens(self, bs: int) -> Optional[torch.Tensor]:
@@ -261,6 +275,8 @@ def validate_fence_accept_results(enabled: bool, algorithm: Optional[str]) -> No
         )
 
 
-def maybe_build_accept_result_fence(epilogue, enabled: bool) -> Optional[AcceptResultFence]:
+def maybe_build_accept_result_fence(
+    epilogue, enabled: bool
+) -> Optional[AcceptResultFence]:
     """Built at the end of the epilogue's constructor (before any capture), or None."""
     return AcceptResultFence(epilogue) if enabled else None

@@ -63,7 +63,9 @@ CAP_TARGETS = ("DeepseekV4ForCausalLM",)
 
 class VerifyCapSpec(msgspec.Struct, frozen=True):
     fixed: Optional[int] = None
-    thresholds: Optional[tuple[float, ...]] = None  # one value, or one per draft 2..gamma
+    thresholds: Optional[tuple[float, ...]] = (
+        None  # one value, or one per draft 2..gamma
+    )
 
 
 def verify_cap_spec(value) -> VerifyCapSpec:
@@ -150,7 +152,9 @@ def validate_verify_cap(
             "it needs a conf: cap."
         )
     log_dir = os.path.dirname(os.path.abspath(log_path)) if log_path else None
-    if log_dir is not None and not (os.path.isdir(log_dir) and os.access(log_dir, os.W_OK)):
+    if log_dir is not None and not (
+        os.path.isdir(log_dir) and os.access(log_dir, os.W_OK)
+    ):
         raise ValueError(
             f"--speculative-dspark-verify-cap-log {log_path}: {log_dir} is not a writable directory."
         )
@@ -165,7 +169,9 @@ def validate_verify_cap(
             "MoE (request-major); dp attention (attn_dp_size > 1) is not supported."
         )
     target_arch = None
-    if server_args is not None:  # the target's architecture, read only when the cap is on
+    if (
+        server_args is not None
+    ):  # the target's architecture, read only when the cap is on
         from sglang.srt.arg_groups.model_override_base import model_config_of
 
         target_arch = model_config_of(server_args).hf_config.architectures[0]
@@ -214,7 +220,9 @@ def drafts_from_confidence(
     return k.clamp(min=int(k_min), max=gamma)
 
 
-def mask_dead_draft_probs(draft_probs: torch.Tensor, live_lens: torch.Tensor) -> torch.Tensor:
+def mask_dead_draft_probs(
+    draft_probs: torch.Tensor, live_lens: torch.Tensor
+) -> torch.Tensor:
     """q = 0 for drafts past each request's live length ([bs, gamma, V] -> new tensor)."""
     gamma = draft_probs.shape[1]
     pos = torch.arange(gamma, device=draft_probs.device)
@@ -240,9 +248,9 @@ class VerifyCap:
         device=None,
         tp_group=None,
     ) -> None:
-        assert not _capturing(), (
-            "DSpark verify cap: the live-length buffer must exist before graph capture"
-        )
+        assert (
+            not _capturing()
+        ), "DSpark verify cap: the live-length buffer must exist before graph capture"
         self.spec = spec
         self.gamma = int(gamma)
         self.stride = self.gamma + 1
@@ -282,7 +290,9 @@ class VerifyCap:
                 )
             self.live[:bs].fill_(self.stride)
             return
-        k = drafts_from_confidence(confidence[:bs, : self.gamma], self.thresholds, self.k_min)
+        k = drafts_from_confidence(
+            confidence[:bs, : self.gamma], self.thresholds, self.k_min
+        )
         self.live[:bs].copy_(k + 1)
         group = self._group()
         if group is not None and group.world_size > 1:
@@ -296,7 +306,9 @@ class VerifyCap:
 
             try:
                 self._tp_group = get_parallel().tp_group
-            except RuntimeError:  # no parallel state in this process (CPU unit tests): one rank
+            except (
+                RuntimeError
+            ):  # no parallel state in this process (CPU unit tests): one rank
                 return None
         return self._tp_group
 
@@ -313,7 +325,9 @@ class VerifyCap:
             return live_rows_scope(None)
         return live_rows_scope(LiveRows(self.live, self.stride, FLAG))
 
-    def log_step(self, confidence: Optional[torch.Tensor], correct_len: torch.Tensor) -> None:
+    def log_step(
+        self, confidence: Optional[torch.Tensor], correct_len: torch.Tensor
+    ) -> None:
         """Rank 0: per request [confidence (gamma), live length, accepted drafts] as float32.
         Costs a device sync per step (measurement only)."""
         if not self._log_path or confidence is None:

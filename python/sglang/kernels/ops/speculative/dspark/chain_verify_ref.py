@@ -38,7 +38,9 @@ def chain_verify_ref(
         prefix = torch.empty_like(p_tok)
         w = torch.ones(b, dtype=torch.float32, device=candidates.device)
         for i in range(gamma):
-            w = torch.where(q_ok[:, i], torch.clamp(w * p_tok[:, i] / q_tok[:, i], max=1.0), 0.0)
+            w = torch.where(
+                q_ok[:, i], torch.clamp(w * p_tok[:, i] / q_tok[:, i], max=1.0), 0.0
+            )
             prefix[:, i] = w
         n = torch.zeros(b, dtype=torch.int64, device=candidates.device)
         done = torch.zeros(b, dtype=torch.bool, device=candidates.device)
@@ -49,7 +51,8 @@ def chain_verify_ref(
             if step < gamma:
                 mid = (h > 0.0) & (h < 1.0)
                 mass = torch.clamp(
-                    h[:, None] * target_probs[:, step, :] - draft_probs[:, step, :], min=0.0
+                    h[:, None] * target_probs[:, step, :] - draft_probs[:, step, :],
+                    min=0.0,
                 ).sum(dim=1)
                 accept_prob = torch.where(mid, mass / (mass + 1.0 - h), h)
             take = (~done) & (coin < h) & (coin < accept_prob)

@@ -81,24 +81,39 @@ def _dequant_bf16(q, s, CVT: tl.constexpr):
     if CVT == 0:  # Triton's conversion (a scalar F2F per weight)
         return q.to(tl.bfloat16) * s.to(tl.bfloat16)[:, :, None]
     elif CVT == 1:
-        s_b = tl.broadcast_to((s * 5.192296858534828e33).to(tl.bfloat16)[:, :, None], q.shape)  # * 2**112
+        s_b = tl.broadcast_to(
+            (s * 5.192296858534828e33).to(tl.bfloat16)[:, :, None], q.shape
+        )  # * 2**112
         return tl.inline_asm_elementwise(
-            E4M3X4_TO_BF16_ASM, "=r,=r,r,r,r", [q.to(tl.uint8, bitcast=True), s_b],
-            dtype=tl.bfloat16, is_pure=True, pack=4,
+            E4M3X4_TO_BF16_ASM,
+            "=r,=r,r,r,r",
+            [q.to(tl.uint8, bitcast=True), s_b],
+            dtype=tl.bfloat16,
+            is_pure=True,
+            pack=4,
         )
     else:  # the asm's bit moves in Triton ops, the multiply in fp32 (exact either way): the
         # CPU interpreter has no inline asm and no bf16 arithmetic
         h = q.to(tl.float16).to(tl.uint16, bitcast=True)
         b = (((h & 0x7FFF) >> 3) | (h & 0x8000)).to(tl.uint16)
-        w = b.to(tl.bfloat16, bitcast=True).to(tl.float32) * (s * 5.192296858534828e33)[:, :, None]
+        w = (
+            b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+            * (s * 5.192296858534828e33)[:, :, None]
+        )
         return w.to(tl.bfloat16)
 
 
 @triton.jit
 def _tile_dot(acc, x_ptr, stride_xm, m0, M, offs_k, w_t, CVT: tl.constexpr):
     rows = m0 + tl.arange(0, 16)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs_k[None, :], mask=rows[:, None] < M, other=0.0)
-    if CVT == 2:  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
+    x = tl.load(
+        x_ptr + rows[:, None] * stride_xm + offs_k[None, :],
+        mask=rows[:, None] < M,
+        other=0.0,
+    )
+    if (
+        CVT == 2
+    ):  # the interpreter's bf16 dot is wrong; fp32 operands hold the same values
         return tl.dot(x.to(tl.float32), w_t.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(x, w_t, acc)  # bf16 x bf16 -> fp32: exact products, fixed K order
 
@@ -106,15 +121,26 @@ def _tile_dot(acc, x_ptr, stride_xm, m0, M, offs_k, w_t, CVT: tl.constexpr):
 @triton.jit
 def _tile_store(out_ptr, stride_om, m0, M, offs_n, n_mask, acc):
     rows = m0 + tl.arange(0, 16)
-    tl.store(out_ptr + rows[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & n_mask[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_om + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(rows[:, None] < M) & n_mask[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["M"])
 def _draft_head_fp8_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr,
-    M, N, K: tl.constexpr,
-    stride_xm, stride_wn, stride_sn, stride_om,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    M,
+    N,
+    K: tl.constexpr,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     M_TILES: tl.constexpr,
@@ -131,14 +157,25 @@ def _draft_head_fp8_kernel(
     acc3 = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        if W_TMA:  # w_ptr is a TensorDescriptor [N, K] with [BLOCK_N, BLOCK_K] boxes (zero past N)
+        if (
+            W_TMA
+        ):  # w_ptr is a TensorDescriptor [N, K] with [BLOCK_N, BLOCK_K] boxes (zero past N)
             q = w_ptr.load([pid * BLOCK_N, k0])
         else:
-            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=n_mask[:, None], other=0.0)
-        s = tl.load(s_ptr + (offs_n // 32)[:, None] * stride_sn + (k0 // 32 + offs_kb)[None, :],
-                    mask=n_mask[:, None], other=1.0)
+            q = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=n_mask[:, None],
+                other=0.0,
+            )
+        s = tl.load(
+            s_ptr + (offs_n // 32)[:, None] * stride_sn + (k0 // 32 + offs_kb)[None, :],
+            mask=n_mask[:, None],
+            other=1.0,
+        )
         w = _dequant_bf16(tl.reshape(q, (BLOCK_N, BLOCK_K // 32, 32)), s, CVT)
-        w_t = tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)))  # converted once, shared by every row tile
+        w_t = tl.trans(
+            tl.reshape(w, (BLOCK_N, BLOCK_K))
+        )  # converted once, shared by every row tile
         acc0 = _tile_dot(acc0, x_ptr, stride_xm, 0, M, offs_k, w_t, CVT)
         if M_TILES >= 2:
             acc1 = _tile_dot(acc1, x_ptr, stride_xm, 16, M, offs_k, w_t, CVT)
@@ -163,7 +200,9 @@ def _weight_descriptor(q: torch.Tensor, block_n: int, block_k: int):
     cache = q.__dict__.setdefault("_draft_head_fp8_tma", {})
     desc = cache.get((block_n, block_k))
     if desc is None:
-        desc = cache[(block_n, block_k)] = TensorDescriptor.from_tensor(q, [block_n, block_k])
+        desc = cache[(block_n, block_k)] = TensorDescriptor.from_tensor(
+            q, [block_n, block_k]
+        )
     return desc
 
 
@@ -194,13 +233,21 @@ def draft_head_fp8_logits(
     n = q.shape[0]
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1, (x.dtype, x.stride())
     assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and q.shape[1] == k
-    assert scales.dtype == torch.float32 and scales.shape == (triton.cdiv(n, BLOCK), k // BLOCK)
+    assert scales.dtype == torch.float32 and scales.shape == (
+        triton.cdiv(n, BLOCK),
+        k // BLOCK,
+    )
     assert x.device == q.device == scales.device
-    assert 1 <= m <= ROW_TILE * MAX_M_TILES, f"{m} rows: the fp8 head serves 1..{ROW_TILE * MAX_M_TILES}"
+    assert (
+        1 <= m <= ROW_TILE * MAX_M_TILES
+    ), f"{m} rows: the fp8 head serves 1..{ROW_TILE * MAX_M_TILES}"
     m_tiles = triton.cdiv(m, ROW_TILE)
     block_n, block_k, num_warps, num_stages, *rest = config or CONFIGS[m_tiles]
     block_k = min(block_k, k)
-    assert block_k % BLOCK == 0 and k % block_k == 0 and block_k & (block_k - 1) == 0, (k, block_k)
+    assert block_k % BLOCK == 0 and k % block_k == 0 and block_k & (block_k - 1) == 0, (
+        k,
+        block_k,
+    )
     # TMA boxes for the weights where the shard holds a whole box (the real shards do)
     w_tma = bool(rest and rest[0]) and n >= block_n and not _interpreting()
     if cvt is None:
@@ -211,9 +258,23 @@ def draft_head_fp8_logits(
     assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
     w = _weight_descriptor(q, block_n, block_k) if w_tma else q
     _draft_head_fp8_kernel[(triton.cdiv(n, block_n),)](
-        x, w, scales, out, m, n, k,
-        x.stride(0), q.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, M_TILES=m_tiles, CVT=cvt, W_TMA=w_tma,
-        num_warps=num_warps, num_stages=num_stages,
+        x,
+        w,
+        scales,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        q.stride(0),
+        scales.stride(0),
+        out.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        M_TILES=m_tiles,
+        CVT=cvt,
+        W_TMA=w_tma,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

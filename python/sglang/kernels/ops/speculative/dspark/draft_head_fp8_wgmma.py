@@ -42,7 +42,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # the exact e4m3 -> bf16 (cvt + bit moves + one HMUL2) and its A-fragment layout, shared with
 # the wo_a twin's kernels
-from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import dequant_block, row_bases, words_layout
+from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import (
+    dequant_block,
+    row_bases,
+    words_layout,
+)
 
 BLOCK_V = 128  # vocab rows per CTA (two m64 wgmma pieces)
 NUM_WARPS = 4  # one warpgroup
@@ -68,7 +72,9 @@ def _scales_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
 
 _W_LAYOUT = words_layout(BLOCK_V, NUM_WARPS)
 _S_LAYOUT = _scales_layout(BLOCK_V, NUM_WARPS)
-_W_SMEM_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+_W_SMEM_LAYOUT = gl.NVMMASharedLayout(
+    swizzle_byte_width=128, element_bitwidth=32, rank=2
+)
 
 
 @gluon.jit
@@ -77,14 +83,31 @@ def _refill(w_desc, x_desc, bar, w_s, x_s, s, v0, step, NBYTES: gl.constexpr):
     mbarrier.expect(bar, NBYTES)
     tma.async_copy_global_to_shared(w_desc, [v0, step * 32], bar, w_s.index(s))
     tma.async_copy_global_to_shared(x_desc, [0, step * 128], bar, x_s.index(2 * s))
-    tma.async_copy_global_to_shared(x_desc, [0, step * 128 + 64], bar, x_s.index(2 * s + 1))
+    tma.async_copy_global_to_shared(
+        x_desc, [0, step * 128 + 64], bar, x_s.index(2 * s + 1)
+    )
 
 
 @gluon.jit
-def _draft_head_fp8_wgmma_kernel(w_desc, x_desc, S, OUT, M, V, SO, K: gl.constexpr, NP: gl.constexpr,
-                                 BV: gl.constexpr, ST: gl.constexpr, W_L: gl.constexpr, S_L: gl.constexpr,
-                                 NW: gl.constexpr):
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NP, 16])
+def _draft_head_fp8_wgmma_kernel(
+    w_desc,
+    x_desc,
+    S,
+    OUT,
+    M,
+    V,
+    SO,
+    K: gl.constexpr,
+    NP: gl.constexpr,
+    BV: gl.constexpr,
+    ST: gl.constexpr,
+    W_L: gl.constexpr,
+    S_L: gl.constexpr,
+    NW: gl.constexpr,
+):
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, NP, 16]
+    )
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     NSTEP: gl.constexpr = K // 128
     NBYTES: gl.constexpr = BV * 128 + NP * 128 * 2
@@ -108,14 +131,18 @@ def _draft_head_fp8_wgmma_kernel(w_desc, x_desc, S, OUT, M, V, SO, K: gl.constex
         st = i % ST
         s4 = s_next
         s_next = gl.load(S + s_off + gl.minimum(i + 1, NSTEP - 1) * 4, s_mask, 1.0)
-        s02, s13 = gl.split(gl.reshape(s4, [BV, 2, 2]))  # split takes the last dim: blocks (0, 2), (1, 3)
+        s02, s13 = gl.split(
+            gl.reshape(s4, [BV, 2, 2])
+        )  # split takes the last dim: blocks (0, 2), (1, 3)
         s0, s2 = gl.split(s02)
         s1, s3 = gl.split(s13)
         scales = (s0, s1, s2, s3)
         mbarrier.wait(bars.index(st), (i // ST) & 1)
         for kb in gl.static_range(4):
             w32 = w_s.index(st).slice(8 * kb, 8, dim=1).load(W_L)
-            a = dequant_block(w32, gl.convert_layout(scales[kb], gl.SliceLayout(1, W_L)), A_L, BV)
+            a = dequant_block(
+                w32, gl.convert_layout(scales[kb], gl.SliceLayout(1, W_L)), A_L, BV
+            )
             xb = x_s.index(2 * st + kb // 2).slice(32 * (kb % 2), 32, dim=1)
             acc = warpgroup_mma(a, xb.permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
@@ -138,7 +165,9 @@ def _weight_descriptor(qp: torch.Tensor) -> TensorDescriptor:
     """Built once per head (the head is persistent; the cache lives on the tensor)."""
     desc = qp.__dict__.get("_draft_head_fp8_wgmma_tma")
     if desc is None:
-        desc = TensorDescriptor.from_tensor(qp.view(torch.int32), [BLOCK_V, 32], _W_SMEM_LAYOUT)
+        desc = TensorDescriptor.from_tensor(
+            qp.view(torch.int32), [BLOCK_V, 32], _W_SMEM_LAYOUT
+        )
         qp.__dict__["_draft_head_fp8_wgmma_tma"] = desc
     return desc
 
@@ -151,26 +180,54 @@ def draft_head_fp8_logits_wgmma(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= 32, where ``qp`` is
-    ``permute_k`` of the e4m3 head and ``scales`` its fp32 [ceil(N/32), K/32] block scales."""
+    ``permute_k`` of the e4m3 head and ``scales`` its fp32 [ceil(N/32), K/32] block scales.
+    """
     m, k = x.shape
     n = qp.shape[0]
     assert 1 <= m <= MAX_ROWS, f"{m} rows: the wgmma head serves 1..{MAX_ROWS}"
     assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0, (
-        x.dtype, x.stride(), x.data_ptr() % 16)  # TMA reads x: contiguous rows, 16-byte aligned
-    assert qp.dtype == torch.float8_e4m3fn and qp.is_contiguous() and qp.shape[1] == k and k % STEP_K == 0
-    assert scales.dtype == torch.float32 and scales.shape == (triton.cdiv(n, 32), k // 32)
+        x.dtype,
+        x.stride(),
+        x.data_ptr() % 16,
+    )  # TMA reads x: contiguous rows, 16-byte aligned
+    assert (
+        qp.dtype == torch.float8_e4m3fn
+        and qp.is_contiguous()
+        and qp.shape[1] == k
+        and k % STEP_K == 0
+    )
+    assert scales.dtype == torch.float32 and scales.shape == (
+        triton.cdiv(n, 32),
+        k // 32,
+    )
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, out.stride())
     assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
-    np_ = max(8, triton.next_power_of_2(m))  # wgmma N: the bits do not depend on it (tested)
+    np_ = max(
+        8, triton.next_power_of_2(m)
+    )  # wgmma N: the bits do not depend on it (tested)
     x_layout = gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
-    x_desc = TensorDescriptor.from_tensor(x, [np_, 64], x_layout)  # rows >= M read as zeros
+    x_desc = TensorDescriptor.from_tensor(
+        x, [np_, 64], x_layout
+    )  # rows >= M read as zeros
     # 3 stages fit 3 CTAs per SM: best at TP1 size (1010 CTAs), 4 at TP4 (253 CTAs, one wave)
     st = 4 if n <= 65536 else 3
     _draft_head_fp8_wgmma_kernel[(triton.cdiv(n, BLOCK_V),)](
-        _weight_descriptor(qp), x_desc, scales, out, m, n, out.stride(0), k, np_, BLOCK_V, st,
-        _W_LAYOUT, _S_LAYOUT, NUM_WARPS,
+        _weight_descriptor(qp),
+        x_desc,
+        scales,
+        out,
+        m,
+        n,
+        out.stride(0),
+        k,
+        np_,
+        BLOCK_V,
+        st,
+        _W_LAYOUT,
+        _S_LAYOUT,
+        NUM_WARPS,
         num_warps=NUM_WARPS,
     )
     return out

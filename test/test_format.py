@@ -1,0 +1,36 @@
+"""Upstream's formatters (black, isort, codespell at its pinned versions) pass on every file we
+own, and the check fails on a file they would change (a misformatted copy in a scratch repository)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from forklib.lint import lint
+
+BIN = Path(sys.executable).parent
+
+
+def test_the_repository_is_formatted_as_upstream_formats():
+    assert lint(BIN) == []
+
+
+def test_a_misformatted_file_and_a_typo_are_reported(tmp_path):
+    repo = tmp_path / "r"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "ok.py").write_text('"""A module."""\n\nimport os\n\nX = os.sep\n')
+    (repo / "bad.py").write_text("import sys, os\nx = {  'a':1 }\n")
+    (repo / "notes.md").write_text("the recieved value\n")
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    problems = "\n".join(lint(BIN, repo))
+    assert "would reformat" in problems and "bad.py" in problems  # black
+    assert "isort" in problems and "bad.py" in problems
+    assert "recieved ==> received" in problems  # codespell
+    assert "ok.py" not in problems
+    assert (
+        lint(BIN, repo, fix=True) is not None and lint(BIN, repo) == []
+    )  # --fix mends all
+    shutil.rmtree(repo)
