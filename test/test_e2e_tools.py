@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import math
+import os
 import random
+import re
 
 import pytest
 from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
 from e2e.matrix import (
+    LOGPROB_BOUND,
     P_MIN,
+    STANDINS,
+    Row,
     chi2_same,
     evaluate,
+    evidence,
     feature_lines,
     kernel_summary,
     main,
     merge_rows,
     rows,
+    sample_test,
 )
 from e2e.server import handled_fallbacks, log_errors
 
@@ -51,37 +59,276 @@ def test_two_sample_test_accepts_the_same_rule_and_refuses_a_broken_one():
     assert broken["min_p"] < P_MIN
 
 
-def _served(tokens, model="agree"):
+def _served(tokens, logprobs=None):
     return {
-        "model": model,
-        "fork_flags_line_ok": True,
+        "model": "random",
+        "tree": "fork",
+        "fork_flags_line": "",
         "log_errors": [],
-        "greedy": {"tokens": tokens, "completion_matches_generate": True},
+        "_greedy": {
+            "tokens": tokens,
+            "logprobs": logprobs or [[-0.5] * len(t) for t in tokens],
+            "finish": ["length"],
+            "completion_matches_generate": True,
+            "spec": None,
+        },
     }
 
 
-def test_greedy_identity_is_checked_only_against_the_rows_a_row_names():
-    recs = {
-        "random_off": _served([[1, 2, 3]], "random"),
-        "random_nospec": _served([[1, 2, 3]], "random"),
+def _row(name, **kw):
+    return Row(name, [], model="random", **kw)
+
+
+def test_identity_needs_tokens_and_logprobs_and_a_served_reference():
+    recs = {"ref": _served([[1, 2, 3]])}
+    same = _served([[1, 2, 3]])
+    evaluate(_row("a", same_as=("ref",)), same, recs)
+    assert same["ok"] and same["checks"]["identical_to_ref"]
+    # the same tokens with one logprob off by a rounding step: not upstream's bits
+    near = _served([[1, 2, 3]], [[-0.5, -0.5, -0.5000001]])
+    evaluate(_row("b", same_as=("ref",)), near, recs)
+    assert near["ok"] is False and near["vs_ref"]["tokens_identical"]
+    missing = _served([[1, 2, 3]])
+    evaluate(_row("c", same_as=("absent",)), missing, recs)
+    assert missing["ok"] is False and missing["checks"] == {
+        "fork_flags_line": True,
+        "no_log_errors": True,
+        "completion_matches_generate": True,
+        "reference_absent_served": False,
     }
-    for name in recs:
-        evaluate(name, recs[name], recs, ())
-    differs = _served([[1, 9, 3]], "random")
-    evaluate(
-        "random_all_on", differs, recs, ()
-    )  # a cap and `drop`: where it differs is recorded, not failed
-    assert differs["ok"] and differs["greedy_first_difference_from_off"] == {0: 1}
-    bitwise = _served([[1, 9, 3]], "random")
-    evaluate("random_fence", bitwise, recs, ("off",))
-    assert bitwise["ok"] is False and bitwise["greedy_identical_to_off"] is False
-    named = {r.name: r.identical_to for r in rows()}
-    # the wo_a twin on Hopper: rounding-level against upstream's cuBLAS route (docs/wo-a-fp8-twin.md)
+
+
+def test_a_bound_row_is_held_to_the_bound_over_the_common_prefix():
+    recs = {"ref": _served([[1, 2, 3, 4]], [[-1.0, -1.0, -1.0, -1.0]])}
+    # diverges at token 2: the logprobs there and after are of other tokens, not compared
+    bound = LOGPROB_BOUND["random"]
+    close = _served([[1, 2, 7, 7]], [[-1.0, -1.0 - bound / 2, -9.0, -9.0]])
+    evaluate(_row("a", bound_to="ref"), close, recs)
+    assert close["ok"] and close["vs_ref"]["share_compared"] == 0.5
+    assert close["vs_ref"]["first_difference"] == {0: 2}
+    far = _served([[1, 2, 3, 4]], [[-1.0, -1.0 - 4 * bound, -1.0, -1.0]])
+    evaluate(_row("b", bound_to="ref"), far, recs)
+    assert far["ok"] is False  # the first decoded token moved past the bound
+    early = _served([[7, 7, 7, 7]], [[-1.0, -1.0, -1.0, -1.0]])
+    evaluate(_row("c", bound_to="ref"), early, recs)
     assert (
-        named["random_fence"] == ("off",)
-        and named["random_wo_a_small"] == named["random_all_on"] == ()
+        early["ok"] is False
+    )  # a shared prefix of a quarter is the least the rule takes
+    # a negative control passes only when its designated check fails
+    wrong = _served([[1, 2, 3, 4]], [[-1.0, -3.0, -1.0, -1.0]])
+    evaluate(_row("w", bound_to="ref", must_fail="within_bound_of_ref"), wrong, recs)
+    assert wrong["ok"]
+    blind = _served([[1, 2, 3, 4]], [[-1.0, -1.0, -1.0, -1.0]])
+    evaluate(_row("w", bound_to="ref", must_fail="within_bound_of_ref"), blind, recs)
+    assert blind["ok"] is False
+
+
+def test_a_row_whose_feature_did_not_engage_fails():
+    probe = "pkg.mod:Cls.method?flag"
+    row = _row("a", engaged=(r"feature built",), probes=(probe,))
+    ran = _served([[1]])
+    log = "feature built\ne2e probe: pkg.mod:Cls.method call 1 -> None\n"
+    ran["_evidence"] = {e: bool(re.search(e, log)) for e in evidence(row)}
+    evaluate(row, ran, {})
+    assert ran["ok"] and ran["engaged_missing"] == []
+    silent = _served([[1]])
+    silent["_evidence"] = {
+        e: bool(re.search(e, "feature built\n")) for e in evidence(row)
+    }
+    evaluate(row, silent, {})
+    assert silent["ok"] is False and silent["engaged_missing"] == [
+        re.escape("e2e probe: pkg.mod:Cls.method call")
+    ]
+
+
+def test_an_upstream_row_must_not_be_the_fork():
+    rec = _served([[1]])
+    evaluate(_row("up", tree="upstream"), rec, {})
+    assert rec["ok"] is False and rec["checks"]["is_upstream"] is False
+    rec = {**_served([[1]]), "fork_flags_line": None}
+    evaluate(_row("up", tree="upstream"), rec, {})
+    assert rec["ok"]
+
+
+def test_rows_hold_their_promises():
+    named = {r.name: r for r in rows()}
+    # flags off and every row that promises upstream's bits: tokens and logprobs identical
+    for name in (
+        "random_off",
+        "random_fence",
+        "random_tau_0.7",
+        "random_fast_load",
+        "random_serial_load",
+        "random_loop_abort",
+        "random_thinking_aliases",
+    ):
+        assert named[name].same_as == ("random_up_off",), name
+    assert named["random_nospec"].same_as == ("random_up_nospec",)
+    # the agree checkpoint: upstream's tokens, logprobs within the scheduling bound
+    assert named["off"].tokens_as == named["off"].same_as + ("up_off",)
+    assert named["off"].bound_to == "up_off" and named["nospec"].bound_to == "up_nospec"
+    # rounding-level rows: the bound against upstream, not an exemption
+    for name in (
+        "random_wo_a_small",
+        "random_wo_a_drop",
+        "random_cap_3",
+        "random_cap_conf",
+        "random_head_fp8",
+        "random_all_on",
+    ):
+        assert named[name].bound_to == "random_up_off", name
+    assert named["random_wo_a_wrong"].fault and named["random_wo_a_wrong"].must_fail
+    assert named["s_tau_wrong_q"].fault == "tau_q_at_T"
+    # every DSpark flag has a random row and a sampled row; every serving fork row shows evidence
+    for flag in (
+        "--speculative-dspark-verify-cap",
+        "--speculative-dspark-draft-head-fp8",
+        "--speculative-dspark-draft-temperature-scale",
+        "--dsv4-wo-a-fp8-twin",
+    ):
+        assert any(flag in r.args for r in rows() if r.model == "random"), flag
+        assert any(flag in r.args for r in rows() if r.model == "sample"), flag
+    for r in rows():
+        if (
+            r.tree == "fork"
+            and not r.refused_with
+            and any(
+                a.startswith("--")
+                and a
+                not in (
+                    "--speculative-algorithm",
+                    "--reasoning-parser",
+                    "--cuda-graph-backend-decode",
+                    "--max-running-requests",
+                )
+                for a in r.args
+            )
+        ):
+            assert (
+                r.engaged or r.probes or r.requests or "--enable-loop-abort" in r.args
+            ), r.name
+
+
+def _chain(n, p_modal, seed, vocab=128):
+    """Markov draws like the sample checkpoint's: succ(t) = t + 1 with probability p_modal."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prev, seq = 0, []
+        for _ in range(8):
+            t = (prev + 1) % vocab if rng.random() < p_modal else rng.randrange(vocab)
+            seq.append(t)
+            prev = t
+        out.append(seq)
+    return out
+
+
+SUCC = [(t + 1) % 128 for t in range(128)]
+
+
+def _softmax_top(margin, temperature, vocab=128):
+    e = math.exp(margin / temperature)
+    return e / (e + vocab - 1)
+
+
+def _speculative(n, seed, q_temp_sampled, q_temp_rule, margin=4.84, bias=6.6):
+    """Token-wise rejection sampling of the sample checkpoint's target (top p) with a draft whose
+    top q is ``bias`` at ``q_temp_sampled``; the accept rule reads q at ``q_temp_rule``. Exact
+    when the two temperatures agree."""
+    rng = random.Random(seed)
+    p_top = _softmax_top(margin, 1.0)
+    p_rest = (1 - p_top) / 127
+    q_s, q_r = _softmax_top(bias, q_temp_sampled), _softmax_top(bias, q_temp_rule)
+    q_s_rest, q_r_rest = (1 - q_s) / 127, (1 - q_r) / 127
+    out = []
+    for _ in range(n):
+        prev, seq = 0, []
+        for _ in range(8):
+            modal = rng.random() < q_s  # the draft's proposal
+            accept = min(1.0, (p_top / q_r) if modal else (p_rest / q_r_rest))
+            if rng.random() < accept:
+                took = modal
+            else:  # the residual max(p - q, 0): on the modal token where p > q there
+                res_top, res_rest = max(p_top - q_r, 0), max(p_rest - q_r_rest, 0)
+                took = rng.random() < res_top / (res_top + 127 * res_rest)
+            t = (prev + 1) % 128 if took else (prev + 2 + rng.randrange(126)) % 128
+            seq.append(t)
+            prev = t
+        out.append(seq)
+    return out
+
+
+def test_sample_test_accepts_the_exact_rule_and_refuses_both_negative_controls():
+    n = 20000
+    reference = _speculative(n, 1, 1.0, 1.0)
+    assert (
+        sample_test(_speculative(n, 2, 1.0, 1.0), reference, SUCC, 0)["min_p"] >= P_MIN
     )
-    assert named["all_on"] == ("off", "nospec")
+    # the first control: the target at 0.97 T (no speculation)
+    colder = _chain(n, _softmax_top(4.84, 0.97), 3)
+    assert sample_test(colder, reference, SUCC, 0)["min_p"] < P_MIN
+    # the second: the draft samples at 0.7 T while the rule reads q at T
+    wrong_q = _speculative(n, 4, 0.7, 1.0)
+    assert sample_test(wrong_q, reference, SUCC, 0)["min_p"] < P_MIN
+    # and the right rule at 0.7 T is exact
+    assert (
+        sample_test(_speculative(n, 5, 0.7, 0.7), reference, SUCC, 0)["min_p"] >= P_MIN
+    )
+
+
+def test_probes_and_faults_of_the_harness(tmp_path):
+    """sitecustomize wraps named functions when their module is imported and logs their calls;
+    the tau fault leaves q at T while the draft's step temperatures are scaled."""
+    import subprocess
+    import sys
+
+    (tmp_path / "probed.py").write_text(
+        "class C:\n    @staticmethod\n    def s(x, flag=False):\n        return x\n"
+        "    def m(self):\n        return 'm'\n\ndef f():\n    return 3\n"
+    )
+    code = "import probed; probed.f(); probed.C.s(1); probed.C.s(2, flag=True); probed.C().m()"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(STANDINS[0]), str(tmp_path)]),
+        "E2E_PROBES": "probed:f,probed:C.s?flag,probed:C.m",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out.splitlines() == [
+        "e2e probe: probed:f call 1 -> 3",
+        "e2e probe: probed:C.s call 1 -> 2",
+        "e2e probe: probed:C.m call 1 -> 'm'",
+    ]
+    code = (
+        "import torch, types\n"
+        "from sglang.srt.speculative.dspark_components import dspark_draft_tau as t\n"
+        "t.draft_temperature_scale = lambda: 0.5\n"
+        "temps = torch.ones(2); params = types.SimpleNamespace(temperatures=temps, "
+        "step_temperatures=torch.ones(2))\n"
+        "draft = torch.zeros(2); t.stage_draft_temperatures(params, draft, 2)\n"
+        "print(draft.tolist(), params.step_temperatures.tolist())\n"
+    )
+    env = {**os.environ, "E2E_FAULT": "tau_q_at_T"}
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS[0]), env.get("PYTHONPATH", "")])
+    faulty = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    env.pop("E2E_FAULT")
+    right = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    # q at tau x T (0.5) without the fault, at T with it; the draft samples at tau x T in both
+    assert right.stdout.split() == ["[0.5,", "0.5]", "[0.5,", "0.5]"], right.stderr[
+        -2000:
+    ]
+    assert faulty.stdout.split() == ["[1.0,", "1.0]", "[0.5,", "0.5]"], faulty.stderr[
+        -2000:
+    ]
 
 
 def test_kernel_summary_sums_gpu_kernels_by_name(tmp_path):
@@ -197,3 +444,35 @@ def test_merge_keeps_the_earlier_rows_this_run_did_not_serve_and_refuses_another
     }
     with pytest.raises(SystemExit, match="fork_version"):
         merge_rows({**report, "fork_version": "v2"}, earlier)
+
+
+def test_the_bundles_upstream_overlay_turns_the_fork_tree_back_into_the_release(
+    tmp_path,
+):
+    """The overlay e2e.sh lays over a copy of the fork tree: upstream's version of each edited
+    file, and the files the series adds removed; applied, the tree is the release's again.
+    """
+    import tarfile
+
+    from forklib.bundle import _upstream_overlay
+    from forklib.git import git
+
+    tree = tmp_path / "tree"
+    pkg = tree / "python" / "sglang"
+    pkg.mkdir(parents=True)
+    git(tree, "init", "-q")
+    (pkg / "up.py").write_text("x = 1\n")
+    (pkg / "kept.py").write_text("k = 1\n")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "upstream")
+    (pkg / "up.py").write_text("x = 2  # the fork's edit\n")
+    (pkg / "ours.py").write_text("y = 1\n")
+    git(tree, "add", "-A")
+    git(tree, "commit", "-qm", "a patch")
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    assert _upstream_overlay(tree, bundle) == 1
+    with tarfile.open(bundle / "upstream-tree.tar.xz") as tar:
+        assert tar.getnames() == ["python/sglang/up.py"]
+        assert tar.extractfile("python/sglang/up.py").read() == b"x = 1\n"
+    assert (bundle / "upstream-added.txt").read_text() == "python/sglang/ours.py\n"

@@ -438,6 +438,8 @@ def write_dsv4(
     shape: dict = TINY_DSV4,
     seed: int = 0,
     device: str = "cpu",
+    target_margin: float = 6.4,
+    draft_bias: float = 40.0,
 ) -> Path:
     """A DeepSeek-V4 target with a bundled DSpark draft, from ``seed``.
 
@@ -450,6 +452,13 @@ def write_dsv4(
     of the mass over other tokens). The draft's Markov head adds a bias of 40 to ``succ(prev)``,
     so the draft proposes the successor chain of its anchor: greedy requests accept every draft,
     sampled ones about 80 % of drafts each.
+
+    ``target_margin`` and ``draft_bias`` set those two numbers (the agreeing checkpoint's are the
+    defaults). The sampling checkpoint takes a margin of ln(127) ~ 4.84, so the target's top token
+    carries about half the mass over the 128-token vocabulary, and a draft bias of ~6.6, so the
+    draft's q puts about 0.85 on it: accepts and rejections both happen, and a wrong use of q (a
+    wrong temperature, the wrong logits) moves the emitted distribution. ``succ.json`` in the
+    checkpoint records the successor map (token id -> its successor) the statistics read.
     """
     import torch
     from safetensors.torch import save_file
@@ -478,14 +487,14 @@ def write_dsv4(
         succ[cycle] = torch.roll(cycle, -1)
         unit = embed.float() / embed.float().norm(dim=1, keepdim=True)
         head = torch.zeros(vocab, dim, device=device)
-        head[succ[cycle]] = (
-            0.2 * unit[cycle]
-        )  # logit(succ(t) | t) = 0.2 * sqrt(dim) ~ 6.4
+        # the final norm leaves |h| ~ sqrt(dim): logit(succ(t) | t) ~ target_margin
+        head[succ[cycle]] = target_margin / dim**0.5 * unit[cycle]
         head = head.to(torch.bfloat16)
         code = markov_in.float() / markov_in.float().norm(dim=1, keepdim=True)
         markov_in = code.to(torch.bfloat16)
         markov_out = torch.zeros(vocab, rank, device=device)
-        markov_out[succ[cycle]] = 40.0 * code[cycle]
+        markov_out[succ[cycle]] = draft_bias * code[cycle]
+        (path / "succ.json").write_text(json.dumps(succ.tolist()))
     w.tensors.update({"embed.weight": embed, "head.weight": head})
     w.norm("norm", dim)
     w.hc_head("")

@@ -1,42 +1,57 @@
-"""The end-to-end matrix: one real ``launch_server`` per row, DeepSeek-V4 + DSpark, every fork flag.
+"""The end-to-end matrix: one real ``launch_server`` per row, DeepSeek-V4 + DSpark, every fork flag,
+served beside the unpatched release.
 
-    python -m e2e.matrix --out DIR [--rows off,cap3,...] [--standins] [--budget SECONDS]
+    python -m e2e.matrix --out DIR [--rows off,cap_3,...] [--standins] [--upstream PATH]
 
-Each row starts the server on a tiny generated checkpoint (``e2e.checkpoints``), waits for it,
-sends requests over HTTP, stops it and checks its log. Per row:
+Each row starts a server on a tiny checkpoint generated from a seed (``e2e.checkpoints``), sends
+its requests over HTTP, stops it and checks its log. ``--upstream PATH`` names the pinned
+release's own ``python/`` tree (the GPU bundle lays it out): rows whose ``tree`` is ``upstream``
+serve that tree, the same harness and stand-ins, and are the references the fork's rows are held
+to. Per row, every check is recorded under ``checks`` and the row passes when all hold:
 
-* the fork-flags startup line carries the values the row set; the log shows no error;
-* greedy: 16 fixed prompts x 64 new tokens through ``/generate`` (and one through
-  ``/v1/completions``): on the agree checkpoint the tokens must equal the flags-off row's and the
-  row served without speculative decoding; on random weights only the rows that promise upstream's
-  bits must (``Row.identical_to``), the others record their first differing token;
-* sampled: 2000 requests at temperature 1 (fixed seeds), 4 new tokens: the distribution of the
-  tokens at positions 2..4 (drafted and verified, not the prefill's) must agree with the
-  flags-off row by a chi-square two-sample test; the same test is shown to reject a deliberately
-  broken rule on the flags-off server (the target sampled at 0.7 T: what applying tau to the
-  target's temperature would do);
-* DSpark statistics (drafts accepted per verify step) and decode throughput.
+* startup: a fork row logs the fork-flags line with the row's values, an upstream row logs none
+  (it is upstream's tree); no error in the log;
+* engaged: the row's feature ran: its startup line, and the harness's probes (``E2E_PROBES``: a
+  line in the log when a named function of the feature first ran; under CUDA graphs, when it was
+  captured) or its counters (a cap's drafts accepted per step below gamma, a loop's finish);
+* greedy (the agree and random checkpoints): 16 prompts x 64 tokens with per-token logprobs.
+  ``same_as`` rows must equal the reference's tokens and logprobs bit for bit; ``bound_to`` rows
+  (rounding-level kernels) keep every logprob within ``LOGPROB_BOUND`` of the reference's while
+  their tokens agree (on the agree checkpoint the tokens must agree throughout);
+* sampled (the sample checkpoint): 20,000 requests x 8 tokens at temperature 1, independent
+  seeds per server, against upstream served without speculative decoding (the target's own
+  distribution): the share of the target's modal next token at each position, the number of
+  positions that took it, and the token distributions at the first drafted positions
+  (``sample_test``). Two negative controls must be refused every run: upstream without
+  speculation at 0.97 T, and a fork server whose accept rule reads q at T while its draft samples
+  at 0.7 T (a fault the harness injects, ``E2E_FAULT``; never a switch of the engine);
+* a reference row that did not serve fails the rows that compare with it.
 
-Rows on the real-shape checkpoint time decode at batch 1, 4 and 16 instead (``timing`` rows).
-Results: ``DIR/e2e-<device>.json`` and one log per row. ``--standins`` adds the H200 harness
-(functional stand-ins for binary packages that do not load there, and the switches that keep the
-model off them); without it the check runs on a GPU machine with upstream's real dependencies.
+Rows on the real-shape checkpoint time decode instead (``timing`` rows). Results:
+``DIR/e2e-<device>.json`` (with the build, device, torch and triton) and one log per row.
+``--standins`` adds the H200 harness (functional stand-ins for binary packages that do not load
+there, and the switches that keep the model off them); without it the check runs on a GPU machine
+with upstream's real dependencies.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
+import hashlib
 import json
 import os
 import re
 import sys
 import threading
 import time
+import zlib
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, write_dsv4
+from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, char_vocab, write_dsv4
 from .server import Server, ServerDied, refusal
 
 HERE = Path(__file__).resolve().parent
@@ -64,32 +79,27 @@ SERVE_ARGS = [
     "pytorch",
     "--dsa-topk-backend",
     "torch",
-    "--max-running-requests",
-    "32",
     "--cuda-graph-backend-prefill",
     "disabled",
-    "--cuda-graph-bs-decode",
-    "1",
-    "2",
-    "4",
-    "8",
-    "16",
-    "32",
 ]
+# The decode batches each checkpoint's requests produce (fewer graphs: a faster start).
+GRAPH_ARGS = {
+    "agree": ["--cuda-graph-bs-decode", "1", "4", "--max-running-requests", "4"],
+    "random": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
+    "sample": ["--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32"]
+    + ["--max-running-requests", "32"],
+    "real": ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"],
+}
+# Sampled rows whose kernels serve small calls only (the wo_a twin: 2..32 verify rows, the fp8
+# draft head: up to 32 draft rows) run at most 5 requests at a time, so the kernels serve.
+SMALL_BATCH = ["--max-running-requests", "5"]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
-TIMING_ARGS = [
-    "--cuda-graph-bs-decode",
-    "1",
-    "4",
-    "16",
-    "--max-running-requests",
-    "16",
-]  # the batches timed
 PROGRESS_LOCK = threading.Lock()
 # Startup lines in which a fork feature says what it built (kept in the report as evidence).
 FEATURE_LINE = re.compile(
     r"--dsv4-wo-a-fp8-twin=|DSpark draft LM head in fp8|DSpark verify cap on|fence|"
-    r"draft temperature|fast_load: read"
+    r"draft temperature|DSpark draft samples at|fast_load: read|"
+    r"--weight-loader-disable-async-load:|e2e probe:"
 )
 # Memory per server. Several tiny servers share the GPU: a server's KV budget is the memory free
 # after its load minus (1 - fraction) of the memory free before it, so a neighbour loading in
@@ -99,6 +109,7 @@ _TINY_MEM_ARGS = ["--mem-fraction-static", "0.5", "--max-total-tokens", "262144"
 MEM_ARGS = {
     "agree": _TINY_MEM_ARGS,
     "random": _TINY_MEM_ARGS,
+    "sample": _TINY_MEM_ARGS,
     "real": ["--mem-fraction-static", "0.3"],
 }
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
@@ -122,49 +133,79 @@ GREEDY_PROMPTS = [
     "The end.",
 ]
 GREEDY_TOKENS = 64
+# The rounding-level rule of ``within_bound``: the largest |logprob difference| from the reference
+# row. Agree: the server splits a batch of four prompts into prefill and decode batches as the
+# requests arrive, so two servers of the same tree differ by rounding there (a few 1e-6); random
+# weights (one request at a time, where flags off is bit for bit upstream's): what a rounding-level
+# kernel moves the first decoded token by, set from the wo_a twin's measured spread, with the
+# wrong twin shown to exceed it (docs/gpu-testing.md has both figures).
+LOGPROB_BOUND = {"agree": 1e-4, "random": 0.05}
+MIN_SHARED_PREFIX = 0.25
 SAMPLED_PROMPT = "The quick brown fo"  # codespell:ignore
-SAMPLED_REQUESTS = 2000
-SAMPLED_TOKENS = 4
-SAMPLED_POSITIONS = (
-    1,
-    2,
-    3,
-)  # 0-based positions of emitted tokens compared; 0 comes from prefill
-P_MIN = (
-    1e-4  # per-position chi-square p-value below which a row's distribution is refused
+SAMPLED_REQUESTS = 20000
+SAMPLED_TOKENS = 8
+SAMPLED_POSITIONS = (1, 2, 3)  # the first drafted positions (0 comes from the prefill)
+P_MIN = 1e-5  # a sampled test's p-value below which the two distributions differ
+CONTROL_TEMPERATURE = 0.97
+SAMPLED_REFERENCE = (
+    "s_up_nospec"  # the target's own distribution: upstream, no speculation
 )
+GAMMA = TINY_DSV4["gamma"]
+
+# Probes (module:qualname[?kwarg], see standins/sitecustomize.py) and startup lines per feature.
+P_TWIN_SMALL = "sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90:wo_a_fp8_small_sm90"
+P_TWIN_MID = "sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90:wo_a_fp8_mid_sm90"
+P_HEAD = "sglang.srt.speculative.dspark_components.dspark_draft_head_fp8:DraftHeadFp8.__call__"
+P_FENCE = (
+    "sglang.srt.speculative.dspark_components.dspark_result_fence:"
+    "AcceptResultFence.copy_in"
+)
+P_TAU = (
+    "sglang.srt.speculative.dspark_components.dspark_draft_tau:stage_draft_temperatures"
+)
+P_BLOCK = (
+    "sglang.srt.speculative.dspark_components.dspark_verify:"
+    "accept_draft_tokens?block_verification"
+)
+P_LOOP = "sglang.srt.managers.loop_abort:LoopGuard.feed"  # the per-token check ran
+L_TWIN = (
+    r"--dsv4-wo-a-fp8-twin=\w+ \([^)]*\): fp8 twins for [1-9]\d* wo_a weights \([1-9]"
+)
+L_HEAD = r"DSpark draft LM head in fp8"
+L_CAP = r"DSpark verify cap on"
+L_TAU = r"DSpark draft samples at 0\.7 x the request temperature"
+L_FAST = r"fast_load: read"
+L_SERIAL = r"--weight-loader-disable-async-load: each checkpoint tensor is copied"
 
 
 @dataclasses.dataclass
 class Row:
     name: str
     args: list[str]
-    model: str = "agree"  # agree | random | real
-    sampled: bool = True
-    timing: bool = False
-    refused_with: str | None = (
-        None  # a start that must be refused, with this text in its output
+    model: str = "agree"  # agree | random | sample | real
+    tree: str = "fork"  # fork | upstream (the pinned release, --upstream)
+    greedy: bool = True  # agree / random: the greedy prompts with logprobs
+    sampled: bool = False  # sample: SAMPLED_REQUESTS at temperature 1
+    timing: bool = False  # real: decode timing
+    refused_with: str | None = None  # a start that must be refused, with this text
+    flags: dict[str, str] = dataclasses.field(default_factory=dict)  # startup line
+    same_as: tuple[
+        str, ...
+    ] = ()  # rows whose greedy tokens and logprobs this one equals
+    tokens_as: tuple[str, ...] = ()  # rows whose greedy tokens (only) this one equals
+    bound_to: str | None = (
+        None  # the row whose logprobs this one stays within the bound of
     )
-    flags: dict[str, str] = dataclasses.field(
-        default_factory=dict
-    )  # fork flag -> value in the startup line
-    # Rows whose greedy tokens this row's must equal. On the agree checkpoint: flags off and no
-    # speculation. On random weights only rows that share the verify shapes and promise bit-exact
-    # kernels compare: there upstream's DSpark with every fork flag off already leaves
-    # non-speculative greedy after 17..56 tokens in 13 of 16 prompts (a verify forward of 6 rows is
-    # not bit-identical to a decode forward of 1 on near-tied logits), the wo_a twin's levels give
-    # rounding-level differences on Hopper (upstream runs those calls through cuBLAS there; the
-    # twin's small kernel has the bits of upstream's Blackwell kernel), and a cap changes the
-    # verify shape. Those rows record where they differ.
-    identical_to: tuple[str, ...] = ("off", "nospec")
+    engaged: tuple[str, ...] = ()  # log regexes: the feature's evidence
+    probes: tuple[str, ...] = ()  # E2E_PROBES; each must log (added to ``engaged``)
+    below_gamma: bool = False  # greedy drafts accepted per step must stay below gamma
+    fault: str | None = None  # E2E_FAULT: a negative control
+    must_fail: str | None = None  # the check a negative control must fail
+    requests: str | None = None  # extra requests: "loop" | "thinking"
 
 
-def _row(
-    name, *flag_args, model="agree", extra=(), sampled=True, spec=True, **kw
-) -> Row:
-    flags = {}
-    args = list(flag_args)
-    i = 0
+def _flags(args) -> dict[str, str]:
+    flags, i = {}, 0
     while i < len(args):
         if i + 1 < len(args) and not args[i + 1].startswith("--"):
             flags[args[i]] = args[i + 1]
@@ -172,105 +213,262 @@ def _row(
         else:
             flags[args[i]] = "True"
             i += 1
+    return flags
+
+
+def _row(name, *flag_args, spec=True, extra=(), **kw) -> Row:
+    args = list(flag_args)
     return Row(
-        name,
-        (DSPARK if spec else []) + args + list(extra),
-        model=model,
-        sampled=sampled,
-        flags=flags,
-        **kw,
+        name, (DSPARK if spec else []) + args + list(extra), flags=_flags(args), **kw
     )
 
 
-ALL_ON = [
-    "--dsv4-wo-a-fp8-twin",
-    "drop",
-    "--speculative-dspark-verify-cap",
-    "conf:0.1",
-    "--speculative-dspark-fence-accept-results",
-    "--speculative-dspark-draft-temperature-scale",
-    "0.7",
-    "--speculative-dspark-draft-head-fp8",
-    "--speculative-use-block-verification",
+TWIN = ["--dsv4-wo-a-fp8-twin"]
+CAP_CONF = ["--speculative-dspark-verify-cap", "conf:0.1"]
+FENCE = ["--speculative-dspark-fence-accept-results"]
+TAU = ["--speculative-dspark-draft-temperature-scale", "0.7"]
+HEAD = ["--speculative-dspark-draft-head-fp8"]
+BLOCK = ["--speculative-use-block-verification"]
+FAST_LOAD = [
+    "--weight-loader-fast-load",
+    "--weight-loader-fast-load-num-threads",
+    "4",
+    "--weight-loader-fast-load-slab-mb",
+    "1",
 ]
+ALL_ON = TWIN + ["drop"] + CAP_CONF + FENCE + TAU + HEAD + BLOCK
 
 
 def rows() -> list[Row]:
+    up = dict(tree="upstream")
+    # agree: tokens identical to upstream's, logprobs within the scheduling bound (the bits are
+    # held on random weights, one request at a time)
+    agree_off = dict(tokens_as=("up_off",), bound_to="up_off")
+    agree_nospec = dict(tokens_as=("up_nospec",), bound_to="up_nospec")
+    agree_bound = agree_off
+    random_off = dict(model="random", same_as=("random_up_off",))
+    random_bound = dict(model="random", bound_to="random_up_off")
+    sampled = dict(model="sample", greedy=False, sampled=True)
+    small = dict(extra=SMALL_BATCH)
     return [
-        _row("off"),
-        _row("nospec", spec=False, sampled=False),
-        _row("wo_a_small", "--dsv4-wo-a-fp8-twin", "small"),
-        _row("wo_a_mid", "--dsv4-wo-a-fp8-twin", "mid"),
-        _row("wo_a_drop", "--dsv4-wo-a-fp8-twin", "drop"),
-        _row("cap_3", "--speculative-dspark-verify-cap", "3"),
-        _row("cap_conf", "--speculative-dspark-verify-cap", "conf:0.1"),
-        _row("fence", "--speculative-dspark-fence-accept-results"),
-        _row("tau_0.7", "--speculative-dspark-draft-temperature-scale", "0.7"),
-        _row("head_fp8", "--speculative-dspark-draft-head-fp8"),
-        # the target and the DSpark draft loaded through fast load (pinned slabs, their owners)
+        # ---- agree: the draft agrees with the target (greedy accepts every draft)
+        _row("up_off", **up),
+        _row("up_nospec", spec=False, **up),
+        _row("off", **agree_off),
+        _row("nospec", spec=False, **agree_nospec),
         _row(
-            "fast_load",
-            "--weight-loader-fast-load",
-            "--weight-loader-fast-load-num-threads",
-            "4",
-            "--weight-loader-fast-load-slab-mb",
-            "1",
+            "wo_a_mid",
+            *TWIN,
+            "mid",
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_SMALL, P_TWIN_MID),
+            **agree_bound,
         ),
-        _row("block_verify", "--speculative-use-block-verification"),
         _row(
-            "block_verify_cap",
-            "--speculative-use-block-verification",
+            "wo_a_drop",
+            *TWIN,
+            "drop",
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_SMALL, P_TWIN_MID),
+            **agree_bound,
+        ),
+        _row(
+            "cap_3",
             "--speculative-dspark-verify-cap",
-            "conf:0.1",
+            "3",
+            engaged=(L_CAP,),
+            below_gamma=True,
+            **agree_bound,
         ),
-        # Serving control: the tiny model's greedy output cycles with a period far above 8, so
-        # loop abort at P <= 8 must not fire (the same tokens with the flag on, no false positive).
+        _row("cap_conf", *CAP_CONF, engaged=(L_CAP,), below_gamma=True, **agree_bound),
+        _row("fence", *FENCE, probes=(P_FENCE,), **agree_off),
+        _row("head_fp8", *HEAD, engaged=(L_HEAD,), probes=(P_HEAD,), **agree_bound),
+        # greedy outputs cycle with period 100 here: at P <= 128 a long greedy request must be
+        # finished as a loop, a long sampled one not; the 64-token prompts stay upstream's bits
         _row(
             "loop_abort",
             "--enable-loop-abort",
             "--loop-abort-max-period",
-            "8",
+            "128",
             "--loop-abort-min-tokens",
-            "24",
+            "384",
+            requests="loop",
+            **agree_off,
         ),
         _row(
             "thinking_aliases",
             "--enable-thinking-aliases",
             extra=["--reasoning-parser", "deepseek-v4"],
+            requests="thinking",
+            **agree_off,
         ),
-        _row("serial_load", "--weight-loader-disable-async-load"),
-        _row("all_on", *ALL_ON),
-        _row("off_eager", extra=EAGER),
-        _row("all_on_eager", *ALL_ON, extra=EAGER),
-        # Random weights: the draft rarely agrees, every output bit depends on every kernel.
         _row(
-            "random_nospec", model="random", spec=False, sampled=False, identical_to=()
+            "all_on",
+            *ALL_ON,
+            engaged=(L_TWIN, L_CAP, L_TAU, L_HEAD),
+            probes=(P_TWIN_SMALL, P_TWIN_MID, P_FENCE, P_HEAD),
+            below_gamma=True,
+            **agree_bound,
         ),
-        _row("random_off", model="random", sampled=False, identical_to=()),
+        _row("off_eager", extra=EAGER, tokens_as=("up_off",)),
+        _row(
+            "all_on_eager",
+            *ALL_ON,
+            extra=EAGER,
+            engaged=(L_TWIN, L_CAP, L_HEAD),
+            probes=(P_FENCE, P_HEAD),
+            tokens_as=("up_off",),
+        ),
+        # ---- random weights: every output bit depends on every kernel (one request at a time)
+        _row("random_up_off", model="random", **up),
+        _row("random_up_nospec", model="random", spec=False, **up),
+        _row("random_off", **random_off),
+        _row(
+            "random_nospec",
+            spec=False,
+            model="random",
+            same_as=("random_up_nospec",),
+        ),
+        _row("random_fence", *FENCE, probes=(P_FENCE,), **random_off),
+        _row("random_tau_0.7", *TAU, engaged=(L_TAU,), probes=(P_TAU,), **random_off),
+        _row("random_fast_load", *FAST_LOAD, engaged=(L_FAST,), **random_off),
+        _row(
+            "random_serial_load",
+            "--weight-loader-disable-async-load",
+            engaged=(L_SERIAL,),
+            **random_off,
+        ),
+        _row(
+            "random_loop_abort",
+            "--enable-loop-abort",
+            "--loop-abort-max-period",
+            "8",
+            "--loop-abort-min-tokens",
+            "24",
+            probes=(P_LOOP,),
+            **random_off,
+        ),
+        _row(
+            "random_thinking_aliases",
+            "--enable-thinking-aliases",
+            extra=["--reasoning-parser", "deepseek-v4"],
+            requests="thinking",
+            **random_off,
+        ),
         _row(
             "random_wo_a_small",
-            "--dsv4-wo-a-fp8-twin",
+            *TWIN,
             "small",
-            model="random",
-            sampled=False,
-            identical_to=(),
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_SMALL,),
+            **random_bound,
         ),
         _row(
-            "random_fence",
-            "--speculative-dspark-fence-accept-results",
-            model="random",
-            sampled=False,
-            identical_to=("off",),
+            "random_wo_a_drop",
+            *TWIN,
+            "drop",
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_SMALL,),
+            **random_bound,
         ),
-        _row("random_all_on", *ALL_ON, model="random", sampled=False, identical_to=()),
+        # negative control: a twin whose group 0 comes out doubled must break the bound
+        _row(
+            "random_wo_a_wrong",
+            *TWIN,
+            "small",
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_SMALL,),
+            fault="wo_a_group_x2",
+            must_fail="within_bound_of_random_up_off",
+            **random_bound,
+        ),
+        _row(
+            "random_cap_3",
+            "--speculative-dspark-verify-cap",
+            "3",
+            engaged=(L_CAP,),
+            **random_bound,
+        ),
+        _row("random_cap_conf", *CAP_CONF, engaged=(L_CAP,), **random_bound),
+        _row(
+            "random_head_fp8",
+            *HEAD,
+            engaged=(L_HEAD,),
+            probes=(P_HEAD,),
+            **random_bound,
+        ),
+        _row(
+            "random_all_on",
+            *ALL_ON,
+            engaged=(L_TWIN, L_CAP, L_TAU, L_HEAD),
+            probes=(P_TWIN_SMALL, P_FENCE, P_HEAD),
+            **random_bound,
+        ),
+        # ---- sampled: target top token ~0.5, draft q ~0.85 on it; against upstream without
+        # speculation (the target's own distribution)
+        _row("s_up_nospec", spec=False, **sampled, **up),  # + the 0.97 T control
+        _row("s_up_off", **sampled, **up),
+        _row("s_off", **sampled),
+        _row(
+            "s_cap_3",
+            "--speculative-dspark-verify-cap",
+            "3",
+            engaged=(L_CAP,),
+            **sampled,
+        ),
+        _row("s_cap_conf", *CAP_CONF, engaged=(L_CAP,), **sampled),
+        _row("s_tau_0.7", *TAU, engaged=(L_TAU,), probes=(P_TAU,), **sampled),
+        _row("s_fence", *FENCE, probes=(P_FENCE,), **sampled),
+        _row("s_block_verify", *BLOCK, probes=(P_BLOCK,), **sampled),
+        _row(
+            "s_block_verify_cap",
+            *BLOCK,
+            *CAP_CONF,
+            engaged=(L_CAP,),
+            probes=(P_BLOCK,),
+            **sampled,
+        ),
+        _row(
+            "s_head_fp8", *HEAD, engaged=(L_HEAD,), probes=(P_HEAD,), **small, **sampled
+        ),
+        _row(
+            "s_wo_a_mid",
+            *TWIN,
+            "mid",
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_MID,),
+            **small,
+            **sampled,
+        ),
+        _row(
+            "s_all_on",
+            *ALL_ON,
+            engaged=(L_TWIN, L_CAP, L_TAU, L_HEAD),
+            probes=(P_TWIN_MID, P_FENCE, P_TAU, P_HEAD, P_BLOCK),
+            **small,
+            **sampled,
+        ),
+        # negative control: q read at T while the draft samples at 0.7 T must be refused
+        _row(
+            "s_tau_wrong_q",
+            *TAU,
+            engaged=(L_TAU,),
+            probes=(P_TAU,),
+            fault="tau_q_at_T",
+            must_fail="sampled_agrees",
+            **sampled,
+        ),
+        # ---- startup refusals
         Row(
             "refuse_wrong_build",
             DSPARK + ["--fork-expect-version", "0.5.23+fork.1.0000000"],
+            greedy=False,
             refused_with="refusing to start another patch series",
         ),
         Row(
             "refuse_autotune_keep_tp1",
             DSPARK + ["--flashinfer-autotune-keep-cache"],
+            greedy=False,
             refused_with="--tp-size 1 has no other rank to agree with",
         ),
         # The tiny checkpoints are DeepSeek-V4 (not V4.1) without Engram layers: both flags must
@@ -278,95 +476,127 @@ def rows() -> list[Row]:
         Row(
             "refuse_hc_fused_v4",
             DSPARK + ["--dsv4-hc-fused-stats", "auto"],
+            greedy=False,
             refused_with="hc_pre_from_prev_sublayer is false",
         ),
         Row(
             "refuse_engram_prefetch",
             DSPARK + ["--engram-prefetch", "on"],
+            greedy=False,
             refused_with="has no Engram layers",
         ),
         Row(
             "refuse_engram_fused_all_reduce",
             DSPARK + ["--engram-fused-all-reduce"],
+            greedy=False,
             refused_with="--engram-fused-all-reduce does nothing at --tp-size 1",
         ),
         # The GB10 features refuse on this GPU and checkpoint, naming what they found.
         Row(
             "refuse_b12x_moe",
             DSPARK + ["--moe-runner-backend", "b12x"],
+            greedy=False,
             refused_with="b12x kernels need SM120/SM121",
         ),
         Row(
             "refuse_b12x_mxfp8",
             DSPARK + ["--block-fp8-mxfp8-backend", "b12x"],
+            greedy=False,
             refused_with="--block-fp8-mxfp8-backend b12x",
         ),
         Row(
             "refuse_b12x_roce",
             DSPARK + ["--enable-b12x-roce-all-gather"],
+            greedy=False,
             refused_with="--enable-b12x-roce-all-gather does nothing with --tp 1",
         ),
         Row(
             "refuse_replicated_split_tp1",
             DSPARK + ["--replicated-linear-split", "wqkv_a,main_proj"],
+            greedy=False,
             refused_with="--replicated-linear-split=wqkv_a,main_proj:96 does nothing with --tp 1",
         ),
         Row(
             "refuse_engram_store",
             DSPARK
             + ["--engram-row-store-dir", "/tmp", "--engram-row-store-cache-gib", "1"],
+            greedy=False,
             refused_with="the model has no Engram tables",
         ),
-        # DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing with the kernels on.
-        _row("real_off", model="real", sampled=False, timing=True),
+        # ---- DeepSeek-V4.1-Flash per-rank shapes at TP4: decode timing (served alone)
+        _row("real_off", model="real", greedy=False, timing=True),
         _row(
             "real_wo_a_small",
-            "--dsv4-wo-a-fp8-twin",
+            *TWIN,
             "small",
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_SMALL,),
             model="real",
-            sampled=False,
+            greedy=False,
             timing=True,
         ),
         _row(
             "real_head_fp8",
-            "--speculative-dspark-draft-head-fp8",
+            *HEAD,
+            engaged=(L_HEAD,),
+            probes=(P_HEAD,),
             model="real",
-            sampled=False,
+            greedy=False,
             timing=True,
         ),
         _row(
             "real_cap_3",
             "--speculative-dspark-verify-cap",
             "3",
+            engaged=(L_CAP,),
             model="real",
-            sampled=False,
+            greedy=False,
             timing=True,
         ),
-        _row("real_all_on", *ALL_ON, model="real", sampled=False, timing=True),
+        _row(
+            "real_all_on",
+            *ALL_ON,
+            engaged=(L_TWIN, L_CAP, L_HEAD),
+            probes=(P_TWIN_SMALL, P_FENCE, P_HEAD),
+            model="real",
+            greedy=False,
+            timing=True,
+        ),
     ]
 
 
 # ---------------------------------------------------------------------------- requests
 
 
-def greedy(server: Server, one_at_a_time: bool = False) -> dict:
-    """The greedy prompts in one batch, or one request at a time.
+def _greedy_batches(model: str) -> list[list[int]]:
+    """Which prompts go together. Random weights: one at a time (their logits have near ties and
+    upstream's kernels are not batch invariant, so only a fixed composition compares bit for bit).
+    Agree: four alone (6-row verify, 5-row draft calls), then three batches of four (24 and 20
+    rows), so the small and the mid kernels both serve."""
+    n = len(GREEDY_PROMPTS)
+    if model == "random":
+        return [[i] for i in range(n)]
+    return [[i] for i in range(4)] + [list(range(i, i + 4)) for i in range(4, n, 4)]
 
-    One at a time is for random weights: their logits have near ties, and upstream's kernels are not
-    batch invariant (a prompt decoded beside fifteen others can take another token than alone, with
-    every fork flag off), so only a fixed batch composition can be compared bit for bit.
+
+def greedy(server: Server, model: str) -> dict:
+    """The greedy prompts, up to ``GREEDY_TOKENS`` each, with every emitted token's logprob.
+    EOS is honoured (``ignore_eos`` requests are exempt from loop abort, which must run here).
     """
-    params = {"temperature": 0, "max_new_tokens": GREEDY_TOKENS, "ignore_eos": True}
+    params = {"temperature": 0, "max_new_tokens": GREEDY_TOKENS}
+    outs: list = [None] * len(GREEDY_PROMPTS)
     t0 = time.perf_counter()
-    if one_at_a_time:
-        outs = [
-            server.post("/generate", {"text": p, "sampling_params": params})
-            for p in GREEDY_PROMPTS
-        ]
-    else:
-        outs = server.post(
-            "/generate", {"text": GREEDY_PROMPTS, "sampling_params": params}
+    for batch in _greedy_batches(model):
+        got = server.post(
+            "/generate",
+            {
+                "text": [GREEDY_PROMPTS[i] for i in batch],
+                "sampling_params": params,
+                "return_logprob": True,
+            },
         )
+        for i, o in zip(batch, got):
+            outs[i] = o
     seconds = time.perf_counter() - t0
     completion = server.post(
         "/v1/completions",
@@ -375,24 +605,35 @@ def greedy(server: Server, one_at_a_time: bool = False) -> dict:
             "prompt": GREEDY_PROMPTS[0],
             "temperature": 0,
             "max_tokens": GREEDY_TOKENS,
-            "ignore_eos": True,
         },
     )
     return {
         "tokens": [o["output_ids"] for o in outs],
+        "logprobs": [
+            [lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs
+        ],
+        "finish": sorted({o["meta_info"]["finish_reason"]["type"] for o in outs}),
         "completion_matches_generate": completion["choices"][0]["text"]
         == outs[0]["text"],
-        "batch_tokens_per_s": len(outs) * GREEDY_TOKENS / seconds,
+        "tokens_per_s": len(outs) * GREEDY_TOKENS / seconds,
         "spec": spec_stats(outs),
     }
 
 
+def row_seed(name: str) -> int:
+    """Each server's own sampling seeds: two servers never draw the same random numbers."""
+    return zlib.crc32(name.encode()) % 2**30
+
+
 def sampled(
-    server: Server, temperature: float = 1.0, requests: int = SAMPLED_REQUESTS
+    server: Server,
+    seed: int,
+    temperature: float = 1.0,
+    requests: int = SAMPLED_REQUESTS,
 ) -> dict:
     tokens, metas = [], []
-    for start in range(0, requests, 250):
-        n = min(250, requests - start)
+    for start in range(0, requests, 500):
+        n = min(500, requests - start)
         outs = server.post(
             "/generate",
             {
@@ -402,15 +643,55 @@ def sampled(
                         "temperature": temperature,
                         "max_new_tokens": SAMPLED_TOKENS,
                         "ignore_eos": True,
-                        "sampling_seed": start + i,
+                        "sampling_seed": seed + start + i,
                     }
                     for i in range(n)
                 ],
             },
+            timeout=900,
         )
         tokens += [o["output_ids"] for o in outs]
         metas += outs
     return {"tokens": tokens, "spec": spec_stats(metas)}
+
+
+def loop_requests(server: Server) -> dict:
+    """A greedy request that cycles (period 100 on the agree checkpoint) must finish as a loop;
+    a sampled one of the same length (no exact repeat) must not."""
+
+    def finish(temperature: float) -> str:
+        out = server.post(
+            "/generate",
+            {
+                "text": "a",
+                "sampling_params": {
+                    "temperature": temperature,
+                    "max_new_tokens": 600,  # not ignore_eos: such requests are exempt
+                    "sampling_seed": 7,
+                },
+            },
+        )
+        return out["meta_info"]["finish_reason"]["type"]
+
+    return {"greedy_finish": finish(0.0), "sampled_finish": finish(1.0)}
+
+
+def thinking_request(server: Server) -> str:
+    """Disagreeing thinking switches: the aliases answer 400 naming them (upstream serves it)."""
+    try:
+        server.post(
+            "/v1/chat/completions",
+            {
+                "model": "default",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 4,
+                "chat_template_kwargs": {"enable_thinking": True},
+                "thinking": {"type": "disabled"},
+            },
+        )
+    except RuntimeError as e:
+        return str(e)[:300]
+    return "served"
 
 
 def spec_stats(outs: list[dict]) -> dict | None:
@@ -560,30 +841,69 @@ def kernel_summary(trace: Path, top: int = PROFILE_TOP) -> dict:
     }
 
 
-def chi2_same(a: list[list[int]], b: list[list[int]]) -> dict:
-    """Chi-square two-sample test per compared position; categories with < 5 expected merged."""
-    from collections import Counter
-
+def _two_sample_p(ca: Counter, cb: Counter, na: int, nb: int) -> float:
+    """Chi-square two-sample test of two categorical samples (counts ``ca`` of ``na`` draws, ``cb``
+    of ``nb``); categories with fewer than 5 expected draws are pooled into one."""
     from scipy.stats import chi2_contingency
 
-    result = {}
-    for pos in SAMPLED_POSITIONS:
-        ca, cb = Counter(t[pos] for t in a), Counter(t[pos] for t in b)
-        total = len(a) + len(b)
-        big = [
-            k
-            for k in set(ca) | set(cb)
-            if (ca[k] + cb[k]) * min(len(a), len(b)) / total >= 5
-        ]
-        table = [
-            [ca[k] for k in big] + [len(a) - sum(ca[k] for k in big)],
-            [cb[k] for k in big] + [len(b) - sum(cb[k] for k in big)],
-        ]
-        if table[0][-1] + table[1][-1] == 0:
-            table = [r[:-1] for r in table]
-        p = 1.0 if len(table[0]) < 2 else float(chi2_contingency(table)[1])
-        result[f"p_pos{pos}"] = p
+    total = na + nb
+    big = [k for k in set(ca) | set(cb) if (ca[k] + cb[k]) * min(na, nb) / total >= 5]
+    table = [
+        [ca[k] for k in big] + [na - sum(ca[k] for k in big)],
+        [cb[k] for k in big] + [nb - sum(cb[k] for k in big)],
+    ]
+    if table[0][-1] + table[1][-1] == 0:
+        table = [r[:-1] for r in table]
+    return 1.0 if len(table[0]) < 2 else float(chi2_contingency(table)[1])
+
+
+def chi2_same(
+    a: list[list[int]], b: list[list[int]], positions=SAMPLED_POSITIONS
+) -> dict:
+    """The token distributions at ``positions`` of two samples, one chi-square test each."""
+    result = {
+        f"p_pos{pos}": _two_sample_p(
+            Counter(t[pos] for t in a), Counter(t[pos] for t in b), len(a), len(b)
+        )
+        for pos in positions
+    }
     result["min_p"] = min(result.values())
+    return result
+
+
+def sample_test(
+    a: list[list[int]], b: list[list[int]], succ: list[int], prev0: int
+) -> dict:
+    """Do samples ``a`` and ``b`` of the sample checkpoint come from one distribution?
+
+    The target's modal next token is ``succ[previous token]`` (``prev0`` before the first). Per
+    position, the share of draws that took it (a 2 x 2 test); the number of positions that took
+    it (0..SAMPLED_TOKENS, one test over the joint); the token distributions at the first drafted
+    positions. ``min_p`` is the smallest p-value; the shares are kept for the report.
+    """
+
+    def modal(seqs):
+        return [[int(t == succ[p]) for p, t in zip([prev0] + s[:-1], s)] for s in seqs]
+
+    ma, mb = modal(a), modal(b)
+    na, nb = len(a), len(b)
+    result = {}
+    for i in range(SAMPLED_TOKENS):
+        ka, kb = sum(m[i] for m in ma), sum(m[i] for m in mb)
+        result[f"p_modal_pos{i}"] = _two_sample_p(
+            Counter({1: ka, 0: na - ka}), Counter({1: kb, 0: nb - kb}), na, nb
+        )
+    result["p_modal_count"] = _two_sample_p(
+        Counter(sum(m) for m in ma), Counter(sum(m) for m in mb), na, nb
+    )
+    result.update(chi2_same(a, b))
+    result["min_p"] = min(v for k, v in result.items() if k.startswith("p_"))
+    result["modal_share"] = [
+        round(sum(m[i] for m in ma) / na, 4) for i in range(SAMPLED_TOKENS)
+    ]
+    result["modal_share_reference"] = [
+        round(sum(m[i] for m in mb) / nb, 4) for i in range(SAMPLED_TOKENS)
+    ]
     return result
 
 
@@ -606,103 +926,257 @@ def feature_lines(log: str, limit: int = 12) -> list[str]:
     ][:limit]
 
 
+def row_env(row: Row, env: dict, trees: dict[str, Path | None]) -> dict:
+    """The row's server environment: its tree first on the path (the fork's, or the pinned
+    release's for an upstream row), and the harness's probes and fault."""
+    env = dict(env)
+    tree = trees.get(row.tree)
+    if tree is None:
+        raise ServerDied(f"no {row.tree} tree to serve (--upstream PATH)")
+    others = [
+        p
+        for p in env.get("PYTHONPATH", os.environ.get("PYTHONPATH", "")).split(
+            os.pathsep
+        )
+        if p and Path(p).resolve() not in {t.resolve() for t in trees.values() if t}
+    ]
+    standins = [str(p) for p in STANDINS]
+    env["PYTHONPATH"] = os.pathsep.join(
+        standins + [str(tree)] + [p for p in others if p not in standins]
+    )
+    if row.probes:
+        env["E2E_PROBES"] = ",".join(row.probes)
+    if row.fault:
+        env["E2E_FAULT"] = row.fault
+    return env
+
+
 def serve_row(
-    row: Row, model: Path, env: dict, logs: Path, profiled: bool = False
+    row: Row,
+    model: Path,
+    env: dict,
+    logs: Path,
+    profiled: bool = False,
+    sampled_requests: int = SAMPLED_REQUESTS,
 ) -> dict:
     """Start the row's server, send its requests, stop it: the raw record (tokens included).
     ``profiled``: a timing row also records its GPU kernels (``profile``) after timing.
     """
-    rec: dict = {"args": row.args, "model": row.model}
+    rec: dict = {"args": row.args, "model": row.model, "tree": row.tree}
     if row.refused_with:
         r = refusal(model, SERVE_ARGS + row.args, env=env)
         (logs / f"{row.name}.log").write_text(r.stdout)
         rec["refused"] = r.returncode != 0 and row.refused_with in r.stdout
         rec["exit_code"] = r.returncode
         return rec
-    args = (
-        SERVE_ARGS
-        + MEM_ARGS[row.model]
-        + (TIMING_ARGS if row.timing else [])
-        + row.args
-    )
+    args = SERVE_ARGS + MEM_ARGS[row.model] + GRAPH_ARGS[row.model] + row.args
     with Server(model, args, env=env, log_path=logs / f"{row.name}.log") as server:
         rec["startup_s"] = round(server.startup_seconds, 1)
-        line = fork_flags_line(server.log()) or ""
-        from sglang.fork import (
-            fork_flags,  # upstream flags in a row (block verification) are not in the line
+        line = fork_flags_line(server.log())
+        rec["fork_flags_line"] = (
+            None if line is None else line.split("fork flags: ", 1)[-1]
         )
-
-        rec["fork_flags_line_ok"] = all(
-            f"{flag}={value}" in line
-            for flag, value in row.flags.items()
-            if flag in fork_flags()
-        )
-        rec["fork_flags_line"] = line.split("fork flags: ", 1)[-1]
         if row.timing:
             rec["timing"] = timing(server)
             if profiled:
                 rec["profile"] = profile(server, logs / f"{row.name}-profile")
-        else:
-            rec["greedy"] = greedy(server, one_at_a_time=row.model == "random")
+        if row.greedy:
+            rec["_greedy"] = greedy(server, row.model)
         if row.sampled:
-            rec["sampled"] = sampled(server)
-            if (
-                row.name == "off"
-            ):  # the negative control: the target sampled at 0.7 T must be refused
-                rec["sampled_target_at_0.7T"] = sampled(server, temperature=0.7)
+            rec["_sampled"] = sampled(server, row_seed(row.name), 1.0, sampled_requests)
+            if row.name == SAMPLED_REFERENCE:
+                # the first negative control: the target's distribution at 0.97 T
+                rec["_control"] = sampled(
+                    server,
+                    row_seed(row.name + "-control"),
+                    CONTROL_TEMPERATURE,
+                    sampled_requests,
+                )
+        if row.requests == "loop":
+            rec["loop"] = loop_requests(server)
+        if row.requests == "thinking":
+            rec["thinking_disagreeing_switches"] = thinking_request(server)
     rec["log_errors"] = server.errors()[:20]
     rec["upstream_fallbacks"] = server.fallbacks()[:5]
     rec["feature_lines"] = feature_lines(server.log())
+    rec["_evidence"] = {e: bool(re.search(e, server.log())) for e in evidence(row)}
     rec["exit_code"] = server.proc.returncode
     return rec
 
 
-def evaluate(name: str, rec: dict, recs: dict, identical_to: tuple[str, ...]) -> None:
-    """Compare a served row with the rows of its checkpoint it must equal (``identical_to``: ``off``,
-    ``nospec``); differences from the others are recorded, not failed. Sets ``ok``."""
+def evidence(row: Row) -> list[str]:
+    """The log lines that show the row's feature ran: its startup lines and its probes' lines."""
+    return list(row.engaged) + [
+        re.escape(f"e2e probe: {p.split('?')[0]} call") for p in row.probes
+    ]
+
+
+def logprob_spread(got: dict, ref: dict) -> dict:
+    """Two rows' greedy logprobs over the tokens both emit before their first differing token
+    (per prompt; the logprob at a differing position is of another token): the largest
+    |difference| overall and at the first decoded token (position 1: the first verify or decode
+    forward after the prefill, before any differing KV feeds back), the share of tokens compared,
+    and where each prompt first differs."""
+    worst = first = 0.0
+    compared, total, first_diff = 0, 0, {}
+    for i, (ta, tb, la, lb) in enumerate(
+        zip(got["tokens"], ref["tokens"], got["logprobs"], ref["logprobs"])
+    ):
+        n = next(
+            (j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb))
+        )
+        if n < max(len(ta), len(tb)):
+            first_diff[i] = n
+        for j, (x, y) in enumerate(zip(la[:n], lb[:n])):
+            worst = max(worst, abs(x - y))
+            if j == 1:
+                first = max(first, abs(x - y))
+        compared += n
+        total += max(len(ta), len(tb))
+    return {
+        "max_abs": worst,
+        "first_decode_max_abs": first,
+        "share_compared": round(compared / max(total, 1), 4),
+        "first_difference": first_diff,
+    }
+
+
+def within_bound(model: str, spread: dict) -> bool:
+    """The rounding-level rule (``LOGPROB_BOUND``). Agree checkpoint: every logprob within the
+    bound (its margins keep the tokens identical). Random weights, where one rounding step
+    changes later tokens: the first decoded token's logprob within the bound, and the two rows
+    emitting the same tokens over at least ``MIN_SHARED_PREFIX`` of them."""
+    if model == "agree":
+        return spread["max_abs"] <= LOGPROB_BOUND["agree"]
+    return (
+        spread["first_decode_max_abs"] <= LOGPROB_BOUND["random"]
+        and spread["share_compared"] >= MIN_SHARED_PREFIX
+    )
+
+
+def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> None:
+    """Every check of a served row against its references, into ``rec["checks"]``; sets ``ok``.
+    A negative control (``must_fail``) passes when that check fails and every other holds.
+    """
     if "error" in rec:
         rec["ok"] = False
         return
     if "refused" in rec:
         rec["ok"] = rec["refused"]
         return
-    prefix = "random_" if rec["model"] == "random" else ""
-    checks = [rec["fork_flags_line_ok"], not rec["log_errors"]]
-    if "greedy" in rec:
-        tokens = rec["greedy"].pop("tokens")
-        rec.setdefault("_tokens", tokens)
-        for ref in ("off", "nospec"):
-            other = recs.get(prefix + ref, {})
-            other_tokens = other.get("_tokens") or other.get("greedy", {}).get("tokens")
-            rec[f"greedy_identical_to_{ref}"] = (
-                None if other_tokens is None else tokens == other_tokens
-            )
-            if (
-                other_tokens is not None and tokens != other_tokens
-            ):  # where: prompt -> first differing token
-                rec[f"greedy_first_difference_from_{ref}"] = {
-                    i: next(
-                        (j for j, (x, y) in enumerate(zip(a, b)) if x != y),
-                        min(len(a), len(b)),
-                    )
-                    for i, (a, b) in enumerate(zip(tokens, other_tokens))
-                    if a != b
-                }
-            if ref in identical_to:
-                checks.append(rec[f"greedy_identical_to_{ref}"] is not False)
-        checks.append(rec["greedy"]["completion_matches_generate"])
-    off_sampled = recs.get("off", {}).get("sampled", {}).get("tokens")
-    if "sampled" in rec:
-        rec["sampled_spec"] = rec["sampled"]["spec"]
-        if off_sampled is not None and name != "off":
-            rec["sampled_vs_off"] = chi2_same(rec["sampled"]["tokens"], off_sampled)
-            checks.append(rec["sampled_vs_off"]["min_p"] >= P_MIN)
-    if "sampled_target_at_0.7T" in rec and off_sampled is not None:
-        rec["negative_control_target_at_0.7T"] = chi2_same(
-            rec.pop("sampled_target_at_0.7T")["tokens"], off_sampled
+    checks: dict[str, bool] = {}
+    if row.tree == "upstream":
+        checks["is_upstream"] = rec["fork_flags_line"] is None
+    else:
+        from sglang.fork import (  # upstream flags of a row are not in the line
+            fork_flags,
         )
-        checks.append(rec["negative_control_target_at_0.7T"]["min_p"] < P_MIN)
-    rec["ok"] = all(checks)
+
+        line = rec["fork_flags_line"] or ""
+        checks["fork_flags_line"] = rec["fork_flags_line"] is not None and all(
+            f"{flag}={value}" in line
+            for flag, value in row.flags.items()
+            if flag in fork_flags()
+        )
+    checks["no_log_errors"] = not rec["log_errors"]
+    found = rec.get("_evidence", {})
+    missing = [e for e in evidence(row) if not found.get(e)]
+    if evidence(row):
+        checks["engaged"] = not missing
+        rec["engaged_missing"] = missing
+    g = rec.get("_greedy")
+    if g is not None:
+        checks["completion_matches_generate"] = g["completion_matches_generate"]
+        rec["greedy_digest"] = hashlib.sha256(
+            json.dumps([g["tokens"], g["logprobs"]]).encode()
+        ).hexdigest()[:16]
+        for ref in (
+            row.same_as + row.tokens_as + ((row.bound_to,) if row.bound_to else ())
+        ):
+            other = recs.get(ref, {}).get("_greedy")
+            if other is None:  # a reference that did not serve fails the comparison
+                checks[f"reference_{ref}_served"] = False
+                continue
+            spread = logprob_spread(g, other)
+            rec[f"vs_{ref}"] = {
+                "tokens_identical": g["tokens"] == other["tokens"],
+                "logprobs_identical": g["logprobs"] == other["logprobs"],
+                **spread,
+            }
+            if ref in row.same_as:
+                checks[f"identical_to_{ref}"] = (
+                    g["tokens"] == other["tokens"]
+                    and g["logprobs"] == other["logprobs"]
+                )
+            if ref in row.tokens_as:
+                checks[f"tokens_identical_to_{ref}"] = g["tokens"] == other["tokens"]
+            if ref == row.bound_to:
+                checks[f"within_bound_of_{ref}"] = within_bound(row.model, spread)
+        if row.below_gamma:
+            spec = g["spec"] or {}
+            checks["accepts_below_gamma"] = (
+                0 < spec.get("accepted_drafts_per_step", GAMMA) < GAMMA
+            )
+        if "--enable-loop-abort" in row.args:
+            checks["greedy_prompts_not_looped"] = g["finish"] == ["length"]
+    if "loop" in rec:
+        checks["looping_request_aborted"] = rec["loop"]["greedy_finish"] == "loop"
+        checks["sampled_request_not_aborted"] = (
+            rec["loop"]["sampled_finish"] == "length"
+        )
+    if "thinking_disagreeing_switches" in rec:
+        checks["disagreeing_switches_refused"] = rec[
+            "thinking_disagreeing_switches"
+        ].startswith("POST /v1/chat/completions -> 400")
+    reference = recs.get(SAMPLED_REFERENCE, {}).get("_sampled")
+    if "_sampled" in rec:
+        s = rec["_sampled"]
+        rec["sampled_spec"] = s["spec"]
+        prev0 = char_vocab()[SAMPLED_PROMPT[-1]]
+        if row.name != SAMPLED_REFERENCE:
+            if reference is None or succ is None:
+                checks[f"reference_{SAMPLED_REFERENCE}_served"] = False
+            else:
+                rec["sampled_vs_upstream_nospec"] = sample_test(
+                    s["tokens"], reference["tokens"], succ, prev0
+                )
+                checks["sampled_agrees"] = (
+                    rec["sampled_vs_upstream_nospec"]["min_p"] >= P_MIN
+                )
+        if "_control" in rec and succ is not None:
+            rec["negative_control_0.97T"] = sample_test(
+                rec["_control"]["tokens"], s["tokens"], succ, prev0
+            )
+            checks["control_0.97T_refused"] = (
+                rec["negative_control_0.97T"]["min_p"] < P_MIN
+            )
+    rec["checks"] = checks
+    if row.must_fail:
+        rec["ok"] = checks.get(row.must_fail) is False and all(
+            v for k, v in checks.items() if k != row.must_fail
+        )
+    else:
+        rec["ok"] = all(checks.values())
+
+
+def provenance() -> dict:
+    """The build and the software a run measured: the fork build, device, torch, triton, Python."""
+    import platform
+
+    from sglang.fork import fork_version
+
+    versions = {}
+    for name in ("torch", "triton"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            versions[name] = None
+    return {
+        "fork_version": fork_version(),
+        "device": device_name(),
+        **versions,
+        "python": platform.python_version(),
+    }
 
 
 def device_name() -> str:
@@ -714,96 +1188,74 @@ def device_name() -> str:
         return "cpu"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--rows", help="comma-separated row names (default: all)")
-    p.add_argument(
-        "--models", type=Path, default=Path("/tmp/e2e-models"), help="checkpoint cache"
-    )
-    p.add_argument(
-        "--standins",
-        action="store_true",
-        help="the H200 harness: functional stand-ins + switches",
-    )
-    p.add_argument(
-        "--budget", type=float, default=1e9, help="start no row after this many seconds"
-    )
-    p.add_argument("--parallel", type=int, default=4, help="servers at a time")
-    p.add_argument(
-        "--profile",
-        default="",
-        help="comma-separated timing rows that also record their GPU "
-        "kernels for one batch-1 request (torch profiler through /start_profile)",
-    )
-    p.add_argument(
-        "--merge",
-        type=Path,
-        help="an earlier run's JSON (same build and device): its rows that "
-        "this run does not serve are kept, so a matrix can be served in several sittings",
-    )
-    args = p.parse_args(argv)
+def _public(rec: dict) -> dict:
+    """A row's record as the JSON keeps it: the raw tokens, logprobs and log left out (the
+    greedy digest stands for them)."""
+    g = rec.pop("_greedy", None)
+    if g is not None:
+        rec["greedy"] = {k: v for k, v in g.items() if k not in ("tokens", "logprobs")}
+    for key in ("_sampled", "_control", "_evidence"):
+        rec.pop(key, None)
+    return rec
 
-    t_start = time.monotonic()
-    selected = [r for r in rows() if not args.rows or r.name in args.rows.split(",")]
-    profiled = {name for name in args.profile.split(",") if name}
-    unknown = sorted(profiled - {r.name for r in selected if r.timing})
-    if unknown:
-        p.error(
-            f"--profile: {', '.join(unknown)} is not a timing row of this run "
-            f"(timing rows: {', '.join(r.name for r in rows() if r.timing)})"
-        )
+
+def serve_all(args, selected: list[Row], profiled: set, t_start: float):
+    """Serve the selected rows; returns their raw records and the sample checkpoint's successor map."""
     logs = args.out / "e2e-logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONUNBUFFERED": "1"}
     if args.standins:
         env.update(HARNESS_ENV)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [*map(str, STANDINS), os.environ.get("PYTHONPATH", "")]
-        )
+    import sglang
+
+    trees = {
+        "fork": Path(sglang.__file__).resolve().parents[1],
+        "upstream": args.upstream,
+    }
     models = {}
-    for name, agree, shape, seed in (
-        ("agree", True, TINY_DSV4, 0),
-        ("random", False, TINY_DSV4, 1),
-        ("real", False, REAL_SHAPE_DSV4, 2),
+    for name, shape, seed, kw in (
+        ("agree", TINY_DSV4, 0, dict(agree=True)),
+        ("random", TINY_DSV4, 1, dict(agree=False)),
+        ("sample", TINY_DSV4, 3, dict(agree=True, target_margin=4.84, draft_bias=6.6)),
+        ("real", REAL_SHAPE_DSV4, 2, dict(agree=False)),
     ):
         if any(r.model == name for r in selected):
             path = args.models / name
             if not (path / "model.safetensors").exists():
                 t0 = time.monotonic()
-                write_dsv4(
-                    path, agree=agree, shape=shape, seed=seed, device=_gen_device()
-                )
+                write_dsv4(path, shape=shape, seed=seed, device=_gen_device(), **kw)
                 print(
                     f"==> wrote the {name} checkpoint in {time.monotonic() - t0:.0f} s",
                     flush=True,
                 )
             models[name] = path
+    succ = (
+        json.loads((models["sample"] / "succ.json").read_text())
+        if "sample" in models
+        else None
+    )
 
-    from sglang.fork import fork_version
-
-    report = {
-        "fork_version": fork_version(),
-        "device": device_name(),
-        "standins": args.standins,
-        "rows": {},
-    }
-    out_json = args.out / f"e2e-{report['device']}.json"
     recs: dict = {}
 
     def one(row: Row) -> None:
         if time.monotonic() - t_start > args.budget:
             recs[row.name] = {"skipped": "over the time budget"}
             return
-        print(f"==> {row.name}: {' '.join(row.args)}", flush=True)
+        print(f"==> {row.name} ({row.tree}): {' '.join(row.args)}", flush=True)
         t0 = time.monotonic()
         try:
             rec = serve_row(
-                row, models[row.model], env, logs, profiled=row.name in profiled
+                row,
+                models[row.model],
+                row_env(row, env, trees),
+                logs,
+                profiled=row.name in profiled,
+                sampled_requests=args.sampled_requests,
             )
         except (ServerDied, RuntimeError, OSError, KeyError, ValueError) as e:
             rec = {
                 "model": row.model,
+                "tree": row.tree,
                 "error": f"{type(e).__name__}: {str(e).splitlines()[0]}",
             }
         rec["seconds"] = round(time.monotonic() - t0, 1)
@@ -819,8 +1271,6 @@ def main(argv=None) -> int:
                             "error": v.get("error"),
                             "startup_s": v.get("startup_s"),
                             "log_errors": v.get("log_errors"),
-                            "spec": (v.get("greedy") or {}).get("spec"),
-                            "sampled_spec": (v.get("sampled") or {}).get("spec"),
                         }
                         for k, v in list(recs.items())
                     },
@@ -845,21 +1295,97 @@ def main(argv=None) -> int:
         if row.timing:
             one(row)
 
-    for row in selected:  # references first, so every row compares against them
+    return recs, succ
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--rows", help="comma-separated row names (default: all)")
+    p.add_argument(
+        "--models", type=Path, default=Path("/tmp/e2e-models"), help="checkpoint cache"
+    )
+    p.add_argument(
+        "--standins",
+        action="store_true",
+        help="the H200 harness: functional stand-ins + switches",
+    )
+    p.add_argument(
+        "--upstream",
+        type=Path,
+        help="the pinned release's own python/ tree: served by the upstream rows "
+        "(the GPU bundle's e2e.sh lays it out)",
+    )
+    p.add_argument(
+        "--budget", type=float, default=1e9, help="start no row after this many seconds"
+    )
+    p.add_argument("--parallel", type=int, default=4, help="servers at a time")
+    p.add_argument(
+        "--sampled-requests",
+        type=int,
+        default=SAMPLED_REQUESTS,
+        help="requests per sampled row (a smaller number is a smoke run: its tests are weaker)",
+    )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="comma-separated timing rows that also record their GPU "
+        "kernels for one batch-1 request (torch profiler through /start_profile)",
+    )
+    p.add_argument(
+        "--evaluate",
+        type=Path,
+        metavar="RAW",
+        help="evaluate an earlier run's e2e-raw-<device>.json.gz again (no server is "
+        "started): the checks recomputed from its tokens and logprobs",
+    )
+    p.add_argument(
+        "--merge",
+        type=Path,
+        help="an earlier run's JSON (same build and device): its rows that "
+        "this run does not serve are kept, so a matrix can be served in several sittings",
+    )
+    args = p.parse_args(argv)
+
+    t_start = time.monotonic()
+    selected = [r for r in rows() if not args.rows or r.name in args.rows.split(",")]
+    profiled = {name for name in args.profile.split(",") if name}
+    unknown = sorted(profiled - {r.name for r in selected if r.timing})
+    if unknown:
+        p.error(
+            f"--profile: {', '.join(unknown)} is not a timing row of this run "
+            f"(timing rows: {', '.join(r.name for r in rows() if r.timing)})"
+        )
+    meta = {
+        **provenance(),
+        "standins": args.standins,
+        "sampled_requests": args.sampled_requests,
+    }
+    if args.evaluate:
+        with gzip.open(args.evaluate, "rt") as f:
+            raw = json.load(f)
+        meta, recs, succ = raw["meta"], raw["rows"], raw["succ"]
+        selected = [r for r in selected if r.name in recs]
+    else:
+        recs, succ = serve_all(args, selected, profiled, t_start)
+        raw = {"meta": meta, "succ": succ, "rows": recs}
+        with gzip.open(args.out / f"e2e-raw-{meta['device']}.json.gz", "wt") as f:
+            json.dump(raw, f)  # tokens and logprobs: --evaluate recomputes the checks
+    report = {**meta, "rows": {}}
+    out_json = args.out / f"e2e-{meta['device']}.json"
+    for row in selected:
         rec = recs[row.name]
         if "skipped" in rec:
             report["rows"][row.name] = {"ok": None, **rec}
             continue
-        evaluate(row.name, rec, recs, row.identical_to)
+        evaluate(row, rec, recs, succ)
     for row in selected:
-        rec = recs[row.name]
-        rec.pop("_tokens", None)
-        rec.get("sampled", {}).pop("tokens", None)
+        rec = _public(recs[row.name])
         report["rows"][row.name] = rec
         if rec.get("ok") is False:
             print(
                 f"FAILED {row.name}: "
-                + _failure_excerpt(rec, logs / f"{row.name}.log"),
+                + _failure_excerpt(rec, args.out / "e2e-logs" / f"{row.name}.log"),
                 flush=True,
             )
     if args.merge:

@@ -22,6 +22,7 @@ import tarfile
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
+from .git import git, out
 from .tree import PKG
 
 # A device run carries the repository's tracked files plus the bundle, 64 MiB in all.
@@ -56,6 +57,32 @@ def _tree_tarball(tree: Path, dest: Path) -> None:
             if member.isfile() and member.name.endswith(".so"):
                 continue
             out.addfile(member, src.extractfile(member) if member.isfile() else None)
+
+
+def _upstream_overlay(tree: Path, dest: Path) -> int:
+    """What turns the bundle's fork tree back into the pinned release's: upstream's own version of
+    every file the series edits (``upstream-tree.tar.xz``) and the list of files the series adds
+    (``upstream-added.txt``). The tree's first commit is the release, so the overlay is exact;
+    ``e2e.sh`` lays it over a copy of the fork tree to serve unpatched upstream beside the fork.
+    """
+    base = out(tree, "rev-list", "--max-parents=0", "HEAD").splitlines()[-1]
+    changed = out(
+        tree, "diff", "--name-status", "--no-renames", base, "HEAD", "--", PKG
+    )
+    edited, added = [], []
+    for line in changed.splitlines():
+        status, path = line.split("\t", 1)
+        if path.endswith(".so"):
+            continue
+        (added if status == "A" else edited).append(path)
+    with tarfile.open(dest / "upstream-tree.tar.xz", "w:xz", preset=9) as tar:
+        for path in edited:
+            data = git(tree, "show", f"{base}:{path}").stdout.encode()
+            info = tarfile.TarInfo(path)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    (dest / "upstream-added.txt").write_text("".join(p + "\n" for p in added))
+    return len(edited)
 
 
 def _wheels(dest: Path, requirements: Path) -> None:
@@ -105,6 +132,7 @@ def make_bundle(tree: Path, version: str, dest: Path) -> int:
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     _tree_tarball(tree, dest / "sglang-tree.tar.xz")
+    _upstream_overlay(tree, dest)
     _wheels(dest / "wheels", REPO_ROOT / "tools" / "requirements-import.txt")
     _wheels(dest / "serve-wheels", REPO_ROOT / "tools" / "requirements-serve-gpu.txt")
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")

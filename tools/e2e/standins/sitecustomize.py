@@ -53,3 +53,131 @@ def _sinkhorn_on_triton(mhc):
     mhc.is_gfx1250_supported = (
         lambda: True
     )  # read by hc_split_sinkhorn alone, at call time
+
+
+# ---- feature probes and fault injection (the matrix sets these per row; test harness only)
+#
+# E2E_PROBES="module:qualname,module:qualname?kwarg,...": wrap each named function (a module
+# function or ``Class.method``) of the engine when its module is imported, and print one line
+# to the server log at its 1st, 10th, 100th, ... call ("e2e probe: <name> call <n> -> <result>");
+# with ``?kwarg`` only calls passing a truthy ``kwarg`` count. A row that names a probe fails
+# unless its line is in the log: the feature's code ran (under CUDA graphs: was captured).
+#
+# E2E_FAULT=<name>: a deliberately wrong engine for a negative control (never a switch in the
+# engine itself), changing results by construction, far beyond rounding:
+#   wo_a_group_x2  the wo_a twin's kernels return group 0's outputs doubled (a 2x scale error)
+#   tau_q_at_T     the DSpark draft samples at tau x T, but the accept rule reads q at T
+
+
+def _short(value) -> str:
+    shape = getattr(value, "shape", None)
+    return f"tensor{tuple(shape)}" if shape is not None else repr(value)[:60]
+
+
+def _wrap_probe(module, qualname: str, kwarg: str) -> None:
+    import functools
+    import inspect
+
+    *path, attr = qualname.split(".")
+    owner = module
+    for part in path:
+        owner = getattr(owner, part)
+    raw = inspect.getattr_static(owner, attr)
+    kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+    fn = raw.__func__ if kind else raw
+    name = f"{module.__name__}:{qualname}"
+    count = [0]
+
+    @functools.wraps(fn)
+    def probe(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        if not kwarg or kwargs.get(kwarg):
+            count[0] += 1
+            if count[0] in (1, 10, 100, 1000, 10000, 100000):
+                print(
+                    f"e2e probe: {name} call {count[0]} -> {_short(result)}", flush=True
+                )
+        return result
+
+    setattr(owner, attr, kind(probe) if kind else probe)
+
+
+def _register_probes(spec: str) -> None:
+    by_module: dict = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        target, _, kwarg = item.partition("?")
+        module, _, qualname = target.partition(":")
+        by_module.setdefault(module, []).append((qualname, kwarg))
+    for module, probes in by_module.items():
+
+        def patch(mod, probes=probes):
+            for qualname, kwarg in probes:
+                _wrap_probe(mod, qualname, kwarg)
+
+        previous = _AFTER_IMPORT.get(module)
+        _AFTER_IMPORT[module] = (
+            patch if previous is None else (lambda m, a=previous, b=patch: (a(m), b(m)))
+        )
+
+
+def _wo_a_group_x2(sm90):
+    import functools
+
+    for name in ("wo_a_fp8_small_sm90", "wo_a_fp8_mid_sm90"):
+        fn = getattr(sm90, name)
+
+        @functools.wraps(fn)
+        def doubled(*args, _fn=fn, **kwargs):
+            out = _fn(*args, **kwargs)
+            if not kwargs.get("partials"):
+                out[:, 0].mul_(
+                    2.0
+                )  # [rows, groups, rank]: group 0 as if its scale were 2x
+            return out
+
+        setattr(sm90, name, doubled)
+
+
+def _tau_q_at_t(tau_module):
+    def scale():
+        return tau_module.draft_temperature_scale()
+
+    def stage_draft_temperatures(params, draft_temperatures, bs):
+        if draft_temperatures is params.temperatures:
+            return
+        draft_temperatures[:bs].copy_(params.temperatures[:bs])  # q at T: the fault
+        params.step_temperatures[:bs].mul_(
+            scale()
+        )  # the draft still samples at tau x T
+
+    def scale_draft_params(params):
+        tau = scale()
+        if tau == 1.0:
+            return params
+        return params._replace(step_temperatures=params.step_temperatures * tau)
+
+    tau_module.stage_draft_temperatures = stage_draft_temperatures
+    tau_module.scale_draft_params = scale_draft_params
+
+
+_FAULTS = {
+    "wo_a_group_x2": ("sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90", _wo_a_group_x2),
+    "tau_q_at_T": (
+        "sglang.srt.speculative.dspark_components.dspark_draft_tau",
+        _tau_q_at_t,
+    ),
+}
+
+
+def _configure_from_env() -> None:
+    import os
+
+    fault = os.environ.get("E2E_FAULT")
+    if fault:
+        module, fn = _FAULTS[fault]
+        _AFTER_IMPORT[module] = fn
+    if os.environ.get("E2E_PROBES"):
+        _register_probes(os.environ["E2E_PROBES"])
+
+
+_configure_from_env()
