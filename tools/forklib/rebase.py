@@ -34,12 +34,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out, out_diff
+from .git import git, out, out_diff, show
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
 from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch
 from .tree import (
@@ -812,9 +811,7 @@ def _header(repo: Path, commit: str) -> str:
 
 
 def git_show(repo: Path, commit: str, path: str) -> bytes:
-    return subprocess.run(
-        ["git", "show", f"{commit}:{path}"], cwd=repo, check=True, capture_output=True
-    ).stdout
+    return show(repo, commit, path)
 
 
 def _move_in(src: Path, dst: Path) -> None:

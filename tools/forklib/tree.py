@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out, out_diff
+from .git import git, out, out_diff, show
 from .series import Patch
 
 PKG = "python/sglang"
@@ -554,8 +554,4 @@ def refresh(
 
 
 def _show(tree: Path, commit: str, path: str) -> bytes:
-    import subprocess
-
-    return subprocess.run(
-        ["git", "show", f"{commit}:{path}"], cwd=tree, check=True, capture_output=True
-    ).stdout
+    return show(tree, commit, path)
