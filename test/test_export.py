@@ -181,7 +181,8 @@ def test_export_refuses_a_patch_whose_modules_do_not_import_alone(dep_fork):
 
 def test_check_reads_imports_with_ast(dep_fork):
     """``from pkg import module``, a lazy import inside a function and a relative import all
-    name the module another patch owns; the check fails on each until `Depends:` says so."""
+    name the module another patch owns; the check fails on each until `Depends:` says so.
+    """
     from forklib.series import check_series, imports_in, load_series, series_problems
 
     assert "sglang.helper" in imports_in("from sglang import helper\n", None)
@@ -196,7 +197,8 @@ def test_check_reads_imports_with_ast(dep_fork):
     ):
         user.write_text(text)
         with pytest.raises(
-            ForkError, match=r"0002-user.patch: imports sglang.helper, which 0001-helper"
+            ForkError,
+            match=r"0002-user.patch: imports sglang.helper, which 0001-helper",
         ):
             check_series(load_series(dep_fork / "patches/series"), dep_fork)
     user.write_text("from sglang import c\n")  # an upstream module: no Depends needed

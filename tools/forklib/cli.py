@@ -292,12 +292,12 @@ def cmd_rebase(args) -> int:
         rebase.abort()
         return 0
     if args.cont or args.drop:
-        return rebase.resume(drop=args.drop)
+        return rebase.resume(drop=args.drop, tests=False if args.no_test else None)
     if not args.release:
         raise ForkError(
             "name the release to rebase onto (or --continue, --drop <patch>, --abort)"
         )
-    return rebase.start(args.release, dry_run=args.dry_run)
+    return rebase.start(args.release, dry_run=args.dry_run, tests=not args.no_test)
 
 
 def cmd_drift(args) -> None:
@@ -408,6 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="classify every patch, write nothing"
+    )
+    p.add_argument(
+        "--no-test",
+        action="store_true",
+        help="after the write-back, do not build and run the merged and resolved patches' tests",
     )
     p.set_defaults(fn=cmd_rebase)
     p = sub.add_parser(

@@ -219,6 +219,21 @@ def dependency_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[st
     return problems
 
 
+def uses(patches: list[Patch], root: Path = REPO_ROOT) -> dict[str, list[str]]:
+    """Each patch's name -> the patches whose code it uses: its ``Depends:`` and the owners
+    of the modules it imports (the two agree on a checked series; a rebase reads both, so
+    an orphan is found even where a trailer is missing)."""
+    owner = {own: p.name for p in patches for own in p.owns}
+    used: dict[str, list[str]] = {}
+    for p in patches:
+        names = set(p.depends)
+        for mod in _imported_modules(p, root):
+            names.update(owner[f] for f in _module_files(mod) if f in owner)
+        names.discard(p.name)
+        used[p.name] = sorted(names)
+    return used
+
+
 def _imported_modules(patch: Patch, root: Path) -> set[str]:
     """Every ``sglang`` module a patch's code may import: from the files it owns (parsed
     whole, lazy imports inside functions included, relative imports resolved) and from the
@@ -257,9 +272,9 @@ def imports_in(text: str, package: list[str] | None) -> set[str]:
             if not head.startswith(("import ", "from ")):
                 continue
             stmt = head
-            while (stmt.count("(") > stmt.count(")") or stmt.endswith("\\")) and i < len(
-                rows
-            ):
+            while (
+                stmt.count("(") > stmt.count(")") or stmt.endswith("\\")
+            ) and i < len(rows):
                 stmt += "\n" + rows[i].strip()
                 i += 1
             try:
