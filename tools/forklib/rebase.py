@@ -684,7 +684,9 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
             for o in clash
         ] + [f"{u}: conflict left in {repo / u}" for u in unmerged]
     if unmerged:
-        return "conflict", _conflict_detail(repo, patch, unmerged, to, state["from"])
+        return "conflict", _conflict_detail(
+            repo, patch, unmerged, to, state["from"], commit
+        )
     if git(repo, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
         _reset(repo, state["head"])
         return "upstream", [
@@ -702,7 +704,7 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
 
 
 def _conflict_detail(
-    repo: Path, patch: Patch, unmerged: list[str], to: str, frm: str
+    repo: Path, patch: Patch, unmerged: list[str], to: str, frm: str, commit: str
 ) -> list[str]:
     """One line per conflict: each region as file:line with the patch hunk it came from, and
     what a modify/delete or delete/modify conflict means and what each choice does."""
@@ -751,7 +753,7 @@ def _conflict_detail(
             )
             detail.append(f"{u}:{start_line}: conflict with hunk {header}")
             if hunk:
-                detail += _names_found(repo, u, hunk, frm, to)
+                detail += _names_found(repo, u, hunk, frm, to, commit)
     return detail
 
 
@@ -777,18 +779,18 @@ def _names_found(
     hunk: tuple[str, list[str], list[str], list[str]],
     frm: str,
     to: str,
+    commit: str,
 ) -> list[str]:
     """Whether the upstream names a conflicting hunk edits exist in the target: the
-    function or class git names in the hunk header and those its context and removed lines
-    define, call or read as attributes, each looked up with ``git grep -w`` in both
-    releases' sources. Names absent from the pinned release are ours, not upstream's, and
-    are left out. Then the recommendation: port here, or the code is absent (drop, or port
-    to where its caller lives now)."""
+    functions and classes that enclose the hunk in the patch's old side, and those its
+    context and removed lines define, call or read as attributes. A function or class
+    counts as found where the target defines it (``def``/``class``), another name where it
+    occurs as a word; both by ``git grep`` of the releases' sources. Names the pinned
+    release lacks are ours, not upstream's, and are left out. Then the recommendation:
+    port here, or the code is absent (drop, or port to where its caller lives now)."""
     header, context, minus, _ = hunk
-    func = header.split("@@", 2)[2] if header.count("@@") >= 2 else ""
-    anchors = _DEF_RE.findall(func) + [
-        n for r in context + minus for n in _DEF_RE.findall(r)
-    ]
+    anchors = _enclosing(repo, commit, path, header)
+    anchors += [n for r in context + minus for n in _DEF_RE.findall(r)]
     names = set(anchors)
     for row in context + minus:
         if row.lstrip().startswith("#"):
@@ -796,17 +798,24 @@ def _names_found(
         for groups in _NAME_RE.findall(row):
             names.update(g for g in groups if g)
     names = {n for n in names if len(n) >= 4 and n not in _COMMON}
+    anchors = [a for a in dict.fromkeys(anchors) if a in names]
     if not names:
         return []
     upstream = _grep_names(repo, upstream_ref(frm), names)
     if not upstream:
         return []
-    found = _grep_names(repo, upstream_ref(to), upstream)
+    defined = _grep_defs(repo, upstream_ref(to), set(anchors))
+    found = {
+        n
+        for n in _grep_names(repo, upstream_ref(to), upstream)
+        if n not in anchors or n in defined
+    }
     missing = sorted(upstream - found)
-    lost = [a for a in dict.fromkeys(anchors) if a in upstream and a not in found]
+    lost = [a for a in anchors if a in upstream and a not in found]
     head = (
         f"    names its context refers to, in {to}'s source: found "
         f"{', '.join(sorted(found)) or 'none'}; not found {', '.join(missing) or 'none'}"
+        + (f" (a function or class counts where {to} defines it)" if anchors else "")
     )
     if lost:
         callers = _grep_files(repo, upstream_ref(frm), lost[0], exclude=path)
@@ -829,6 +838,52 @@ def _names_found(
             f"; adapt our lines that use {', '.join(missing)}" if missing else ""
         )
     return [head, advice]
+
+
+_ENCLOSING_RE = re.compile(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)")
+
+
+def _enclosing(repo: Path, commit: str, path: str, header: str) -> list[str]:
+    """The functions and classes around a hunk, innermost first, read from the file the
+    patch was made against (its commit's parent): the nearest ``def``/``class`` above the
+    hunk, then each one above it with less indentation."""
+    m = re.match(r"^@@ -(\d+)", header)
+    r = git(repo, "show", f"{commit}^:{path}", check=False)
+    if not m or r.returncode != 0:
+        return []
+    rows = r.stdout.splitlines()[: int(m.group(1)) + 3]
+    names, indent = [], None
+    for row in reversed(rows):
+        if (d := _ENCLOSING_RE.match(row)) and (
+            indent is None or len(d.group(1)) < indent
+        ):
+            names.append(d.group(2))
+            indent = len(d.group(1))
+            if indent == 0:
+                break
+    return names
+
+
+def _grep_defs(repo: Path, ref: str, names: set[str]) -> set[str]:
+    """The ``names`` that ``ref``'s python/sglang defines as a function or class."""
+    if not names:
+        return set()
+    pattern = r"(def|class)[[:space:]]+(" + "|".join(sorted(names)) + r")\b"
+    r = git(
+        repo,
+        "grep",
+        "-h",
+        "-o",
+        "-E",
+        "-I",
+        "-e",
+        pattern,
+        ref,
+        "--",
+        "python/sglang",
+        check=False,
+    )
+    return {row.split()[-1] for row in r.stdout.splitlines()} & names
 
 
 def _grep_names(repo: Path, ref: str, names: set[str]) -> set[str]:
@@ -1022,7 +1077,7 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
         f"\nstopped at {entry['name']} ({entry['status']}); the replay is in {lay.repo}"
     )
     for d in entry["detail"]:
-        print(f"  - {d}")
+        print(f"  {d}" if d.startswith(" ") else f"  - {d}")
     dependents = _dependents(state, entry["name"])
     drop = " ".join(f"--drop {n}" for n in [entry["name"], *dependents])
     what = (
