@@ -72,7 +72,13 @@ def test_export_is_self_contained(fork, tmp_path):
 
 
 def test_export_names_the_patch_it_depends_on(fork):
-    with pytest.raises(ForkError, match="depends on earlier patch.*0001-first"):
+    """0003's hunk has 0001's line as context: adjacency, named with the line, and the
+    advice is to move ours (Depends: only where the code is used)."""
+    with pytest.raises(
+        ForkError,
+        match=r"(?s)0003-needs-first does not apply alone.*0001-first's line\(s\) as context "
+        r"\(python/sglang/a.py:5 `a5 = 'first'`\).*adjacency, not a dependence. Move our line",
+    ):
         export("0003-needs-first", root=fork)
     assert not (fork / "build/export/0003-needs-first.diff").exists()
 
