@@ -704,3 +704,15 @@ def test_continue_says_a_resolution_still_applies_alone(tmp_path, monkeypatch, c
     printed = capsys.readouterr().out
     assert "0001-conflict: resolved; it still applies alone to 1.1.0" in printed
     assert "warning:" not in printed
+
+
+def test_a_test_on_a_private_upstream_name_skips_naming_it_and_the_release():
+    from upstream_api import release, require
+
+    require(True, "anything")  # present: the test goes on
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require(False, "runtime_context.use_context")
+    assert str(skipped.value) == (
+        f"needs upstream's runtime_context.use_context, which sglang {release()} does not have"
+    )
+    assert release() == load_pin().version  # the installed engine is the pinned release
