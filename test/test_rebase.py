@@ -716,3 +716,56 @@ def test_a_test_on_a_private_upstream_name_skips_naming_it_and_the_release():
         f"needs upstream's runtime_context.use_context, which sglang {release()} does not have"
     )
     assert release() == load_pin().version  # the installed engine is the pinned release
+
+
+def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys):
+    """A dropped patch's flag leaves the README's table, the docs quote the new release; a
+    hand-written mention of the dropped flag is named as a warning."""
+    from forklib import docs
+
+    lay = fork
+    root = lay.root
+    patch = root / "patches/0004-upstream.patch"
+    patch.write_text(
+        patch.read_text().replace("Server-Args: none", "Server-Args: --fake-up")
+    )
+    (root / "docs").mkdir()
+    (root / docs.FLAGS_FILE).write_text(
+        '[[flag]]\nflag = "--fake-up"\nusage = "--fake-up"\npage = "docs/x.md"\n'
+        'default = "off"\nwhat = "a fake flag"\n'
+        + "".join(
+            f'\n[[patch]]\npatch = "{n}"\nwhat = "about {n}"\n'
+            for n in ("0001-clean", "0002-merged", "0003-conflict", "0005-clash")
+        )
+    )
+    (root / "README.md").write_text(
+        f"Over sglang 1.0.0.\n\n{docs.BEGIN}\n{docs.END}\n\nlaunch with --fake-up\n"
+    )
+    (root / "CONTRIBUTING.md").write_text(
+        f"Pinned: 1.0.0.\n\n{docs.REBASE_SECTION}\n\n`make rebase TO=1.0.1`, from 1.0.0\n"
+    )
+    docs.write(root, load_series(lay.series_file))
+    assert (
+        "| [`--fake-up`](docs/x.md) | off | a fake flag | 0004 |"
+        in (root / "README.md").read_text()
+    )
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "docs")
+    assert rebase.start("1.1.0", lay) == 1
+    (lay.repo / "python/sglang/c.py").write_text(
+        set_line(lines("c"), 10, "c10 = 'both'")
+    )
+    git(lay.repo, "add", "python/sglang/c.py")
+    assert rebase.resume(lay, drop=["4", "5"]) == 0
+    readme = (root / "README.md").read_text()
+    assert readme.startswith("Over sglang 1.1.0.") and "[`--fake-up`]" not in readme
+    assert "about 0001-clean" in readme and "about 0005-clash" not in readme
+    contributing = (root / "CONTRIBUTING.md").read_text()
+    assert contributing.startswith("Pinned: 1.1.0.")
+    assert (
+        "`make rebase TO=1.0.1`, from 1.0.0" in contributing
+    )  # the rebase section's own
+    assert re.search(
+        r"warning: README.md:\d+: names --fake-up, a flag of no patch in the series",
+        capsys.readouterr().out,
+    )

@@ -39,7 +39,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import REPO_ROOT, ForkError
+from . import REPO_ROOT, ForkError, docs
 from .git import git, out, out_diff, show
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
 from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch, uses
@@ -64,6 +64,7 @@ WRITTEN = (
     "python/sglang",
     "upstream.toml",
     DOCKERFILE,
+    *docs.DOCS,  # the release they quote, the README's flag table
 )  # what a rebase may change in the repo
 STOPS = ("conflict", "upstream", "new-file clash")
 DONE = ("clean", "merged", "resolved", "dropped")
@@ -1208,6 +1209,19 @@ def _finish(lay: Layout, state: dict) -> None:
 
     # 2. Proof: the written series applies exactly on the target (the same check as `make`).
     new_patches = load_series(staged / "patches" / "series")
+    # The docs quote the new release and list the new series' flags.
+    for name in docs.DOCS:
+        if (root / name).exists():
+            (staged / name).write_text(
+                docs.follow_release(
+                    name, (root / name).read_text(), state["from"], pin.version
+                )
+            )
+    if (root / docs.FLAGS_FILE).exists() and (staged / "README.md").exists():
+        readme = staged / "README.md"
+        readme.write_text(
+            docs.rewrite(readme.read_text(), docs.render(new_patches, root))
+        )
     wheel = fetch_wheel(pin.package, pin.version, PRIMARY_TAG, pin.wheels[PRIMARY_TAG])
     step("checking that the refreshed series applies exactly on the target")
     assemble(repo, wheel, pin.version, new_patches, stamp=False, src=staged)
@@ -1271,11 +1285,14 @@ def _finish(lay: Layout, state: dict) -> None:
     )
     for w in warnings:
         print(f"warning: {w}")
+    if (root / docs.FLAGS_FILE).exists():
+        for w in docs.problems(root, load_series(lay.series_file), pin.version):
+            print(f"warning: {w} (fix it by hand before committing)")
     dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
     print(
         f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml, "
-        f"{DOCKERFILE}"
+        f"{DOCKERFILE}, the release README.md and CONTRIBUTING.md quote and the README's flag table"
         + (
             f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)"
             if dropped
