@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from sglang.srt.layers.quantization import mxfp4_b12x_moe as bm
 from sglang.srt.utils import b12x_pin
 
@@ -183,8 +184,9 @@ def test_checkpoint_fc1_lands_in_b12x_order_bitwise(tp_rank):
     """
     import inspect
 
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from upstream_api import require
+
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
     require(
         "tp_rank" not in inspect.signature(FusedMoE._load_w13).parameters,
@@ -380,9 +382,10 @@ def test_ep2_local_expert_ids_from_upstreams_dispatcher():
     """At EP2 b12x sees local expert ids: upstream's StandardDispatcher maps them in the graph
     (b12x is not a backend that keeps global ids), -1 for the other rank's experts and padding.
     """
+    from upstream_api import require
+
     from sglang.srt.layers.moe.token_dispatcher import standard
     from sglang.srt.layers.moe.utils import MoeRunnerBackend
-    from upstream_api import require
 
     require(
         hasattr(standard, "_keeps_global_expert_ids")

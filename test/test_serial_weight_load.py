@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO / "benchmark" / "loading"))
 import os  # noqa: E402
 
 import bench_serial_weight_load as bench  # noqa: E402
+
 from sglang.srt.model_loader import serial_weight_load as swl  # noqa: E402
 
 CPU_ENV = {
@@ -49,8 +50,9 @@ def test_serial_load_is_bitwise_the_pool_load_and_bounded(tmp_path):
 
 
 def test_flag_off_keeps_the_pool():
-    from sglang.srt import runtime_context
     from upstream_api import require
+
+    from sglang.srt import runtime_context
 
     require(hasattr(runtime_context, "use_context"), "runtime_context.use_context")
     from sglang.srt.runtime_context import ParallelContext, RuntimeContext, use_context
