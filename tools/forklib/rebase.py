@@ -794,7 +794,8 @@ def _names_found(
     anchors += [n for r in context + minus for n in _DEF_RE.findall(r)]
     names = set(anchors)
     for row in context + minus:
-        if row.lstrip().startswith("#"):
+        # comments say nothing about the code; import lines name modules, not the code edited
+        if row.lstrip().startswith(("#", "from ", "import ")):
             continue
         for groups in _NAME_RE.findall(row):
             names.update(g for g in groups if g)
