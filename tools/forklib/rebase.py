@@ -758,7 +758,10 @@ def _conflict_detail(
     return detail
 
 
-_NAME_RE = re.compile(r"\b(?:def|class)\s+(\w+)|\.([A-Za-z_]\w*)|\b([A-Za-z_]\w*)\s*\(")
+# a definition, an attribute, a call, or a snake_case name passed around (a handler, a flag)
+_NAME_RE = re.compile(
+    r"\b(?:def|class)\s+(\w+)|\.([A-Za-z_]\w*)|\b([A-Za-z_]\w*)\s*\(|\b([a-z]\w*_\w+)\b"
+)
 _DEF_RE = re.compile(r"\b(?:def|class)\s+(\w+)")
 # words too common to tell anything: Python's builtins, self and the container methods
 _COMMON = set(dir(builtins)) | {
