@@ -610,6 +610,8 @@ def test_a_stop_says_which_names_the_target_lacks_and_recommends(
         "sglang/f.py": FUNCS.replace("b = 2", "b = 'up'")
         .replace("d = 4", "d = 'up'")
         .replace("gone_away", "moved_here"),
+        # a function of that name elsewhere is not the code the hunk edits
+        "sglang/h.py": "def gone_away(x):\n    return x\n",
     }
     monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
@@ -629,6 +631,7 @@ def test_a_stop_says_which_names_the_target_lacks_and_recommends(
         "-> the code this hunk edits is absent in 1.1.0 (gone_away not found)" in absent
     )
     assert "drop the patch" in absent and "python/sglang/g.py" in absent
+    assert "1.1.0 defines a gone_away in python/sglang/h.py" in absent
 
 
 def test_an_orphan_is_named_at_the_end_and_dropped_or_kept(

@@ -809,7 +809,9 @@ def _names_found(
     upstream = _grep_names(repo, upstream_ref(frm), names)
     if not upstream:
         return []
-    defined = _grep_defs(repo, upstream_ref(to), set(anchors))
+    # a function or class the hunk sits in counts only where the target defines it in
+    # this file: a method of the same name elsewhere is another one
+    defined = _grep_defs(repo, upstream_ref(to), set(anchors), path)
     found = {
         n
         for n in _grep_names(repo, upstream_ref(to), upstream)
@@ -820,15 +822,20 @@ def _names_found(
     head = (
         f"    names its context refers to, in {to}'s source: found "
         f"{', '.join(sorted(found)) or 'none'}; not found {', '.join(missing) or 'none'}"
-        + (f" (a function or class counts where {to} defines it)" if anchors else "")
+        + (
+            f" (a function or class counts where {to} defines it in {path})"
+            if anchors
+            else ""
+        )
     )
     if lost:
         callers = _grep_files(repo, upstream_ref(frm), lost[0], exclude=path)
+        now = _grep_def_files(repo, upstream_ref(to), lost[0])
         where = (
             f" (in {frm}, {lost[0]} is used from {', '.join(callers[:3])}: look there in {to})"
             if callers
             else ""
-        )
+        ) + (f"; {to} defines a {lost[0]} in {', '.join(now[:3])}" if now else "")
         advice = (
             f"    -> the code this hunk edits is absent in {to} ({', '.join(lost)} not found): "
             f"drop the patch (--drop), or port the hunk to where its caller lives now{where}"
@@ -869,11 +876,34 @@ def _enclosing(repo: Path, commit: str, path: str, header: str) -> list[str]:
     return names
 
 
-def _grep_defs(repo: Path, ref: str, names: set[str]) -> set[str]:
-    """The ``names`` that ``ref``'s python/sglang defines as a function or class."""
+def _def_pattern(names) -> str:
+    return r"(def|class)[[:space:]]+(" + "|".join(sorted(names)) + r")\b"
+
+
+def _grep_def_files(repo: Path, ref: str, name: str) -> list[str]:
+    """The files of ``ref``'s python/sglang that define ``name`` as a function or class."""
+    r = git(
+        repo,
+        "grep",
+        "-l",
+        "-E",
+        "-e",
+        _def_pattern([name]),
+        ref,
+        "--",
+        "python/sglang",
+        check=False,
+    )
+    return [f.split(":", 1)[1] for f in r.stdout.split() if ":" in f]
+
+
+def _grep_defs(
+    repo: Path, ref: str, names: set[str], path: str = "python/sglang"
+) -> set[str]:
+    """The ``names`` that ``ref`` defines as a function or class under ``path``."""
     if not names:
         return set()
-    pattern = r"(def|class)[[:space:]]+(" + "|".join(sorted(names)) + r")\b"
+    pattern = _def_pattern(names)
     r = git(
         repo,
         "grep",
@@ -885,7 +915,7 @@ def _grep_defs(repo: Path, ref: str, names: set[str]) -> set[str]:
         pattern,
         ref,
         "--",
-        "python/sglang",
+        path,
         check=False,
     )
     return {row.split()[-1] for row in r.stdout.splitlines()} & names
