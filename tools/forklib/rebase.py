@@ -14,6 +14,11 @@ Each patch is classified:
   upstream        the change is in the target already (reverse-applies, or the replay is empty)
   new-file clash  the target ships a file at a path one of our owned files uses
 
+A real run first classifies every patch that way (what ``--dry-run`` prints, every note
+shown) and then replays again, stopping at each stop in turn. At a conflict each region is
+followed by the upstream names its hunk refers to, found or not in the target's source, and
+a recommendation (port here; or the code is absent: drop, or port where its caller lives).
+
 The last three stop the run (``--dry-run`` notes them and goes on). The person resolves in
 the scratch worktree and runs ``--continue`` (staged or committed: the patch keeps its header;
 a resolution that would make the patch own upstream's file, or more files of ours, is
@@ -22,7 +27,13 @@ nothing is dropped or rewritten silently. The repository (``patches/``, ``python
 ``upstream.toml``) is written only once every patch is clean, merged, resolved or dropped:
 the new files are staged in the scratch dir, the new series is assembled exactly on the
 target as a proof, and only then moved in; ``patches/series`` keeps a comment per dropped
-patch naming its tests. ``git range-diff`` of old against new is printed and kept in
+patch naming its tests. ``--continue`` checks that a resolved patch still applies alone to
+the target and names another patch's lines its hunks lean on; a patch whose every user was
+dropped stops the run after the last patch (``--drop`` it, or ``--continue`` to keep it).
+After the write-back: a closing summary and, unless ``--no-test``, ``make`` and the
+``Tests:`` of every merged or resolved patch, reported per patch. The docs' release and the
+README's flag table are written with the series (``docs``).
+``git range-diff`` of old against new is printed and kept in
 ``build/rebase/range-diff.txt``; ``finished.json`` lets ``--abort`` say that a finished
 rebase wrote the repository. ``drift`` records dry runs as the tool prints them.
 """
