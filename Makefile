@@ -24,10 +24,11 @@ refresh:
 	$(FORK) refresh
 
 # Replay the series onto another release (TO=0.5.24, or older), classify each patch, write back when all apply.
-# Resume with `tools/fork rebase --continue` / `--drop <patch>`, or `--abort`.
+# Resume with `tools/fork rebase --continue` / `--drop <patch>`, or `--abort`. After the write-back it
+# builds and runs the Tests: of every merged or resolved patch; NO_TEST=1 (--no-test) skips that.
 rebase:
-	@test -n "$(TO)" || { echo "usage: make rebase TO=<release>"; exit 2; }
-	$(FORK) rebase $(TO)
+	@test -n "$(TO)" || { echo "usage: make rebase TO=<release> [NO_TEST=1]"; exit 2; }
+	$(FORK) rebase $(TO) $(if $(NO_TEST),--no-test)
 
 # One patch as a diff against the pinned upstream + PR text, in build/export/.
 export:

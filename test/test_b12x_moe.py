@@ -182,8 +182,16 @@ def test_checkpoint_fc1_lands_in_b12x_order_bitwise(tp_rank):
     [up; gate] (b12x's W13 kernel order) from the checkpoint's w1 (gate) / w3 (up), TP-sliced,
     bytes unchanged: no repacking pass after load. Weights (packed e2m1 bytes) and E8M0 scales.
     """
+    import inspect
+
+    from upstream_api import require
+
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
 
+    require(
+        "tp_rank" not in inspect.signature(FusedMoE._load_w13).parameters,
+        "FusedMoE._load_w13 without tp_rank",
+    )
     method = object.__new__(bm.Mxfp4B12xMoEMethod)
     n_full, k = 1152, 5120  # 2 x 576 per rank at TP2
     layer = SimpleNamespace(
@@ -374,11 +382,18 @@ def test_ep2_local_expert_ids_from_upstreams_dispatcher():
     """At EP2 b12x sees local expert ids: upstream's StandardDispatcher maps them in the graph
     (b12x is not a backend that keeps global ids), -1 for the other rank's experts and padding.
     """
-    from sglang.srt.layers.moe.token_dispatcher.standard import (
-        _keeps_global_expert_ids,
-        _map_topk_ids_to_local_experts,
-    )
+    from upstream_api import require
+
+    from sglang.srt.layers.moe.token_dispatcher import standard
     from sglang.srt.layers.moe.utils import MoeRunnerBackend
+
+    require(
+        hasattr(standard, "_keeps_global_expert_ids")
+        and hasattr(standard, "_map_topk_ids_to_local_experts"),
+        "StandardDispatcher helpers _keeps_global_expert_ids and _map_topk_ids_to_local_experts",
+    )
+    _keeps_global_expert_ids = standard._keeps_global_expert_ids
+    _map_topk_ids_to_local_experts = standard._map_topk_ids_to_local_experts
 
     assert not _keeps_global_expert_ids(MoeRunnerBackend.B12X)
     num_experts, ep_size = 8, 2

@@ -72,7 +72,13 @@ def test_export_is_self_contained(fork, tmp_path):
 
 
 def test_export_names_the_patch_it_depends_on(fork):
-    with pytest.raises(ForkError, match="depends on earlier patch.*0001-first"):
+    """0003's hunk has 0001's line as context: adjacency, named with the line, and the
+    advice is to move ours (Depends: only where the code is used)."""
+    with pytest.raises(
+        ForkError,
+        match=r"(?s)0003-needs-first does not apply alone.*0001-first's line\(s\) as context "
+        r"\(python/sglang/a.py:5 `a5 = 'first'`\).*adjacency, not a dependence. Move our line",
+    ):
         export("0003-needs-first", root=fork)
     assert not (fork / "build/export/0003-needs-first.diff").exists()
 
@@ -177,3 +183,62 @@ def test_export_refuses_a_patch_whose_modules_do_not_import_alone(dep_fork):
     _with_depends(dep_fork, "0004-uses", "0003-adds")
     diff, _ = export("4", root=dep_fork)
     assert "def added(): pass" in diff.read_text()
+
+
+def test_check_reads_imports_with_ast(dep_fork):
+    """``from pkg import module``, a lazy import inside a function and a relative import all
+    name the module another patch owns; the check fails on each until `Depends:` says so.
+    """
+    from forklib.series import check_series, imports_in, load_series, series_problems
+
+    assert "sglang.helper" in imports_in("from sglang import helper\n", None)
+    assert "sglang.helper" in imports_in("def f():\n    import sglang.helper\n", None)
+    assert "sglang.helper" in imports_in("from . import helper\n", ["sglang"])
+    assert "sglang.helper" not in imports_in("# from sglang import helper\n", None)
+    user = dep_fork / "python/sglang/user.py"
+    for text in (
+        "from sglang import helper\n",
+        "def f():\n    from sglang.helper import H\n",
+        "from . import helper\n",
+    ):
+        user.write_text(text)
+        with pytest.raises(
+            ForkError,
+            match=r"0002-user.patch: imports sglang.helper, which 0001-helper",
+        ):
+            check_series(load_series(dep_fork / "patches/series"), dep_fork)
+    user.write_text("from sglang import c\n")  # an upstream module: no Depends needed
+    problems = series_problems(load_series(dep_fork / "patches/series"), dep_fork)
+    assert [p for p in problems if "0002-user" in p] == []
+
+
+def test_every_git_call_goes_through_git_py_in_the_c_locale(tmp_path, monkeypatch):
+    """git's messages are matched by the tools: each call runs with LC_ALL=C even when the
+    caller's locale says otherwise, and no forklib module runs git on its own."""
+    import ast
+
+    import forklib
+    from forklib import git as gitmod
+
+    monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")
+    monkeypatch.setenv("LANGUAGE", "de")
+    seen = {}
+    real = subprocess.run
+
+    def spy(cmd, **kw):
+        seen.update(kw["env"])
+        return real(cmd, **kw)
+
+    monkeypatch.setattr(gitmod.subprocess, "run", spy)
+    gitmod.git(tmp_path, "--version")
+    assert seen["LC_ALL"] == "C" and seen["LANGUAGE"] == "C"
+    bypass = []
+    for f in sorted(Path(forklib.__file__).parent.glob("*.py")):
+        if f.name == "git.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.List) and any(
+                isinstance(e, ast.Constant) and e.value == "git" for e in node.elts[:1]
+            ):
+                bypass.append(f"{f.name}:{node.lineno}")
+    assert bypass == [], f"git run outside forklib/git.py: {bypass}"

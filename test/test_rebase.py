@@ -4,6 +4,8 @@ interruptions, errors) and, marked slow, a dry run onto the real release before 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 
 import pytest
 from fakefork import (
@@ -512,3 +514,261 @@ def depends_on(root, name, dep):
         )
     )
     git(root, "commit", "-qam", f"{name} depends on {dep}")
+
+
+# ---------------------------------------------------------------------------- explained end to end (issue 36)
+
+
+def test_the_real_run_classifies_every_patch_first_and_tests_at_the_end(
+    fork, monkeypatch, capsys
+):
+    """Before the first stop the whole table (what --dry-run prints, every note); after the
+    last, a closing summary and the Tests: of each merged or resolved patch, per patch.
+    """
+    lay = fork
+    assert rebase.start("1.1.0", lay, tests=True) == 1
+    printed = capsys.readouterr().out
+    first = printed[: printed.index("stopped at 0003-conflict")]
+    assert "every patch classified onto 1.1.0 first" in first
+    for name, cls in [
+        ("0001-clean", "clean"),
+        ("0002-merged", "merged"),
+        ("0003-conflict", "conflict"),
+        ("0004-upstream", "upstream"),
+        ("0005-clash", "new-file clash"),
+    ]:
+        assert re.search(rf"^{name} +{cls}( |$)", first, re.M), name
+    assert "1.1.0 ships python/sglang/extra.py" in first  # later stops' notes, up front
+    assert "(+" not in printed  # no note folded away
+    assert str(lay.state_file) in printed
+    (lay.repo / "python/sglang/c.py").write_text(
+        set_line(lines("c"), 10, "c10 = 'both'")
+    )
+    git(lay.repo, "add", "python/sglang/c.py")
+    runs = []
+
+    def pytest_(root, tests):
+        runs.append(tests)
+        return subprocess.CompletedProcess([], 1, "F\n1 failed in 0.1s\n", "")
+
+    monkeypatch.setattr(
+        rebase, "_build", lambda root: subprocess.CompletedProcess([], 0, "", "")
+    )
+    monkeypatch.setattr(rebase, "_pytest", pytest_)
+    assert rebase.resume(lay) == 1
+    assert rebase.resume(lay, drop=["4"]) == 1
+    assert rebase.resume(lay, drop=["5"]) == 1  # written, but the tests failed
+    printed = capsys.readouterr().out
+    assert runs == [["test/test_x.py"]]  # one run per set of test files
+    summary = printed[printed.index("summary: every patch's class") :]
+    assert re.search(r"^0004-upstream +dropped +dropped by --drop", summary, re.M)
+    assert str(lay.dir / "result.json") in summary
+    assert "0002-merged (merged): FAILED: 1 failed in 0.1s" in summary
+    assert "0003-conflict (resolved): FAILED" in summary
+    assert "0001-clean" not in summary[summary.index("tests of the patches") :]
+    assert "FAILED: 0002-merged, 0003-conflict" in summary
+    assert json.loads((lay.dir / "result.json").read_text())["to"] == "1.1.0"
+
+
+def test_no_test_says_which_tests_were_not_run(tmp_path, monkeypatch, capsys):
+    lay = _fork(tmp_path, monkeypatch, SPECS[1:2], TARGET)
+    monkeypatch.setattr(rebase, "_build", lambda root: pytest.fail("built"))
+    assert rebase.start("1.1.0", lay, tests=False) == 0
+    assert "not run (--no-test)" in capsys.readouterr().out
+
+
+FUNCS = (
+    "def helper_one(x):\n    return x\n\n\ndef helper_two(x):\n    return x\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(8))
+    + "\n\ndef keep_me(x):\n    a = helper_one(x)\n    b = 2\n    return a\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(8, 16))
+    + "\n\ndef gone_away(x):\n    c = helper_two(x)\n    d = 4\n    return c\n"
+)
+
+
+def test_a_stop_says_which_names_the_target_lacks_and_recommends(
+    tmp_path, monkeypatch, capsys
+):
+    """Each conflicting region: the upstream names its hunk refers to, found or not in the
+    target's source, and port here (all there) or drop / port where the caller lives now.
+    """
+    specs = [
+        Spec(
+            "edits",
+            {
+                "python/sglang/f.py": lambda t: t.replace(
+                    "b = 2", "b = 'ours'"
+                ).replace("d = 4", "d = 'ours'")
+            },
+        )
+    ]
+    base = BASE | {
+        "sglang/f.py": FUNCS,
+        "sglang/g.py": "from sglang.f import gone_away\n",
+    }
+    target = base | {
+        "sglang/f.py": FUNCS.replace("b = 2", "b = 'up'")
+        .replace("d = 4", "d = 'up'")
+        .replace("gone_away", "moved_here"),
+        # a function of that name elsewhere is not the code the hunk edits
+        "sglang/h.py": "def gone_away(x):\n    return x\n",
+    }
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(lay.root, tmp_path / "cache", "1.0.0", base, specs)
+    make_wheel(tmp_path / "cache", "1.1.0", target)
+    assert rebase.start("1.1.0", lay) == 1
+    printed = capsys.readouterr().out
+    stop = printed[printed.index("stopped at") :]
+    regions = stop.split("conflict with hunk")
+    assert len(regions) == 3
+    here, absent = regions[1], regions[2]
+    assert "found helper_one, keep_me; not found none" in here
+    assert "-> port here: the code it edits exists in 1.1.0" in here
+    assert "not found gone_away" in absent and "found helper_two" in absent
+    assert (
+        "-> the code this hunk edits is absent in 1.1.0 (gone_away not found)" in absent
+    )
+    assert "drop the patch" in absent and "python/sglang/g.py" in absent
+    assert "1.1.0 defines a gone_away in python/sglang/h.py" in absent
+
+
+def test_an_orphan_is_named_at_the_end_and_dropped_or_kept(
+    tmp_path, monkeypatch, capsys
+):
+    """Dropping the only user of a patch leaves it without one: the stop after the last
+    patch names it with the command to drop it too; --continue keeps it."""
+    target = BASE | {"sglang/b.py": set_line(lines("b"), 5, "b5 = 'up'")}
+    for keep in (False, True):
+        lay = _fork(tmp_path / str(keep), monkeypatch, DEP_SPECS, target)
+        depends_on(lay.root, "0002-user", "0001-helper")
+        assert rebase.start("1.1.0", lay) == 1  # 0002-user conflicts
+        capsys.readouterr()
+        assert rebase.resume(lay, drop=["2"]) == 1
+        printed = capsys.readouterr().out
+        assert "note: 0001-helper is used only by 0002-user" in printed
+        assert (
+            "0001-helper: used only by 0002-user (Depends: or imports), dropped in this "
+            "rebase" in printed
+        )
+        assert "`tools/fork rebase --drop 0001-helper`" in printed
+        if keep:
+            assert rebase.resume(lay) == 0
+            assert [p.name for p in load_series(lay.series_file)] == ["0001-helper"]
+        else:
+            assert rebase.resume(lay, drop=["1"]) == 0
+            assert load_series(lay.series_file) == []
+            assert not (lay.root / "python/sglang/helper.py").exists()
+
+
+def test_continue_names_another_patchs_lines_a_resolution_leans_on(
+    tmp_path, monkeypatch, capsys
+):
+    """The target lacks the upstream lines that kept two patches apart: after the
+    resolution the second one's hunk has the first one's line as context, so it no longer
+    applies alone; --continue says which lines touch and how to separate them."""
+    specs = [
+        Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
+        Spec(
+            "second",
+            {"python/sglang/a.py": lambda t: set_line(t, 12, "a12 = 'second'")},
+        ),
+    ]
+    rows = set_line(lines("a"), 12, "a12 = 'up'").splitlines(keepends=True)
+    target = BASE | {"sglang/a.py": "".join(rows[:6] + rows[10:])}  # a7..a10 gone
+    lay = _fork(tmp_path, monkeypatch, specs, target)
+    assert rebase.start("1.1.0", lay) == 1
+    assert "stopped at 0002-second" in capsys.readouterr().out
+    rows = (
+        set_line(set_line(lines("a"), 5, "a5 = 'first'"), 12, "a12 = 'second'")
+    ).splitlines(keepends=True)
+    (lay.repo / "python/sglang/a.py").write_text("".join(rows[:6] + rows[10:]))
+    git(lay.repo, "add", "python/sglang/a.py")
+    assert rebase.resume(lay) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "warning: 0002-second does not apply alone to 1.1.0: its hunks have 0001-first's "
+        "line(s) as context (python/sglang/a.py:5 `a5 = 'first'`)" in printed
+    )
+    assert (
+        "declare `Depends: 0001-first`; if not, separate them: move our line" in printed
+    )
+
+
+def test_continue_says_a_resolution_still_applies_alone(tmp_path, monkeypatch, capsys):
+    lay = _fork(tmp_path, monkeypatch, SPECS[2:3], TARGET)
+    assert rebase.start("1.1.0", lay) == 1
+    (lay.repo / "python/sglang/c.py").write_text(
+        set_line(lines("c"), 10, "c10 = 'both'")
+    )
+    git(lay.repo, "add", "python/sglang/c.py")
+    assert rebase.resume(lay) == 0
+    printed = capsys.readouterr().out
+    assert "0001-conflict: resolved; it still applies alone to 1.1.0" in printed
+    assert "warning:" not in printed
+
+
+def test_a_test_on_a_private_upstream_name_skips_naming_it_and_the_release():
+    from upstream_api import release, require
+
+    require(True, "anything")  # present: the test goes on
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require(False, "runtime_context.use_context")
+    assert str(skipped.value) == (
+        f"needs upstream's runtime_context.use_context, which sglang {release()} does not have"
+    )
+    assert release() == load_pin().version  # the installed engine is the pinned release
+
+
+def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys):
+    """A dropped patch's flag leaves the README's table, the docs quote the new release; a
+    hand-written mention of the dropped flag is named as a warning."""
+    from forklib import docs
+
+    lay = fork
+    root = lay.root
+    patch = root / "patches/0004-upstream.patch"
+    patch.write_text(
+        patch.read_text().replace("Server-Args: none", "Server-Args: --fake-up")
+    )
+    (root / "docs").mkdir()
+    (root / docs.FLAGS_FILE).write_text(
+        '[[flag]]\nflag = "--fake-up"\nusage = "--fake-up"\npage = "docs/x.md"\n'
+        'default = "off"\nwhat = "a fake flag"\n'
+        + "".join(
+            f'\n[[patch]]\npatch = "{n}"\nwhat = "about {n}"\n'
+            for n in ("0001-clean", "0002-merged", "0003-conflict", "0005-clash")
+        )
+    )
+    (root / "README.md").write_text(
+        f"Over sglang 1.0.0.\n\n{docs.BEGIN}\n{docs.END}\n\nlaunch with --fake-up\n"
+    )
+    (root / "CONTRIBUTING.md").write_text(
+        f"Pinned: 1.0.0.\n\n{docs.REBASE_SECTION}\n\n`make rebase TO=1.0.1`, from 1.0.0\n"
+    )
+    docs.write(root, load_series(lay.series_file))
+    assert (
+        "| [`--fake-up`](docs/x.md) | off | a fake flag | 0004 |"
+        in (root / "README.md").read_text()
+    )
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "docs")
+    assert rebase.start("1.1.0", lay) == 1
+    (lay.repo / "python/sglang/c.py").write_text(
+        set_line(lines("c"), 10, "c10 = 'both'")
+    )
+    git(lay.repo, "add", "python/sglang/c.py")
+    assert rebase.resume(lay, drop=["4", "5"]) == 0
+    readme = (root / "README.md").read_text()
+    assert readme.startswith("Over sglang 1.1.0.") and "[`--fake-up`]" not in readme
+    assert "about 0001-clean" in readme and "about 0005-clash" not in readme
+    contributing = (root / "CONTRIBUTING.md").read_text()
+    assert contributing.startswith("Pinned: 1.1.0.")
+    assert (
+        "`make rebase TO=1.0.1`, from 1.0.0" in contributing
+    )  # the rebase section's own
+    assert re.search(
+        r"warning: README.md:\d+: names --fake-up, a flag of no patch in the series",
+        capsys.readouterr().out,
+    )

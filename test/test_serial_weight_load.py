@@ -50,6 +50,11 @@ def test_serial_load_is_bitwise_the_pool_load_and_bounded(tmp_path):
 
 
 def test_flag_off_keeps_the_pool():
+    from upstream_api import require
+
+    from sglang.srt import runtime_context
+
+    require(hasattr(runtime_context, "use_context"), "runtime_context.use_context")
     from sglang.srt.runtime_context import ParallelContext, RuntimeContext, use_context
 
     # No published configuration (offline loading): upstream's pool.

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from . import REPO_ROOT, ForkError
 from .git import git, out
+from .git import run as git_run
 from .tree import PKG
 
 # A device run carries the repository's tracked files plus the bundle, 64 MiB in all.
@@ -44,12 +45,12 @@ PLATFORMS = [
 def _tree_tarball(tree: Path, dest: Path) -> None:
     """The tree's HEAD under ``python/``, without compiled files, as an xz tar (a third smaller
     than gzip: the bundle and the repository share the device run's 64 MiB)."""
-    archive = subprocess.run(
-        ["git", "archive", "--format=tar", "HEAD", PKG],
-        cwd=tree,
-        check=True,
-        capture_output=True,
-    ).stdout
+    r = git_run(tree, "archive", "--format=tar", "HEAD", PKG, text=False)
+    if r.returncode != 0:
+        raise ForkError(
+            f"git archive HEAD {PKG} failed in {tree}: {r.stderr.decode(errors='replace')}"
+        )
+    archive = r.stdout
     with tarfile.open(fileobj=io.BytesIO(archive)) as src, tarfile.open(
         dest, "w:xz", preset=9
     ) as out:
@@ -165,13 +166,7 @@ def make_bundle(tree: Path, version: str, dest: Path) -> int:
 
 
 def _tracked_bytes() -> int:
-    names = subprocess.run(
-        ["git", "ls-files", "-z"],
-        cwd=REPO_ROOT,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.split("\0")
+    names = git(REPO_ROOT, "ls-files", "-z").stdout.split("\0")
     return sum(
         f.stat().st_size
         for f in map(REPO_ROOT.joinpath, filter(None, names))

@@ -196,12 +196,31 @@ def cmd_gpu_bundle(args) -> None:
 
 
 def cmd_check(args) -> None:
+    from .docs import problems
+
     patches = load_series(args.series)
     check_series(patches)
     print(
         f"{len(patches)} patch(es): headers complete, every file under python/sglang owned once"
     )
+    stale = problems(REPO_ROOT, patches, load_pin().version)
+    if stale:
+        raise ForkError(
+            "README.md / CONTRIBUTING.md do not follow the series and the pin:\n  "
+            + "\n  ".join(stale)
+        )
+    print("README.md and CONTRIBUTING.md: the series' flags and the pinned release")
     cmd_lint(args)
+
+
+def cmd_docs(args) -> None:
+    """Write the README's flag table from the series and docs/flags.toml."""
+    from .docs import write
+
+    wrote = write(REPO_ROOT, load_series(args.series))
+    print(
+        f"wrote {', '.join(wrote)}" if wrote else "README.md: the flag table is current"
+    )
 
 
 def cmd_lint(args) -> None:
@@ -292,12 +311,12 @@ def cmd_rebase(args) -> int:
         rebase.abort()
         return 0
     if args.cont or args.drop:
-        return rebase.resume(drop=args.drop)
+        return rebase.resume(drop=args.drop, tests=False if args.no_test else None)
     if not args.release:
         raise ForkError(
             "name the release to rebase onto (or --continue, --drop <patch>, --abort)"
         )
-    return rebase.start(args.release, dry_run=args.dry_run)
+    return rebase.start(args.release, dry_run=args.dry_run, tests=not args.no_test)
 
 
 def cmd_drift(args) -> None:
@@ -382,6 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "refresh", help="write build/tree's commits back to patches/ and python/sglang/"
     ).set_defaults(fn=cmd_refresh)
+    sub.add_parser(
+        "docs",
+        help="write README.md's flag table from patches/series and docs/flags.toml",
+    ).set_defaults(fn=cmd_docs)
     p = sub.add_parser(
         "rebase", help="replay the series onto another upstream release (build/rebase)"
     )
@@ -408,6 +431,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--dry-run", action="store_true", help="classify every patch, write nothing"
+    )
+    p.add_argument(
+        "--no-test",
+        action="store_true",
+        help="after the write-back, do not build and run the merged and resolved patches' tests",
     )
     p.set_defaults(fn=cmd_rebase)
     p = sub.add_parser(

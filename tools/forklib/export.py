@@ -21,7 +21,7 @@ from . import REPO_ROOT, ForkError
 from .git import git, out, out_diff
 from .pin import fetch_pinned, load_pin
 from .series import Patch, check_series, load_series
-from .tree import assemble, owned_files
+from .tree import adjacent_lines, assemble, owned_files
 
 PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
 
@@ -108,6 +108,9 @@ def export(
         pin.version,
         root,
         python,
+        owners={
+            asm.applied[k].commit: patches[k].name for k in range(i) if k not in chain
+        },
     )
     if (
         set(
@@ -149,10 +152,15 @@ def _standalone(
     version: str,
     root: Path,
     python: str | None,
+    owners: dict[str, str] | None = None,
 ) -> tuple[str, bool]:
     """The commit holding ``chain`` (a patch after what it depends on) alone on bare upstream,
     each commit applied as it is or, when only context differs, by git's three-way merge; then
     every module the chain owns must import there. Returns (commit, whether a merge was needed).
+
+    A replay that conflicts is told apart: a hunk whose context is another patch's lines
+    (``owners``: commit -> patch of the patches not carried) only sits beside them, and the
+    advice is to move the line; ``Depends:`` is for a patch that uses another one's code.
     """
     check = tree.parent / "check"
     git(tree, "worktree", "remove", "--force", str(check), check=False)
@@ -185,6 +193,27 @@ def _standalone(
             ):
                 conflicts = out(check, "diff", "--name-only", "--diff-filter=U")
                 git(check, "cherry-pick", "--abort", check=False)
+                touching: dict[str, list[str]] = {}
+                for path, line, text, owner in adjacent_lines(
+                    tree, commit, owners or {}
+                ):
+                    touching.setdefault(owner, []).append(
+                        f"{path}:{line} `{text.strip()}`"
+                    )
+                if touching:
+                    raise ForkError(
+                        f"{patch.name} does not apply alone to upstream {version}: "
+                        + "; ".join(
+                            f"its hunks have {owner}'s line(s) as context "
+                            f"({', '.join(rows[:4])}{' ...' if len(rows) > 4 else ''})"
+                            for owner, rows in touching.items()
+                        )
+                        + ". The lines touch: that is adjacency, not a dependence. Move our "
+                        "line so that 3 lines of upstream's own code lie between it and theirs "
+                        "(`make tree`, a fixup, `make refresh`). Only if "
+                        f"{patch.name} uses {', '.join(touching)}'s code (a name it adds) "
+                        "declare `Depends:` instead, and the export carries it"
+                    )
                 earlier = patches[: patches.index(patch)]
                 touched = set(patch.files)
                 deps = [
@@ -196,8 +225,9 @@ def _standalone(
                     f"{patch.name} does not apply alone to upstream {version}: replaying it there "
                     f"conflicts in {conflicts or '(no file named)'}\n"
                     + (
-                        f"it depends on earlier patch(es) touching the same files: {', '.join(deps)} "
-                        f"(declare it with `Depends:` and the export carries them)"
+                        f"earlier patch(es) touch the same files: {', '.join(deps)}; if it uses "
+                        "their code, declare it with `Depends:` and the export carries them; if "
+                        "its lines only sit near theirs, move them apart"
                         if deps
                         else "no earlier patch touches these files"
                     )

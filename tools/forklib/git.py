@@ -1,4 +1,10 @@
-"""Thin, deterministic git calls for the scratch trees (fixed identity and dates)."""
+"""Every git call of the tools: thin, deterministic, in git's untranslated messages.
+
+The tools match git's messages (``Hunk #1 succeeded at ... (offset``, ``error: patch
+failed``), so each call runs with ``LC_ALL=C``: on a translated git an offset hunk would
+otherwise pass the exactness check. Fixed identity and dates make the same inputs give the
+same commit ids. No module of forklib runs ``git`` except through this one (a test says so).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ IDENTITY = {
     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000",
     "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
 }
+# git's own messages, untranslated, whatever the caller's environment says.
+LOCALE = {"LC_ALL": "C", "LANGUAGE": "C"}
 
 
 def git(
@@ -26,8 +34,30 @@ def git(
     input: str | None = None,
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **IDENTITY, "GIT_CONFIG_NOSYSTEM": "1", **(env or {})}
-    r = subprocess.run(
+    r = run(repo, *args, input=input, env=env, text=True)
+    if check and r.returncode != 0:
+        raise ForkError(
+            f"git {' '.join(args[:3])} failed in {repo}:\n{r.stderr.strip()}"
+        )
+    return r
+
+
+def run(
+    repo: Path,
+    *args: str,
+    input: str | bytes | None = None,
+    env: dict[str, str] | None = None,
+    text: bool = True,
+) -> subprocess.CompletedProcess:
+    """``git args`` in ``repo`` with the fixed environment; ``text=False`` for raw bytes."""
+    full_env = {
+        **os.environ,
+        **IDENTITY,
+        "GIT_CONFIG_NOSYSTEM": "1",
+        **(env or {}),
+        **LOCALE,
+    }
+    return subprocess.run(
         [
             "git",
             "-c",
@@ -40,15 +70,10 @@ def git(
         ],
         cwd=repo,
         capture_output=True,
-        text=True,
+        text=text,
         input=input,
         env=full_env,
     )
-    if check and r.returncode != 0:
-        raise ForkError(
-            f"git {' '.join(args[:3])} failed in {repo}:\n{r.stderr.strip()}"
-        )
-    return r
 
 
 def out(repo: Path, *args: str) -> str:
@@ -59,3 +84,13 @@ def out_diff(repo: Path, *args: str) -> str:
     """A diff or patch without its final newline: not ``out``'s strip(), which also eats the
     single space of a last context line that is blank and leaves a corrupt hunk."""
     return git(repo, *args).stdout.rstrip("\n")
+
+
+def show(repo: Path, commit: str, path: str) -> bytes:
+    """A file's bytes at ``commit`` (binary-safe: owned files may be any bytes)."""
+    r = run(repo, "show", f"{commit}:{path}", text=False)
+    if r.returncode != 0:
+        raise ForkError(
+            f"git show {commit}:{path} failed in {repo}:\n{r.stderr.decode(errors='replace').strip()}"
+        )
+    return r.stdout

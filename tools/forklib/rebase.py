@@ -14,6 +14,11 @@ Each patch is classified:
   upstream        the change is in the target already (reverse-applies, or the replay is empty)
   new-file clash  the target ships a file at a path one of our owned files uses
 
+A real run first classifies every patch that way (what ``--dry-run`` prints, every note
+shown) and then replays again, stopping at each stop in turn. At a conflict each region is
+followed by the upstream names its hunk refers to, found or not in the target's source, and
+a recommendation (port here; or the code is absent: drop, or port where its caller lives).
+
 The last three stop the run (``--dry-run`` notes them and goes on). The person resolves in
 the scratch worktree and runs ``--continue`` (staged or committed: the patch keeps its header;
 a resolution that would make the patch own upstream's file, or more files of ours, is
@@ -22,13 +27,20 @@ nothing is dropped or rewritten silently. The repository (``patches/``, ``python
 ``upstream.toml``) is written only once every patch is clean, merged, resolved or dropped:
 the new files are staged in the scratch dir, the new series is assembled exactly on the
 target as a proof, and only then moved in; ``patches/series`` keeps a comment per dropped
-patch naming its tests. ``git range-diff`` of old against new is printed and kept in
+patch naming its tests. ``--continue`` checks that a resolved patch still applies alone to
+the target and names another patch's lines its hunks lean on; a patch whose every user was
+dropped stops the run after the last patch (``--drop`` it, or ``--continue`` to keep it).
+After the write-back: a closing summary and, unless ``--no-test``, ``make`` and the
+``Tests:`` of every merged or resolved patch, reported per patch. The docs' release and the
+README's flag table are written with the series (``docs``).
+``git range-diff`` of old against new is printed and kept in
 ``build/rebase/range-diff.txt``; ``finished.json`` lets ``--abort`` say that a finished
 rebase wrote the repository. ``drift`` records dry runs as the tool prints them.
 """
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import json
 import os
@@ -38,11 +50,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import REPO_ROOT, ForkError
-from .git import git, out, out_diff
+from . import REPO_ROOT, ForkError, docs
+from .git import git, out, out_diff, show
 from .pin import Pin, fetch_pinned, fetch_wheel, file_sha256, load_pin, render_pin
-from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch
+from .series import DROPPED_RE, Patch, check_series, load_series, parse_patch, uses
 from .tree import (
+    adjacent_lines,
     apply_problems,
     assemble,
     commit_patch,
@@ -62,6 +75,7 @@ WRITTEN = (
     "python/sglang",
     "upstream.toml",
     DOCKERFILE,
+    *docs.DOCS,  # the release they quote, the README's flag table
 )  # what a rebase may change in the repo
 STOPS = ("conflict", "upstream", "new-file clash")
 DONE = ("clean", "merged", "resolved", "dropped")
@@ -141,8 +155,15 @@ def _find(state: dict, ref: str) -> int:
 # ---------------------------------------------------------------------------- entry points
 
 
-def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
-    """Begin a rebase onto ``target``; 0 when written back (or, dry-run, fully classified)."""
+def start(
+    target: str, lay: Layout = Layout(), dry_run: bool = False, tests: bool = False
+) -> int:
+    """Begin a rebase onto ``target``; 0 when written back (or, dry-run, fully classified).
+
+    A real run first classifies every patch the way ``--dry-run`` does (each stop left out,
+    the rest replayed after it) and prints that table, so the whole way is known before the
+    first stop. ``tests``: once written back, build and run the ``Tests:`` of every patch
+    that was merged or resolved (``tools/fork rebase`` does; ``--no-test`` skips it)."""
     if _load_state(lay) is not None:
         st = _load_state(lay)
         raise ForkError(
@@ -158,6 +179,7 @@ def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
         raise ForkError(f"the fork is already pinned to {pin.package} {target}")
     patches = load_series(lay.series_file)
     check_series(patches, lay.root)
+    used = uses(patches, lay.root)
     t0 = time.monotonic()
     old_wheel = fetch_pinned(pin, PRIMARY_TAG)  # the pinned hash is checked here
     new_wheel = fetch_wheel(pin.package, target, PRIMARY_TAG, sha256=None)
@@ -183,6 +205,9 @@ def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
         "next": 0,
         "head": onto,  # HEAD before the patch at "next": an interrupted step restarts from it
         "stopped": False,
+        "onto": onto,
+        "tests": tests,
+        "orphans_kept": [],
         "seconds": time.monotonic() - t0,
         "patches": [
             {
@@ -192,16 +217,53 @@ def start(target: str, lay: Layout = Layout(), dry_run: bool = False) -> int:
                 "detail": [],
                 "new": None,
                 "depends": a.patch.depends,
+                "uses": used[a.patch.name],
+                "tests": a.patch.trailers.get("Tests", []),
             }
             for a in asm.applied
         ],
     }
-    _save_state(lay, state)
+    _save_state(lay, state)  # a kill during the classification: --continue redoes it
+    if not dry_run:
+        _forecast(lay, state)
+        _save_state(lay, state)
     return _replay(lay, state)
 
 
-def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
-    """``--continue`` (after resolving in the scratch worktree) and ``--drop <patch>``."""
+def _forecast(lay: Layout, state: dict) -> None:
+    """Classify every patch as the dry run does, print the table with every note, and put
+    the replay back on the target: the real run then stops where the table says."""
+    t0 = time.monotonic()
+    for entry in state["patches"]:
+        status, detail = _pick(lay, state, entry)
+        if status in STOPS:
+            _reset(lay.repo, state["head"])
+        else:
+            state["head"] = out(lay.repo, "rev-parse", "HEAD")
+        entry["forecast"] = {"status": status, "detail": detail}
+    state["head"] = state["onto"]
+    _reset(lay.repo, state["head"])
+    state["seconds"] += time.monotonic() - t0
+    stops = [p["name"] for p in state["patches"] if p["forecast"]["status"] in STOPS]
+    print(
+        f"every patch classified onto {state['to']} first (what --dry-run prints; a stop is "
+        "left out and the patches after it replayed without it):\n"
+        + table(state, forecast=True)
+        + f"\n\nthe replay now stops at each of these {len(stops)} patch(es) in turn: "
+        + (", ".join(stops) or "none")
+        + f".\nThe record of every patch (class, regions, notes) is {lay.state_file}.\n",
+        flush=True,
+    )
+
+
+def resume(
+    lay: Layout = Layout(), drop: list[str] | None = None, tests: bool | None = None
+) -> int:
+    """``--continue`` (after resolving in the scratch worktree) and ``--drop <patch>``.
+
+    At the stop after the last patch (orphans: patches only dropped ones used), ``--drop``
+    takes replayed patches out of the chain and ``--continue`` keeps the orphans named.
+    ``tests``: False (``--no-test``) skips the test run after the write-back."""
     state = _load_state(lay)
     if state is None:
         raise ForkError(
@@ -212,11 +274,29 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
         # Killed while moving files in: put the repository back, then write again.
         _restore_repo(lay)
         state["phase"] = "replay"
+    if tests is not None:
+        state["tests"] = tests
+    if not state["dry_run"] and any("forecast" not in p for p in state["patches"]):
+        state["head"] = state["onto"]  # killed while classifying: classify again
+        _forecast(lay, state)
+        _save_state(lay, state)
     i = state["next"]
-    for j in _drops(state, drop or []):
+    at_end = i >= len(state["patches"])
+    idx = _drops(state, drop or [])
+    if at_end and idx:
+        _rechain(lay, state, idx)
+    elif at_end and state["stopped"]:  # --continue at the orphan stop: keep them
+        state["orphans_kept"] += [name for name, _ in _orphans(state)]
+    for j in idx:
         state["patches"][j]["status"] = "dropped"
         state["patches"][j]["detail"] = ["dropped by --drop"]
         print(f"dropping {state['patches'][j]['name']} (by request)")
+    for name, users in _orphans(state):
+        if name not in state["orphans_kept"]:
+            print(
+                f"note: {name} is used only by {', '.join(users)}, dropped now: the end of "
+                f"the replay offers to drop it too (`tools/fork rebase --drop {name}`)"
+            )
     if i < len(state["patches"]) and state["patches"][i]["status"] == "dropped":
         _reset(repo, state["head"])
         state["next"] = i + 1
@@ -226,6 +306,13 @@ def resume(lay: Layout = Layout(), drop: list[str] | None = None) -> int:
         state["patches"][i]["detail"].insert(0, "resolved by hand: review it")
         state["head"] = state["patches"][i]["new"]
         state["next"] = i + 1
+        alone = _alone(lay, state, i)
+        state["patches"][i]["detail"] += alone
+        print(
+            "\n".join(f"warning: {a}" for a in alone)
+            or f"{state['patches'][i]['name']}: resolved; it still applies alone to "
+            f"{state['to']} (with what it Depends: on), as `make export` needs"
+        )
     elif i < len(state["patches"]):
         _reset(repo, state["head"])  # an interrupted step: do it again
     state["stopped"] = False
@@ -238,10 +325,15 @@ def _drops(state: dict, refs: list[str]) -> list[int]:
     that stays depends on one (its ``Depends:`` trailer): nothing is dropped silently.
     """
     idx = sorted({_find(state, ref) for ref in refs})
+    at_end = state["next"] >= len(state["patches"])
     for j in idx:
-        if j < state["next"] or state["patches"][j]["status"] in DONE:
+        name, status = state["patches"][j]["name"], state["patches"][j]["status"]
+        if status == "dropped":
+            raise ForkError(f"{name} is dropped already")
+        if not at_end and (j < state["next"] or status in DONE):
             raise ForkError(
-                f"{state['patches'][j]['name']} is already replayed; --abort and start again to drop it"
+                f"{name} is already replayed: it can be dropped at the stop after the last "
+                "patch (which names the patches left without a user), or --abort and start again"
             )
     named = {state["patches"][j]["name"] for j in idx}
     gone = named | {p["name"] for p in state["patches"] if p["status"] == "dropped"}
@@ -322,22 +414,247 @@ def _replay(lay: Layout, state: dict) -> int:
         state["next"] = i + 1
         _save_state(lay, state)
     state["seconds"] += time.monotonic() - t0
+    orphans = [o for o in _orphans(state) if o[0] not in state.get("orphans_kept", [])]
+    if orphans and not state["dry_run"]:
+        state["stopped"] = True
+        _save_state(lay, state)
+        print(table(state))
+        _explain_orphans(state, orphans)
+        return 1
+    state["stopped"] = False
     _save_state(lay, state)
     print(table(state))
     if state["dry_run"]:
         os.replace(
             lay.state_file, lay.dir / "result.json"
         )  # nothing to continue: a dry run ends here
-        for p in state["patches"]:
-            if p["detail"]:
-                print(f"\n{p['name']} ({p['status']}):")
-                print("\n".join(f"  - {d}" for d in p["detail"]))
         print(
             f"\n(dry run: nothing written; the replay is in {repo}, branch 'rebased')"
         )
         return 0 if all(p["status"] in DONE for p in state["patches"]) else 1
     _finish(lay, state)
+    return _after(lay, state)
+
+
+def _orphans(state: dict) -> list[tuple[str, list[str]]]:
+    """(patch, its users) for each patch kept whose every user (a patch that names it in
+    ``Depends:`` or imports a module it owns) was dropped: code nothing uses any more.
+    """
+    gone = {p["name"] for p in state["patches"] if p["status"] == "dropped"}
+    found = []
+    for p in state["patches"]:
+        users = [
+            q["name"]
+            for q in state["patches"]
+            if p["name"] in q.get("uses", q.get("depends", []))
+        ]
+        if p["name"] not in gone and users and set(users) <= gone:
+            found.append((p["name"], users))
+    return found
+
+
+def _explain_orphans(state: dict, orphans: list[tuple[str, list[str]]]) -> None:
+    print("\nstopped after the last patch: patches left without a user")
+    for name, users in orphans:
+        print(
+            f"  - {name}: used only by {', '.join(users)} (Depends: or imports), dropped in this "
+            f"rebase; nothing else in the series uses it. Drop it too: `tools/fork rebase --drop {name}`"
+        )
+    print(
+        "or keep them: `tools/fork rebase --continue` (when a patch is useful on its own). "
+        "Nothing has been written to the repository yet."
+    )
+
+
+def _rechain(lay: Layout, state: dict, idx: list[int]) -> None:
+    """Take replayed patches ``idx`` out of the replay: the later ones are cherry-picked
+    again onto what comes before the first; one that needs their lines stops it, loud.
+    """
+    repo, old_head = lay.repo, state["head"]
+    first = min(idx)
+    before = [
+        p["new"]
+        for p in state["patches"][:first]
+        if p["status"] != "dropped" and p.get("new")
+    ]
+    _reset(repo, before[-1] if before else state["onto"])
+    names = ", ".join(state["patches"][j]["name"] for j in idx)
+    new = {}
+    for k in range(first + 1, len(state["patches"])):
+        p = state["patches"][k]
+        if k in idx or p["status"] == "dropped" or not p.get("new"):
+            continue
+        r = git(repo, "cherry-pick", "--no-commit", p["new"], check=False)
+        unmerged = out(repo, "diff", "--name-only", "--diff-filter=U").split()
+        if r.returncode != 0 or unmerged:
+            _reset(repo, old_head)
+            raise ForkError(
+                f"{p['name']} does not replay without {names}: its lines touch theirs in "
+                f"{', '.join(unmerged) or r.stderr.strip()}. Keep {names} "
+                "(`tools/fork rebase --continue`), or --abort and drop them at their own stop"
+            )
+        git(
+            repo,
+            "commit",
+            "-q",
+            "--allow-empty",
+            "--allow-empty-message",
+            "-C",
+            p["new"],
+        )
+        new[k] = out(repo, "rev-parse", "HEAD")
+    for k, c in new.items():
+        state["patches"][k]["new"] = c
+    state["head"] = out(repo, "rev-parse", "HEAD")
+
+
+def _dep_chain(state: dict, i: int) -> list[int]:
+    """The kept patches patch ``i`` depends on (``Depends:``, transitively), in order."""
+    index = {p["name"]: j for j, p in enumerate(state["patches"])}
+    need, todo = set(), [i]
+    while todo:
+        for dep in state["patches"][todo.pop()].get("depends", []):
+            j = index.get(dep)
+            if j is not None and j not in need:
+                need.add(j)
+                todo.append(j)
+    return sorted(j for j in need if state["patches"][j]["status"] != "dropped")
+
+
+def _alone(lay: Layout, state: dict, i: int) -> list[str]:
+    """Why resolved patch ``i`` (with what it depends on) no longer applies alone to the
+    target, as ``make export`` needs it to; empty when it does. A hunk that leans on another
+    patch's lines is named with those lines: the two touch, so one of them must move."""
+    repo, entry = lay.repo, state["patches"][i]
+    chain = _dep_chain(state, i)
+    index = lay.dir / "alone.index"
+    index.unlink(missing_ok=True)
+    env = {"GIT_INDEX_FILE": str(index)}
+    git(repo, "read-tree", upstream_ref(state["to"]), env=env)
+    diff = lay.dir / "alone.diff"
+    for j in [*chain, i]:
+        c = state["patches"][j]["new"]
+        diff.write_text(
+            out_diff(repo, "diff", "--full-index", "--binary", f"{c}^", c) + "\n"
+        )
+        r = git(repo, "apply", "--cached", str(diff), env=env, check=False)
+        if r.returncode != 0:
+            break
+    index.unlink(missing_ok=True)
+    if r.returncode == 0:
+        return []
+    who = state["patches"][j]["name"]
+    if j != i:
+        return [
+            f"{entry['name']} does not apply alone to {state['to']}: {who}, which it "
+            f"Depends: on, does not ({r.stderr.strip().splitlines()[0]})"
+        ]
+    owners = {
+        p["new"]: p["name"]
+        for k, p in enumerate(state["patches"][:i])
+        if p.get("new") and p["status"] != "dropped" and k not in chain
+    }
+    touching: dict[str, list[str]] = {}
+    for path, line, text, owner in adjacent_lines(repo, entry["new"], owners):
+        touching.setdefault(owner, []).append(f"{path}:{line} `{text.strip()}`")
+    if not touching:
+        return [
+            f"{entry['name']} does not apply alone to {state['to']} (`make export` will refuse "
+            f"it): {r.stderr.strip().splitlines()[0]}"
+        ]
+    return [
+        f"{entry['name']} does not apply alone to {state['to']}: its hunks have {owner}'s "
+        f"line(s) as context ({'; '.join(rows[:4])}{' ...' if len(rows) > 4 else ''}): our "
+        f"lines touch {owner}'s. If {entry['name']} uses {owner}'s code, declare "
+        f"`Depends: {owner}`; if not, separate them: move our line so that 3 lines of "
+        f"{state['to']}'s own code lie between it and {owner}'s (now in {lay.repo}, or after "
+        "the rebase with `make tree`, a fixup and `make refresh`)"
+        for owner, rows in touching.items()
+    ]
+
+
+def _after(lay: Layout, state: dict) -> int:
+    """The closing summary (every patch's class, regions and notes, kept in result.json)
+    and, unless ``--no-test``, the tests of the merged and resolved patches, per patch.
+    """
+    result = lay.dir / "result.json"
+    result.write_text(json.dumps(state, indent=1) + "\n")
+    print(
+        f"\nsummary: every patch's class, regions and notes (kept in {result}):\n{table(state)}"
+    )
+    check = [
+        p
+        for p in state["patches"]
+        if p["status"] in ("merged", "resolved") and p["tests"]
+    ]
+    if not state.get("tests") or not check:
+        if check:
+            print(
+                "not run (--no-test): the tests of the merged and resolved patches: "
+                + ", ".join(sorted({t for p in check for t in p["tests"]}))
+            )
+        return 0
+    step(
+        "`make`: build the rebased series into .venv, then the tests of each merged or resolved patch"
+    )
+    r = _build(lay.root)
+    if r.returncode != 0:
+        print(r.stdout[-3000:] + r.stderr[-3000:])
+        raise ForkError(
+            f"`make` failed on the rebased series (exit {r.returncode}; output above): the "
+            "repository is written; fix it with `make tree`, a fixup and `make refresh`"
+        )
+    runs: dict[tuple[str, ...], tuple[int, str]] = {}
+    failed = []
+    print(
+        "tests of the patches merged or resolved (a merge is textual: this is the check):"
+    )
+    for p in check:
+        key = tuple(p["tests"])
+        if key not in runs:
+            r = _pytest(lay.root, list(key))
+            tail = (r.stdout.strip().splitlines() or [r.stderr.strip()])[-1]
+            runs[key] = (r.returncode, tail)
+        rc, tail = runs[key]
+        # 5: pytest found no test to run (every one skipped or deselected); not a failure
+        ok = rc in (0, 5)
+        if not ok:
+            failed.append(p["name"])
+        print(
+            f"  {p['name']} ({p['status']}): {'passed' if ok else 'FAILED'}: {tail} "
+            f"[{' '.join(key)}]"
+        )
+    if failed:
+        print(
+            f"FAILED: {', '.join(failed)}: merged or resolved but broken on {state['to']}. "
+            f"The repository is written, not committed: rerun a patch's tests with "
+            f"`.venv/bin/python -m pytest <its Tests:>`, port it (`make tree`, a fixup, "
+            f"`make refresh`) or revert the rebase (see `tools/fork rebase --abort`)"
+        )
+        return 1
     return 0
+
+
+def _build(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["make"], cwd=root, capture_output=True, text=True)
+
+
+def _pytest(root: Path, tests: list[str]) -> subprocess.CompletedProcess:
+    py = root / ".venv" / "bin" / "python"
+    return subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pytest",
+            "-q",
+            "-o",
+            "tmp_path_retention_policy=failed",
+            *tests,
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
 
 
 def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
@@ -379,7 +696,9 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
             for o in clash
         ] + [f"{u}: conflict left in {repo / u}" for u in unmerged]
     if unmerged:
-        return "conflict", _conflict_detail(repo, patch, unmerged, to)
+        return "conflict", _conflict_detail(
+            repo, patch, unmerged, to, state["from"], commit
+        )
     if git(repo, "diff", "--cached", "--quiet", "HEAD", check=False).returncode == 0:
         _reset(repo, state["head"])
         return "upstream", [
@@ -397,7 +716,7 @@ def _pick(lay: Layout, state: dict, entry: dict) -> tuple[str, list[str]]:
 
 
 def _conflict_detail(
-    repo: Path, patch: Patch, unmerged: list[str], to: str
+    repo: Path, patch: Patch, unmerged: list[str], to: str, frm: str, commit: str
 ) -> list[str]:
     """One line per conflict: each region as file:line with the patch hunk it came from, and
     what a modify/delete or delete/modify conflict means and what each choice does."""
@@ -438,10 +757,217 @@ def _conflict_detail(
                 f"pick a side with `git checkout --ours|--theirs {u}`, then `git add {u}`"
             )
         for start_line, base, theirs in regions:
-            detail.append(
-                f"{u}:{start_line}: conflict with hunk {_which_hunk(hunks.get(u, []), base, theirs)}"
+            hunk = _which_hunk(hunks.get(u, []), base, theirs)
+            header = (
+                hunk[0]
+                if hunk
+                else "(no hunk of the patch matches this region: an earlier patch's lines?)"
             )
+            detail.append(f"{u}:{start_line}: conflict with hunk {header}")
+            if hunk:
+                detail += _names_found(repo, u, hunk, frm, to, commit)
     return detail
+
+
+# a definition, an attribute, a call, or a snake_case name passed around (a handler, a flag)
+_NAME_RE = re.compile(
+    r"\b(?:def|class)\s+(\w+)|\.([A-Za-z_]\w*)|\b([A-Za-z_]\w*)\s*\(|\b([a-z]\w*_\w+)\b"
+)
+_DEF_RE = re.compile(r"\b(?:def|class)\s+(\w+)")
+# words too common to tell anything: Python's builtins, self and the container methods
+_COMMON = set(dir(builtins)) | {
+    "self",
+    "cls",
+    "super",
+    "__init__",
+    "append",
+    "items",
+    "keys",
+    "values",
+    "get",
+}
+
+
+def _names_found(
+    repo: Path,
+    path: str,
+    hunk: tuple[str, list[str], list[str], list[str]],
+    frm: str,
+    to: str,
+    commit: str,
+) -> list[str]:
+    """Whether the upstream names a conflicting hunk edits exist in the target: the
+    functions and classes that enclose the hunk in the patch's old side, and those its
+    context and removed lines define, call or read as attributes. A function or class
+    counts as found where the target defines it (``def``/``class``), another name where it
+    occurs as a word; both by ``git grep`` of the releases' sources. Names the pinned
+    release lacks are ours, not upstream's, and are left out. Then the recommendation:
+    port here, or the code is absent (drop, or port to where its caller lives now)."""
+    header, context, minus, _ = hunk
+    anchors = _enclosing(repo, commit, path, header)
+    anchors += [n for r in context + minus for n in _DEF_RE.findall(r)]
+    names = set(anchors)
+    for row in context + minus:
+        # comments say nothing about the code; import lines name modules, not the code edited
+        if row.lstrip().startswith(("#", "from ", "import ")):
+            continue
+        for groups in _NAME_RE.findall(row):
+            names.update(g for g in groups if g)
+    names = {n for n in names if len(n) >= 4 and n not in _COMMON}
+    anchors = [a for a in dict.fromkeys(anchors) if a in names]
+    if not names:
+        return []
+    upstream = _grep_names(repo, upstream_ref(frm), names)
+    if not upstream:
+        return []
+    # a function or class the hunk sits in counts only where the target defines it in
+    # this file: a method of the same name elsewhere is another one
+    defined = _grep_defs(repo, upstream_ref(to), set(anchors), path)
+    found = {
+        n
+        for n in _grep_names(repo, upstream_ref(to), upstream)
+        if n not in anchors or n in defined
+    }
+    missing = sorted(upstream - found)
+    lost = [a for a in anchors if a in upstream and a not in found]
+    head = (
+        f"    names its context refers to, in {to}'s source: found "
+        f"{', '.join(sorted(found)) or 'none'}; not found {', '.join(missing) or 'none'}"
+        + (
+            f" (a function or class counts where {to} defines it in {path})"
+            if anchors
+            else ""
+        )
+    )
+    if lost:
+        callers = _grep_files(repo, upstream_ref(frm), lost[0], exclude=path)
+        now = _grep_def_files(repo, upstream_ref(to), lost[0])
+        where = (
+            f" (in {frm}, {lost[0]} is used from {', '.join(callers[:3])}: look there in {to})"
+            if callers
+            else ""
+        ) + (f"; {to} defines a {lost[0]} in {', '.join(now[:3])}" if now else "")
+        advice = (
+            f"    -> the code this hunk edits is absent in {to} ({', '.join(lost)} not found): "
+            f"drop the patch (--drop), or port the hunk to where its caller lives now{where}"
+        )
+    elif len(missing) * 2 > len(upstream):
+        advice = (
+            f"    -> most of what this hunk refers to is absent in {to}: the code moved or "
+            f"changed shape; port it to where {to} does this work, or drop the patch"
+        )
+    else:
+        advice = f"    -> port here: the code it edits exists in {to}" + (
+            f"; adapt our lines that use {', '.join(missing)}" if missing else ""
+        )
+    return [head, advice]
+
+
+_ENCLOSING_RE = re.compile(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)")
+
+
+def _enclosing(repo: Path, commit: str, path: str, header: str) -> list[str]:
+    """The functions and classes around a hunk, innermost first, read from the file the
+    patch was made against (its commit's parent): the nearest ``def``/``class`` above the
+    hunk, then each one above it with less indentation."""
+    m = re.match(r"^@@ -(\d+)", header)
+    r = git(repo, "show", f"{commit}^:{path}", check=False)
+    if not m or r.returncode != 0:
+        return []
+    rows = r.stdout.splitlines()[: int(m.group(1)) + 3]
+    names, indent = [], None
+    for row in reversed(rows):
+        if (d := _ENCLOSING_RE.match(row)) and (
+            indent is None or len(d.group(1)) < indent
+        ):
+            names.append(d.group(2))
+            indent = len(d.group(1))
+            if indent == 0:
+                break
+    return names
+
+
+def _def_pattern(names) -> str:
+    return r"(def|class)[[:space:]]+(" + "|".join(sorted(names)) + r")\b"
+
+
+def _grep_def_files(repo: Path, ref: str, name: str) -> list[str]:
+    """The files of ``ref``'s python/sglang that define ``name`` as a function or class."""
+    r = git(
+        repo,
+        "grep",
+        "-l",
+        "-E",
+        "-e",
+        _def_pattern([name]),
+        ref,
+        "--",
+        "python/sglang",
+        check=False,
+    )
+    return [f.split(":", 1)[1] for f in r.stdout.split() if ":" in f]
+
+
+def _grep_defs(
+    repo: Path, ref: str, names: set[str], path: str = "python/sglang"
+) -> set[str]:
+    """The ``names`` that ``ref`` defines as a function or class under ``path``."""
+    if not names:
+        return set()
+    pattern = _def_pattern(names)
+    r = git(
+        repo,
+        "grep",
+        "-h",
+        "-o",
+        "-E",
+        "-I",
+        "-e",
+        pattern,
+        ref,
+        "--",
+        path,
+        check=False,
+    )
+    return {row.split()[-1] for row in r.stdout.splitlines()} & names
+
+
+def _grep_names(repo: Path, ref: str, names: set[str]) -> set[str]:
+    """The ``names`` that occur as words in ``ref``'s python/sglang."""
+    args = [a for n in sorted(names) for a in ("-e", n)]
+    r = git(
+        repo,
+        "grep",
+        "-h",
+        "-o",
+        "-w",
+        "-F",
+        "-I",
+        *args,
+        ref,
+        "--",
+        "python/sglang",
+        check=False,
+    )
+    return set(r.stdout.split()) & names
+
+
+def _grep_files(repo: Path, ref: str, name: str, exclude: str) -> list[str]:
+    r = git(
+        repo,
+        "grep",
+        "-l",
+        "-w",
+        "-F",
+        "-e",
+        name,
+        ref,
+        "--",
+        "python/sglang",
+        check=False,
+    )
+    files = [f.split(":", 1)[1] for f in r.stdout.split() if ":" in f]
+    return [f for f in files if f != exclude]
 
 
 def conflict_regions(lines: list[str]) -> list[tuple[int, list[str], list[str]]]:
@@ -472,7 +998,7 @@ def _which_hunk(
     hunks: list[tuple[str, list[str], list[str], list[str]]],
     base: list[str],
     theirs: list[str],
-) -> str:
+) -> tuple[str, list[str], list[str], list[str]] | None:
     """The hunk whose added lines are the region's patch side (or whose old lines are its base)."""
 
     def norm(rows):
@@ -480,17 +1006,16 @@ def _which_hunk(
 
     base_set, theirs_set = norm(base), norm(theirs)
     best, score = None, 0
-    for header, context, minus, plus in hunks:
+    for hunk in hunks:
+        _, context, minus, plus = hunk
         s = (
             4 * len(norm(plus) & theirs_set)
             + 2 * len(norm(minus) & base_set)
             + len(norm(context) & base_set)
         )
         if s > score:
-            best, score = header, s
-    return (
-        best or "(no hunk of the patch matches this region: an earlier patch's lines?)"
-    )
+            best, score = hunk, s
+    return best
 
 
 def _take_resolution(repo: Path, state: dict, entry: dict) -> str:
@@ -598,7 +1123,7 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
         f"\nstopped at {entry['name']} ({entry['status']}); the replay is in {lay.repo}"
     )
     for d in entry["detail"]:
-        print(f"  - {d}")
+        print(f"  {d}" if d.startswith(" ") else f"  - {d}")
     dependents = _dependents(state, entry["name"])
     drop = " ".join(f"--drop {n}" for n in [entry["name"], *dependents])
     what = (
@@ -609,7 +1134,8 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
     print(
         "then either resolve there, `git add` the files and run `tools/fork rebase --continue`,\n"
         f"or drop the patch: `tools/fork rebase {drop}` ({what} from the series),\n"
-        "or give up: `tools/fork rebase --abort`. Nothing has been written to the repository yet."
+        "or give up: `tools/fork rebase --abort`. Nothing has been written to the repository yet.\n"
+        f"Every patch's class and notes so far, and the classification made first, are in {lay.state_file}."
     )
 
 
@@ -632,12 +1158,15 @@ def _dependents(state: dict, name: str) -> list[str]:
     return found
 
 
-def table(state: dict) -> str:
+def table(state: dict, forecast: bool = False) -> str:
+    """One row per patch with every note (each region and what it found) on its own line;
+    ``forecast``: the classification made before the replay instead of the replay's."""
     rows = [("patch", "result", "notes")]
     for p in state["patches"]:
-        note = p["detail"][0] if p["detail"] else ""
-        more = f" (+{len(p['detail']) - 1} more)" if len(p["detail"]) > 1 else ""
-        rows.append((p["name"], p["status"], note + more))
+        got = p["forecast"] if forecast else p
+        notes = got["detail"] or [""]
+        rows.append((p["name"], got["status"], notes[0]))
+        rows += [("", "", note) for note in notes[1:]]
     widths = [max(len(r[i]) for r in rows) for i in range(2)]
     lines = [
         f"{r[0].ljust(widths[0])}  {r[1].ljust(widths[1])}  {r[2]}".rstrip()
@@ -725,6 +1254,19 @@ def _finish(lay: Layout, state: dict) -> None:
 
     # 2. Proof: the written series applies exactly on the target (the same check as `make`).
     new_patches = load_series(staged / "patches" / "series")
+    # The docs quote the new release and list the new series' flags.
+    for name in docs.DOCS:
+        if (root / name).exists():
+            (staged / name).write_text(
+                docs.follow_release(
+                    name, (root / name).read_text(), state["from"], pin.version
+                )
+            )
+    if (root / docs.FLAGS_FILE).exists() and (staged / "README.md").exists():
+        readme = staged / "README.md"
+        readme.write_text(
+            docs.rewrite(readme.read_text(), docs.render(new_patches, root))
+        )
     wheel = fetch_wheel(pin.package, pin.version, PRIMARY_TAG, pin.wheels[PRIMARY_TAG])
     step("checking that the refreshed series applies exactly on the target")
     assemble(repo, wheel, pin.version, new_patches, stamp=False, src=staged)
@@ -788,11 +1330,14 @@ def _finish(lay: Layout, state: dict) -> None:
     )
     for w in warnings:
         print(f"warning: {w}")
+    if (root / docs.FLAGS_FILE).exists():
+        for w in docs.problems(root, load_series(lay.series_file), pin.version):
+            print(f"warning: {w} (fix it by hand before committing)")
     dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
     print(
         f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml, "
-        f"{DOCKERFILE}"
+        f"{DOCKERFILE}, the release README.md and CONTRIBUTING.md quote and the README's flag table"
         + (
             f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)"
             if dropped
@@ -812,9 +1357,7 @@ def _header(repo: Path, commit: str) -> str:
 
 
 def git_show(repo: Path, commit: str, path: str) -> bytes:
-    return subprocess.run(
-        ["git", "show", f"{commit}:{path}"], cwd=repo, check=True, capture_output=True
-    ).stdout
+    return show(repo, commit, path)
 
 
 def _move_in(src: Path, dst: Path) -> None:

@@ -19,12 +19,13 @@ under ``python/sglang/`` and join the patch's commit when the tree is assembled.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
-import subprocess
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
+from .git import git
 
 PATCH_DIR = REPO_ROOT / "patches"
 SERIES_FILE = PATCH_DIR / "series"
@@ -115,12 +116,12 @@ def _header(block: str, name: str) -> str | None:
 def _trailers(message: str) -> dict[str, list[str]]:
     # The subject is a mail header here: without a stand-in first paragraph, git takes a
     # message that is only the trailer block (no body) for the subject and finds none.
-    out = subprocess.run(
-        ["git", "interpret-trailers", "--parse", "--no-divider"],
+    out = git(
+        REPO_ROOT,
+        "interpret-trailers",
+        "--parse",
+        "--no-divider",
         input="subject\n\n" + message,
-        capture_output=True,
-        text=True,
-        check=True,
     ).stdout
     trailers: dict[str, list[str]] = {}
     for line in out.splitlines():
@@ -218,26 +219,85 @@ def dependency_problems(patches: list[Patch], root: Path = REPO_ROOT) -> list[st
     return problems
 
 
-_IMPORT_RE = re.compile(
-    r"^\s*(?:from\s+(sglang(?:\.\w+)+)\s+import|import\s+(sglang(?:\.\w+)+))", re.M
-)
+def uses(patches: list[Patch], root: Path = REPO_ROOT) -> dict[str, list[str]]:
+    """Each patch's name -> the patches whose code it uses: its ``Depends:`` and the owners
+    of the modules it imports (the two agree on a checked series; a rebase reads both, so
+    an orphan is found even where a trailer is missing)."""
+    owner = {own: p.name for p in patches for own in p.owns}
+    used: dict[str, list[str]] = {}
+    for p in patches:
+        names = set(p.depends)
+        for mod in _imported_modules(p, root):
+            names.update(owner[f] for f in _module_files(mod) if f in owner)
+        names.discard(p.name)
+        used[p.name] = sorted(names)
+    return used
 
 
 def _imported_modules(patch: Patch, root: Path) -> set[str]:
-    texts = [
-        (root / own).read_text(errors="replace")
-        for own in patch.owns
-        if own.endswith(".py") and (root / own).is_file()
-    ]
+    """Every ``sglang`` module a patch's code may import: from the files it owns (parsed
+    whole, lazy imports inside functions included, relative imports resolved) and from the
+    lines its diff adds. ``from pkg import name`` yields ``pkg`` and ``pkg.name``, since the
+    name may be a module (``from sglang.srt import verify_cap``)."""
+    mods: set[str] = set()
+    for own in patch.owns:
+        if own.endswith(".py") and (root / own).is_file():
+            # x.py and x/__init__.py alike: the package is the path without its last part
+            package = own[len("python/") : -len(".py")].split("/")[:-1]
+            mods |= imports_in((root / own).read_text(errors="replace"), package)
     diff = patch.path.read_text().partition("\n---\n")[2]
-    texts.append(
-        "\n".join(
-            line[1:]
-            for line in diff.splitlines()
-            if line.startswith("+") and not line.startswith("+++")
-        )
-    )
-    return {a or b for text in texts for a, b in _IMPORT_RE.findall(text)}
+    added = [
+        line[1:]
+        for line in diff.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    mods |= imports_in("\n".join(added), None)
+    return {m for m in mods if m == "sglang" or m.startswith("sglang.")}
+
+
+def imports_in(text: str, package: list[str] | None) -> set[str]:
+    """The modules ``text`` imports, read with ``ast``. ``package``: the importing module's
+    package, to resolve relative imports (None: relative imports are skipped). Text that is
+    not a whole module (a diff's added lines) is read statement by statement: each line
+    that starts an import, with its continuation lines, is parsed on its own."""
+    try:
+        trees = [ast.parse(text)]
+    except SyntaxError:
+        trees = []
+        rows = text.splitlines()
+        i = 0
+        while i < len(rows):
+            head = rows[i].strip()
+            i += 1
+            if not head.startswith(("import ", "from ")):
+                continue
+            stmt = head
+            while (
+                stmt.count("(") > stmt.count(")") or stmt.endswith("\\")
+            ) and i < len(rows):
+                stmt += "\n" + rows[i].strip()
+                i += 1
+            try:
+                trees.append(ast.parse(stmt.split(";", 1)[0]))
+            except SyntaxError:
+                continue
+    mods: set[str] = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                mods.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    if package is None or node.level - 1 > len(package):
+                        continue
+                    base = package[: len(package) - (node.level - 1)]
+                    mod = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    mod = node.module or ""
+                if mod:
+                    mods.add(mod)
+                mods.update(f"{mod}.{a.name}" for a in node.names if a.name != "*")
+    return mods
 
 
 def _module_files(mod: str) -> list[str]:

@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
-from .git import git, out, out_diff
+from .git import git, out, out_diff, show
 from .series import Patch
 
 PKG = "python/sglang"
@@ -213,6 +213,55 @@ def hunk_texts(
         elif current is not None and hunks[current] and line[:1] in (" ", "-", "+"):
             hunks[current][-1][" -+".index(line[0]) + 1].append(line[1:])
     return hunks
+
+
+def diff_hunks(diff: str) -> list[tuple[str, int, list[str]]]:
+    """(file, first old line, old-side lines as " x" / "-x") of each hunk of a unified diff."""
+    hunks: list[tuple[str, int, list[str]]] = []
+    current = None
+    for line in diff.splitlines():
+        if m := re.match(r"^diff --git a/(\S+) b/", line):
+            current = m.group(1)
+        elif (m := re.match(r"^@@ -(\d+)(?:,\d+)? \+", line)) and current:
+            hunks.append((current, int(m.group(1)), []))
+        elif hunks and line[:1] in (" ", "-"):
+            hunks[-1][2].append(line)
+    return hunks
+
+
+def adjacent_lines(
+    tree: Path, commit: str, owners: dict[str, str]
+) -> list[tuple[str, int, str, str]]:
+    """The lines of another patch that ``commit``'s hunks lean on: (file, line in the
+    parent, text, owning patch) for each context or removed line of its diff whose last
+    change, by ``git blame`` of the parent, is a commit in ``owners`` (commit -> patch name).
+    Such a hunk applies only where that patch went in first: it touches the other patch's
+    lines (or uses them, when it names what they add)."""
+    diff = out_diff(tree, "diff", "-U3", "--no-renames", f"{commit}^", commit)
+    found = []
+    for path, start, old in diff_hunks(diff):
+        if not old:
+            continue
+        r = git(
+            tree,
+            "blame",
+            "--porcelain",
+            "-L",
+            f"{start},+{len(old)}",
+            f"{commit}^",
+            "--",
+            path,
+            check=False,
+        )
+        if r.returncode != 0:
+            continue
+        sha, lineno = None, 0
+        for row in r.stdout.splitlines():
+            if m := re.match(r"^([0-9a-f]{40}) \d+ (\d+)", row):
+                sha, lineno = m.group(1), int(m.group(2))
+            elif row.startswith("\t") and sha in owners:
+                found.append((path, lineno, row[1:], owners[sha]))
+    return found
 
 
 def _hunks(patch: Patch) -> dict[str, list[str]]:
@@ -554,8 +603,4 @@ def refresh(
 
 
 def _show(tree: Path, commit: str, path: str) -> bytes:
-    import subprocess
-
-    return subprocess.run(
-        ["git", "show", f"{commit}:{path}"], cwd=tree, check=True, capture_output=True
-    ).stdout
+    return show(tree, commit, path)

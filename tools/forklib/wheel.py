@@ -12,10 +12,10 @@ import csv
 import hashlib
 import io
 import re
-import subprocess
 import zipfile
 from pathlib import Path
 
+from .git import git
 from .tree import PKG
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -37,13 +37,7 @@ def build_wheel(
     tmp = target.with_suffix(".part")
     old_info = f"sglang-{upstream_version}.dist-info/"
     new_info = f"sglang-{version}.dist-info/"
-    files = subprocess.run(
-        ["git", "ls-files", "-s", "--", PKG],
-        cwd=tree,
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.splitlines()
+    files = git(tree, "ls-files", "-s", "--", PKG).stdout.splitlines()
     record = []
     with zipfile.ZipFile(upstream_wheel) as up, zipfile.ZipFile(
         tmp, "w", compression=zipfile.ZIP_DEFLATED
