@@ -3,8 +3,8 @@
 Every result JSON the e2e harness or a benchmark writes goes through ``write_result``, which adds
 one ``provenance`` block to the payload::
 
-    "provenance": {"fork_version": "0.5.23+fork.N.abcdef0", "device": "NVIDIA H200",
-                   "torch": "2.x", "triton": "3.x", "python": "3.11.7"}
+    "provenance": {"fork_version": "<upstream>+fork.<n>.<series>", "device": "NVIDIA H200",
+                   "torch": "...", "triton": "...", "python": "..."}
 
 so a number read later can be traced to the build and the machine that produced it (a result
 without its build is not evidence of anything). ``check`` lists what a payload lacks.
@@ -126,7 +126,8 @@ def citing_pages(name: str, root: Path = REPO) -> list[Path]:
 
 
 def build_tag(build: str) -> str:
-    """``build`` as a file-name part: ``0.5.23+fork.22.32c9425`` -> ``0.5.23_fork.22.32c9425``."""
+    """``build`` as a file-name part: every character but letters, digits, ``.``, ``_`` and
+    ``-`` becomes ``_`` (``+fork.`` -> ``_fork.``)."""
     return re.sub(r"[^A-Za-z0-9._-]", "_", build)
 
 
