@@ -721,6 +721,7 @@ TOOL_TESTS = {
     "test/test_format.py",
     "test/test_gb10_validate.py",
     "test/test_benchmark_readmes.py",
+    "test/test_provenance.py",
 }
 
 

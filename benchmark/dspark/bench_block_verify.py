@@ -80,6 +80,7 @@ def main() -> None:
             "rows": ROWS,
             "what": "mean accepted drafts per step (emitted = accepted + 1), same draws for every rule",
         },
+        overwrite=args.overwrite,
     )
 
 

@@ -148,6 +148,7 @@ def main() -> None:
             "max_rows_served": MAX_ROWS,
             "configs": {str(k): list(v) for k, v in shipped.items()},
         },
+        overwrite=args.overwrite,
     )
 
 

@@ -130,6 +130,7 @@ def main() -> None:
             "note": "staging runs only when the batch's sampling tensors change; "
             "alpha on synthetic logits, real gains need real logits"
         },
+        overwrite=args.overwrite,
     )
 
 

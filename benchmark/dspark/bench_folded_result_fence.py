@@ -166,6 +166,7 @@ def main() -> None:
             "back to back (ring: 200 in-graph copies per replay); the ring's host "
             "figure includes its drift check (read-back every 64 steps)",
         },
+        overwrite=args.overwrite,
     )
 
 

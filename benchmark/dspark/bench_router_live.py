@@ -97,6 +97,7 @@ def main() -> None:
             "repeats": REPEATS,
             "what": "stock moe_fused_gate vs the same kernel with live_lens (random live lengths 2..6)",
         },
+        overwrite=args.overwrite,
     )
 
 

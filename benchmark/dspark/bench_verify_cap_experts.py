@@ -71,6 +71,7 @@ def main() -> None:
             "topk": TOPK,
             "routing": "random router weights and hidden states (not a checkpoint)",
         },
+        overwrite=args.overwrite,
     )
 
 

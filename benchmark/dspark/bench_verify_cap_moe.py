@@ -252,6 +252,7 @@ def main() -> None:
             "kernel": "sglang fused_moe_kernel, fp8 w8a8 128x128 block scales, w13 + w2",
             "routing": "random router weights and hidden states (not a checkpoint)",
         },
+        overwrite=args.overwrite,
     )
 
 

@@ -180,6 +180,7 @@ def rank_main(rank, world, store, args, out):
                 "table_rows": rows,
                 "hidden": HIDDEN,
             },
+            overwrite=args.overwrite,
         )
     dist.barrier()
     dist.destroy_process_group()

@@ -195,6 +195,7 @@ def main() -> None:
             "table_rows": args.rows,
             "hidden": HIDDEN,
         },
+        overwrite=args.overwrite,
     )
 
 

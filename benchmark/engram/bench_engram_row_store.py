@@ -14,16 +14,19 @@ benchmark/results/engram_row_store-<device>.json (device: the GPU's name, or cpu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from e2e.provenance import add_overwrite_arg, write_result  # noqa: E402
 
 from sglang.srt.layers import engram_row_store as rs
 
@@ -54,7 +57,7 @@ def parse_args():
     p.add_argument(
         "--caches", default="0,0.05,0.25", help="cache sizes as fractions of the table"
     )
-    return p.parse_args()
+    return add_overwrite_arg(p).parse_args()
 
 
 def device_tag(dev: torch.device) -> tuple[str, str]:
@@ -227,20 +230,17 @@ def main():
         }
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"engram_row_store-{tag}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "benchmark": "engram_row_store",
-                "device": device,
-                "torch": torch.__version__,
-                **meta,
-                "rows": rows_out,
-            },
-            indent=1,
-        )
-        + "\n"
+    path = write_result(
+        args.out / f"engram_row_store-{tag}.json",
+        {
+            "benchmark": "engram_row_store",
+            "device": device,
+            "torch": torch.__version__,
+            **meta,
+            "rows": rows_out,
+        },
+        overwrite=args.overwrite,
+        device=device,
     )
     print(f"wrote {path}")
 

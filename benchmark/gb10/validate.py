@@ -38,6 +38,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harness.py
 from harness import graph_us_per_call  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from e2e.provenance import add_overwrite_arg, write_result  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -55,7 +58,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--engram-dir", default=".", help="local NVMe folder for the engram benchmark"
     )
-    return p.parse_args(argv)
+    return add_overwrite_arg(p).parse_args(argv)
 
 
 # ---------------------------------------------------------------- references (CPU-testable)
@@ -342,24 +345,20 @@ def main(argv=None):
 
     from sglang.srt.utils.b12x_pin import B12X_VERSION
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"gb10_validate-{name.replace(' ', '_')}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "benchmark": "gb10_validate",
-                "device": name,
-                "torch": torch.__version__,
-                "b12x": md.version("b12x"),
-                "b12x_pinned": B12X_VERSION,
-                "features": features,
-                "all_ok": all(r.get("ok") for r in rows),
-                "rows": rows,
-            },
-            indent=1,
-            default=str,
-        )
-        + "\n"
+    path = write_result(
+        args.out / f"gb10_validate-{name.replace(' ', '_')}.json",
+        {
+            "benchmark": "gb10_validate",
+            "device": name,
+            "torch": torch.__version__,
+            "b12x": md.version("b12x"),
+            "b12x_pinned": B12X_VERSION,
+            "features": features,
+            "all_ok": all(r.get("ok") for r in rows),
+            "rows": rows,
+        },
+        overwrite=args.overwrite,
+        default=str,
     )
     print(f"wrote {path}; all ok: {all(r.get('ok') for r in rows)}")
     return 0

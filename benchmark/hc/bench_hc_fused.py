@@ -138,6 +138,7 @@ def main() -> None:
             "min_rows": thresholds,
             "device_name": torch.cuda.get_device_name(),
         },
+        overwrite=args.overwrite,
     )
 
 

@@ -142,6 +142,7 @@ def main() -> None:
         rows,
         args.out,
         {"layers": harness.LAYERS, "K": K, "collective_us": args.collective_us},
+        overwrite=args.overwrite,
     )
 
 

@@ -64,6 +64,9 @@ if (
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(REPO / "tools"))
+from e2e.provenance import add_overwrite_arg, write_result  # noqa: E402
+
 # DeepSeek-V4-like dimensions: hidden, expert intermediate, routed experts, vocab
 H, I, EXPERTS, VOCAB = 7168, 2048, 256, 129280
 SHARD_BYTES = int(4.3e9)
@@ -160,7 +163,9 @@ def write_checkpoint(folder: Path, target_bytes: int) -> list[str]:
             }
             off += n
             weight_map[name] = fname
-        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw = json.dumps(  # not a result: the safetensors header of a shard
+            header, separators=(",", ":")
+        ).encode()
         raw += b" " * (-len(raw) % 8)
         with open(folder / fname, "wb") as f:
             f.write(struct.pack("<Q", len(raw)) + raw)
@@ -178,7 +183,7 @@ def write_checkpoint(folder: Path, target_bytes: int) -> list[str]:
             f"  wrote {fname}: {os.path.getsize(folder / fname) / 1e9:.2f} GB",
             flush=True,
         )
-    (folder / "model.safetensors.index.json").write_text(
+    (folder / "model.safetensors.index.json").write_text(  # not a result: the index
         json.dumps({"metadata": {}, "weight_map": weight_map})
     )
     return files
@@ -612,6 +617,7 @@ def main():
         action="store_true",
         help="smoke run: small dimensions, nothing written to --out",
     )
+    add_overwrite_arg(p)
     # the GPU bundle's run.sh passes only --out: FAST_LOAD_BENCH_ARGS adds the rest
     a = p.parse_args(
         sys.argv[1:] + shlex.split(os.environ.get("FAST_LOAD_BENCH_ARGS", ""))
@@ -763,9 +769,12 @@ def main():
             if complete:
                 print(json.dumps(payload, indent=1))
             return
-        a.out.mkdir(parents=True, exist_ok=True)
-        path = a.out / f"{a.name}-{device_label()}.json"
-        path.write_text(json.dumps(payload, indent=1) + "\n")
+        path = write_result(
+            a.out / f"{a.name}-{device_label()}.json",
+            payload,
+            overwrite=a.overwrite,
+            quiet=not complete,  # rewritten after every run: say where it went once
+        )
         if complete:
             print(json.dumps(goal, indent=1))
             print(f"wrote {path}")

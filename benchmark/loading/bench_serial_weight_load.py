@@ -26,6 +26,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from e2e.provenance import add_overwrite_arg, write_result  # noqa: E402
+
 LAYERS = 8
 
 
@@ -74,7 +77,7 @@ def write_checkpoint(
             for n, shp in items[s * per : (s + 1) * per]
         }
         save_file(part, str(path / f"model-{s:05d}-of-{shards:05d}.safetensors"))
-    (path / "layout.json").write_text(
+    (path / "layout.json").write_text(  # not a result: read back by child()
         json.dumps({"layers": layers, "mib_per_matrix": mib_per_matrix})
     )
     return path
@@ -220,7 +223,7 @@ def main() -> None:
     ap.add_argument("--ckpt", type=Path, default=Path("/tmp/serial_weight_load_ckpt"))
     ap.add_argument("--mib-per-matrix", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    args = ap.parse_args()
+    args = add_overwrite_arg(ap).parse_args()
     ckpt = write_checkpoint(args.ckpt, mib_per_matrix=args.mib_per_matrix)
     ckpt_mib = sum(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20
     runs = {False: [], True: []}
@@ -258,29 +261,26 @@ def main() -> None:
         if torch.cuda.is_available()
         else "cpu"
     )
-    path = args.out / f"serial_weight_load-{device}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "benchmark": "serial_weight_load",
-                "device": device,
-                "cpu": platform.processor() or platform.machine(),
-                "cpus": os.cpu_count(),
-                "checkpoint_mib": round(ckpt_mib, 1),
-                "tensors": runs[False][0]["params"],
-                "largest_shard_mib": round(
-                    max(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20, 1
-                ),
-                "largest_tensor_mib": args.mib_per_matrix,
-                "weights_bitwise_identical": identical,
-                "what": "DeepseekV4ForCausalLM.load_weights on a synthetic bf16 checkpoint (safetensors, mmap) into "
-                "parameters on the device; host peak RSS above the pre-load baseline (VmHWM) and load time per "
-                "fresh process",
-                "rows": rows,
-            },
-            indent=1,
-        )
-        + "\n"
+    path = write_result(
+        args.out / f"serial_weight_load-{device}.json",
+        {
+            "benchmark": "serial_weight_load",
+            "device": device,
+            "cpu": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "checkpoint_mib": round(ckpt_mib, 1),
+            "tensors": runs[False][0]["params"],
+            "largest_shard_mib": round(
+                max(f.stat().st_size for f in ckpt.glob("*.safetensors")) / 2**20, 1
+            ),
+            "largest_tensor_mib": args.mib_per_matrix,
+            "weights_bitwise_identical": identical,
+            "what": "DeepseekV4ForCausalLM.load_weights on a synthetic bf16 checkpoint (safetensors, mmap) into "
+            "parameters on the device; host peak RSS above the pre-load baseline (VmHWM) and load time per "
+            "fresh process",
+            "rows": rows,
+        },
+        overwrite=args.overwrite,
     )
     print(f"wrote {path}")
     assert identical, "serial load changed the weights"

@@ -170,6 +170,7 @@ def rank_main(rank: int, world: int, store: str, args) -> None:
                     "main_proj_target_layers": args.main_proj_target_layers,
                     "times": "slowest rank, median of CUDA-graph replays, per layer",
                 },
+                overwrite=args.overwrite,
             )
         dist.barrier()
         dist.destroy_process_group()

@@ -12,7 +12,6 @@ named after the device the host sits beside: ``loop_abort-cpu.json`` on a CPU ma
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import re
 import statistics
@@ -23,6 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from e2e.provenance import add_overwrite_arg, write_result  # noqa: E402
 
 
 def corpus_ids(n: int) -> list[int]:
@@ -85,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmark/results"))
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    args = add_overwrite_arg(ap).parse_args()
     rows = []
     for limits in ((128, 512), (32, 128)):
         for length in (1024, 8192, 32768):
@@ -117,25 +119,21 @@ def main() -> None:
         if torch.cuda.is_available()
         else "cpu"
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"loop_abort-{device}.json"
-    path.write_text(
-        json.dumps(
-            {
-                "benchmark": "loop_abort",
-                "device": device,
-                "cpu": platform.processor() or platform.machine(),
-                "python": sys.version.split()[0],
-                "repeats": args.repeats,
-                "what": "host ns per generated token of Req.update_finish_state (one token per call; medians and "
-                "minimums over the repeats, stock and on interleaved), "
-                "non-looping English word stream; stock = no guard, on = --enable-loop-abort; "
-                "rescan = every period 1..P checked per token (reference, not served)",
-                "rows": rows,
-            },
-            indent=1,
-        )
-        + "\n"
+    path = write_result(
+        args.out / f"loop_abort-{device}.json",
+        {
+            "benchmark": "loop_abort",
+            "device": device,
+            "cpu": platform.processor() or platform.machine(),
+            "python": sys.version.split()[0],
+            "repeats": args.repeats,
+            "what": "host ns per generated token of Req.update_finish_state (one token per call; medians and "
+            "minimums over the repeats, stock and on interleaved), "
+            "non-looping English word stream; stock = no guard, on = --enable-loop-abort; "
+            "rescan = every period 1..P checked per token (reference, not served)",
+            "rows": rows,
+        },
+        overwrite=args.overwrite,
     )
     print(f"wrote {path}")
 

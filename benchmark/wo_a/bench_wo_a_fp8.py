@@ -365,7 +365,7 @@ def main() -> None:
             f"{d['released_net_MiB']:.0f} MiB ({d['released_net_MiB_per_layer']:.2f} MiB per layer); "
             f"prefill dequantisation {d['dequant_us']:.2f} us per layer"
         )
-    report("wo_a_fp8", cols, rows, args.out, meta)
+    report("wo_a_fp8", cols, rows, args.out, meta, overwrite=args.overwrite)
 
 
 if __name__ == "__main__":

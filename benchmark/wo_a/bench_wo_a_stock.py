@@ -85,6 +85,7 @@ def main() -> None:
             "weight_bytes_per_layer": nbytes,
             "what": "upstream 0.5.23 kernels, no fork code",
         },
+        overwrite=args.overwrite,
     )
 
 

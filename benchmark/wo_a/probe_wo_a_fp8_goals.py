@@ -134,6 +134,7 @@ def main() -> None:
             "l2_read_TBps": l2,
             "sms": sms,
         },
+        overwrite=args.overwrite,
     )
 
 

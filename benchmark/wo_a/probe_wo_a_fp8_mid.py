@@ -2,9 +2,9 @@
 K split that fits one wave, checked (fp32 bound of the exact result, deterministic, arrivals
 counted) and timed against einsum at G = 2 / 4 / 8 (43 layers, CUDA graph). Its JSON
 (results/wo_a_fp8_mid_sweep-<device>.json) is where the kernel's split table comes from.
-Not run by the GPU bundle: python3 benchmark/wo_a/probe_wo_a_fp8_mid.py RESULTS_DIR"""
+Not run by the GPU bundle: python3 benchmark/wo_a/probe_wo_a_fp8_mid.py RESULTS_DIR [--overwrite]
+(``--overwrite``: replace another build's cited sweep, tools/e2e/provenance.py)."""
 
-import json
 import sys
 import time
 import traceback
@@ -17,6 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harn
 from bench_wo_a_fp8 import outside_fp32_bound as bound_bad  # noqa: E402
 from bench_wo_a_fp8 import twin_exact_weight as weight
 from harness import LAYERS, graph_us_per_call  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from e2e.provenance import write_result  # noqa: E402
 
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as k  # noqa: E402
 from sglang.srt.models.deepseek_v4_wo_a_twin import make_twin  # noqa: E402
@@ -38,7 +41,12 @@ def cfgs(m, g):
 
 
 def main():
-    out, res, t0 = sys.argv[1], {"check": [], "time": []}, time.time()
+    out, res, t0 = Path(sys.argv[1]), {"check": [], "time": []}, time.time()
+    overwrite = "--overwrite" in sys.argv[2:]
+    path = (
+        out
+        / f"wo_a_fp8_mid_sweep-{torch.cuda.get_device_name().replace(' ', '_')}.json"
+    )
     # correctness: every row count class, G = 2/4/8, default config and each swept config at a few M
     for g in (2, 4, 8):
         w = weight(g, 100 + g)
@@ -85,14 +93,7 @@ def main():
                     if r.get("error") or r["bad"] or not r["det"] or not r["cnt_ok"]:
                         print("CHECK FAIL", r, flush=True)
         print(f"checked G={g} {time.time()-t0:.0f}s", flush=True)
-    json.dump(
-        res,
-        open(
-            f"{out}/wo_a_fp8_mid_sweep-{torch.cuda.get_device_name().replace(' ', '_')}.json",
-            "w",
-        ),
-        indent=1,
-    )
+    write_result(path, res, overwrite=overwrite)
     for g in (2, 4, 8):
         ws = [weight(g, i) for i in range(LAYERS)]
         tw = [make_twin(w) for w in ws]
@@ -123,14 +124,7 @@ def main():
                 f"G={g} M={m} einsum {ein:.2f} best {best[0]:.2f} {best[1]} ({ein/best[0]:.2f}x) default {row['cfgs'].get(row['default'])} [{time.time()-t0:.0f}s]",
                 flush=True,
             )
-            json.dump(
-                res,
-                open(
-                    f"{out}/wo_a_fp8_mid_sweep-{torch.cuda.get_device_name().replace(' ', '_')}.json",
-                    "w",
-                ),
-                indent=1,
-            )
+            write_result(path, res, overwrite=overwrite, quiet=True)
         del ws, tw, pk, cn
         torch.cuda.empty_cache()
 

@@ -159,6 +159,7 @@ def main() -> None:
             [{c: r.get(c) for c in cols} | r for r in rows],
             args.out,
             {"layers": LAYERS, "budget_s": budget},
+            overwrite=args.overwrite,
         )
 
 
