@@ -52,6 +52,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, char_vocab, write_dsv4
+from .provenance import add_overwrite_arg
+from .provenance import provenance as build_provenance
+from .provenance import write_result
 from .server import Server, ServerDied, refusal
 
 HERE = Path(__file__).resolve().parent
@@ -1087,9 +1090,8 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
     g = rec.get("_greedy")
     if g is not None:
         checks["completion_matches_generate"] = g["completion_matches_generate"]
-        rec["greedy_digest"] = hashlib.sha256(
-            json.dumps([g["tokens"], g["logprobs"]]).encode()
-        ).hexdigest()[:16]
+        digest = json.dumps([g["tokens"], g["logprobs"]])  # not a result: hashed
+        rec["greedy_digest"] = hashlib.sha256(digest.encode()).hexdigest()[:16]
         for ref in (
             row.same_as + row.tokens_as + ((row.bound_to,) if row.bound_to else ())
         ):
@@ -1157,26 +1159,6 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
         )
     else:
         rec["ok"] = all(checks.values())
-
-
-def provenance() -> dict:
-    """The build and the software a run measured: the fork build, device, torch, triton, Python."""
-    import platform
-
-    from sglang.fork import fork_version
-
-    versions = {}
-    for name in ("torch", "triton"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = None
-    return {
-        "fork_version": fork_version(),
-        "device": device_name(),
-        **versions,
-        "python": platform.python_version(),
-    }
 
 
 def device_name() -> str:
@@ -1263,7 +1245,7 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float):
         with (
             PROGRESS_LOCK
         ):  # a progress file, so a run cut short still says what served
-            (args.out / "e2e-progress.json").write_text(
+            (args.out / "e2e-progress.json").write_text(  # not a result: progress
                 json.dumps(
                     {
                         k: {
@@ -1345,6 +1327,7 @@ def main(argv=None) -> int:
         help="an earlier run's JSON (same build and device): its rows that "
         "this run does not serve are kept, so a matrix can be served in several sittings",
     )
+    add_overwrite_arg(p)
     args = p.parse_args(argv)
 
     t_start = time.monotonic()
@@ -1357,7 +1340,7 @@ def main(argv=None) -> int:
             f"(timing rows: {', '.join(r.name for r in rows() if r.timing)})"
         )
     meta = {
-        **provenance(),
+        **build_provenance(device=device_name()),
         "standins": args.standins,
         "sampled_requests": args.sampled_requests,
     }
@@ -1370,7 +1353,7 @@ def main(argv=None) -> int:
         recs, succ = serve_all(args, selected, profiled, t_start)
         raw = {"meta": meta, "succ": succ, "rows": recs}
         with gzip.open(args.out / f"e2e-raw-{meta['device']}.json.gz", "wt") as f:
-            json.dump(raw, f)  # tokens and logprobs: --evaluate recomputes the checks
+            json.dump(raw, f)  # not a result: its tokens, for --evaluate
     report = {**meta, "rows": {}}
     out_json = args.out / f"e2e-{meta['device']}.json"
     for row in selected:
@@ -1393,7 +1376,7 @@ def main(argv=None) -> int:
     done = [r for r in report["rows"].values() if r.get("ok") is not None]
     report["passed"] = sum(bool(r["ok"]) for r in done)
     report["failed"] = len(done) - report["passed"]
-    out_json.write_text(json.dumps(report, indent=1) + "\n")
+    out_json = write_result(out_json, report, overwrite=args.overwrite)
     print(f"{report['passed']} passed, {report['failed']} failed")
     return 0 if report["failed"] == 0 else 1
 
@@ -1418,7 +1401,8 @@ def _failure_excerpt(rec: dict, log: Path, lines: int = 45) -> str:
     text = [
         t for t in text if "warn" not in t.lower() and not t.lstrip().startswith("^")
     ]
-    return json.dumps(summary)[:2000] + "\n" + "\n".join(t[:300] for t in text[-lines:])
+    shown = json.dumps(summary)[:2000]  # not a result: console text
+    return shown + "\n" + "\n".join(t[:300] for t in text[-lines:])
 
 
 def _gen_device() -> str:
