@@ -93,9 +93,9 @@ GRAPH_ARGS = {
     + ["--max-running-requests", "32"],
     "real": ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"],
 }
-# Sampled rows whose kernels serve small calls only (the wo_a twin: 2..32 verify rows, the fp8
-# draft head: up to 32 draft rows) run at most 5 requests at a time, so the kernels serve.
-SMALL_BATCH = ["--max-running-requests", "5"]
+# Sampled rows of the fp8 draft head (up to 32 draft rows) run at most 6 requests at a time
+# (5 draft rows each), so the head serves.
+SMALL_BATCH = ["--max-running-requests", "6"]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
 PROGRESS_LOCK = threading.Lock()
 # Startup lines in which a fork feature says what it built (kept in the report as evidence).
@@ -435,19 +435,18 @@ def rows() -> list[Row]:
             "s_head_fp8", *HEAD, engaged=(L_HEAD,), probes=(P_HEAD,), **small, **sampled
         ),
         _row(
-            "s_wo_a_mid",
+            "s_wo_a_drop",  # drop serves every decode / verify call up to 192 rows
             *TWIN,
-            "mid",
+            "drop",
             engaged=(L_TWIN,),
-            probes=(P_TWIN_MID,),
-            **small,
+            probes=(P_TWIN_SMALL, P_TWIN_MID),
             **sampled,
         ),
         _row(
             "s_all_on",
             *ALL_ON,
             engaged=(L_TWIN, L_CAP, L_TAU, L_HEAD),
-            probes=(P_TWIN_MID, P_FENCE, P_TAU, P_HEAD, P_BLOCK),
+            probes=(P_TWIN_SMALL, P_TWIN_MID, P_FENCE, P_TAU, P_HEAD, P_BLOCK),
             **small,
             **sampled,
         ),
@@ -1269,10 +1268,11 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float):
     # fills the JIT and Triton caches the others read). Timing rows run alone, one after another: a
     # server sizes its KV pool from the memory it sees, which a neighbour's loading would skew.
     shared = [r for r in selected if not r.timing]
-    if shared:
-        one(shared[0])
+    first = shared[:1] if args.warm_first else []
+    for row in first:
+        one(row)
     with ThreadPoolExecutor(max(1, args.parallel)) as pool:
-        list(pool.map(one, shared[1:]))
+        list(pool.map(one, shared[len(first) :]))
     for row in selected:
         if row.timing:
             one(row)
@@ -1302,6 +1302,13 @@ def main(argv=None) -> int:
         "--budget", type=float, default=1e9, help="start no row after this many seconds"
     )
     p.add_argument("--parallel", type=int, default=4, help="servers at a time")
+    p.add_argument(
+        "--no-warm-first",
+        dest="warm_first",
+        action="store_false",
+        help="start every row at once instead of serving the first one alone "
+        "(which fills the kernel caches the others then read)",
+    )
     p.add_argument(
         "--sampled-requests",
         type=int,
