@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from sglang.srt.distributed.l2_prefetch import (  # noqa: E402
+from l2_prefetch_planner import (  # noqa: E402
     L2Prefetcher,
     L2PrefetchPlanner,
 )

@@ -32,7 +32,7 @@ import harness  # noqa: E402
 import torch  # noqa: E402
 from bench_l2_prefetch import MB, K, spin  # noqa: E402
 
-from sglang.kernels.ops.memory.l2_prefetch import (  # noqa: E402
+from l2_prefetch_kernel import (  # noqa: E402
     _l2_prefetch_kernel,
     chunk_table,
 )
