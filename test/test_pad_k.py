@@ -17,13 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from conftest import HAS_CUDA
-
-from pad_k import (
-    E8M0_ONE,
-    KPad,
-    pad_block_scales_k,
-    plan_k_pad,
-)
+from pad_k import E8M0_ONE, KPad, pad_block_scales_k, plan_k_pad
 
 
 def test_plan():
