@@ -84,7 +84,7 @@ def test_positional_field_order_is_upstreams_then_appended():
     assert "weight_loader_fast_load" in fields[len(known) :]
 
 
-UPSTREAM_SRC = '''
+UPSTREAM_SRC = """
 POSITIONAL_FIELD_ORDER = (
     "model_path",
     "weight_loader_drop_cache_after_load",
@@ -92,7 +92,7 @@ POSITIONAL_FIELD_ORDER = (
 )
 class Choices:
     ORDER = ["a", "b"]
-'''
+"""
 
 
 def test_an_insertion_in_the_middle_is_found():
