@@ -30,7 +30,9 @@ def pick(pinned: list[str], supported: list[str]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    toml = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "upstream.toml"
+    toml = (
+        Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "upstream.toml"
+    )
     pinned = list(tomllib.loads(toml.read_text())["upstream"]["wheels"])
     print(pick(pinned, [str(t) for t in sys_tags()]))
 

@@ -18,7 +18,9 @@ from conftest import REPO
 
 def _module(path: str) -> str:
     """python/sglang/a/b.py -> sglang.a.b; python/sglang/a/__init__.py -> sglang.a."""
-    return path[len("python/") : -len(".py")].replace("/", ".").removesuffix(".__init__")
+    return (
+        path[len("python/") : -len(".py")].replace("/", ".").removesuffix(".__init__")
+    )
 
 
 def _imports(source: str, module: str, is_package: bool) -> set[str]:
@@ -48,7 +50,9 @@ def _added_source(patch_text: str) -> str:
     once each import statement is read alone)."""
     diff = patch_text.partition("\n---\n")[2]
     return "\n".join(
-        line[1:] for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")
+        line[1:]
+        for line in diff.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
     )
 
 
