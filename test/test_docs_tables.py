@@ -13,10 +13,9 @@ import json
 import re
 import shutil
 
+import docs_tables  # noqa: E402
 import pytest
 from conftest import REPO  # also puts tools/ on sys.path
-
-import docs_tables  # noqa: E402
 
 # The pages a reader copies launch lines and build strings from.
 USER_PAGES = [
@@ -43,7 +42,9 @@ def copy(tmp_path):
     shutil.copytree(REPO / "docs", tmp_path / "docs")
     (tmp_path / docs_tables.RESULTS).mkdir(parents=True)
     for t in docs_tables.TABLES.values():
-        shutil.copy(REPO / docs_tables.RESULTS / t.result, tmp_path / docs_tables.RESULTS)
+        shutil.copy(
+            REPO / docs_tables.RESULTS / t.result, tmp_path / docs_tables.RESULTS
+        )
     assert docs_tables.update(tmp_path, write=False) == []
     return tmp_path
 
@@ -79,7 +80,9 @@ def test_a_missing_or_unknown_block_is_found(copy):
     )
     problems = docs_tables.update(copy, write=False)
     assert any("no_such_table" in p for p in problems)
-    assert any("no block '<!-- docs_tables: fast_load_h200_repeat -->'" in p for p in problems)
+    assert any(
+        "no block '<!-- docs_tables: fast_load_h200_repeat -->'" in p for p in problems
+    )
 
 
 def _example_builds(text: str) -> list[int]:

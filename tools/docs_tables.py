@@ -28,7 +28,8 @@ from typing import Any, Callable
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = "benchmark/results"
 BLOCK_RE = re.compile(
-    r"(<!-- docs_tables: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /docs_tables -->)", re.S
+    r"(<!-- docs_tables: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /docs_tables -->)",
+    re.S,
 )
 
 
@@ -59,7 +60,10 @@ def _source(page: str, result: str, data: Any) -> str:
 
 def draft_tau_staging(d: dict) -> str:
     rows = {(r["bs"], r["tau"]): r for r in d["rows"] if r["what"] == "stage params"}
-    out = ["| bs | tau = 1, host | tau = 0.8, host | added |", "| --- | --- | --- | --- |"]
+    out = [
+        "| bs | tau = 1, host | tau = 0.8, host | added |",
+        "| --- | --- | --- | --- |",
+    ]
     for bs in sorted({bs for bs, _ in rows}):
         one, scaled = rows[bs, 1.0], rows[bs, 0.8]
         out.append(
@@ -104,7 +108,9 @@ def hc_fused(d: dict) -> str:
     by = {(r["route"], r["rows"]): r for r in d["rows"]}
     routes = sorted({r for r, _ in by})
     out = [
-        "| rows | " + " | ".join(f"{r}: stock / ours us | ratio" for r in routes) + " |",
+        "| rows | "
+        + " | ".join(f"{r}: stock / ours us | ratio" for r in routes)
+        + " |",
         "| ---: |" + " ---: | ---: |" * len(routes),
     ]
 
@@ -123,7 +129,10 @@ def hc_fused(d: dict) -> str:
         f"`{r}` {'from ' + str(m) + ' rows' if m else 'never'}"
         for r, m in sorted(d["min_rows"].items())
     )
-    return "\n".join(out) + f"\n\nMeasured threshold (ours >= {d['margin']}x stock): {mins}."
+    return (
+        "\n".join(out)
+        + f"\n\nMeasured threshold (ours >= {d['margin']}x stock): {mins}."
+    )
 
 
 def hc_upstream_repeat(text: str) -> str:
@@ -195,10 +204,14 @@ def render(name: str, root: Path = REPO, tables: dict[str, Table] = TABLES) -> s
 
 
 def _pages(root: Path, tables: dict[str, Table]) -> list[Path]:
-    return sorted({*(root / "docs").glob("*.md"), *(root / t.page for t in tables.values())})
+    return sorted(
+        {*(root / "docs").glob("*.md"), *(root / t.page for t in tables.values())}
+    )
 
 
-def update(root: Path = REPO, tables: dict[str, Table] = TABLES, write: bool = True) -> list[str]:
+def update(
+    root: Path = REPO, tables: dict[str, Table] = TABLES, write: bool = True
+) -> list[str]:
     """Regenerate every block (``write``) or only compare; returns the problems found."""
     problems, seen = [], set()
     for page in _pages(root, tables):
@@ -211,7 +224,9 @@ def update(root: Path = REPO, tables: dict[str, Table] = TABLES, write: bool = T
             name = m.group("name")
             seen.add((rel, name))
             if name not in tables or tables[name].page != rel:
-                problems.append(f"{rel}: block {name!r} has no table for this page in TABLES")
+                problems.append(
+                    f"{rel}: block {name!r} has no table for this page in TABLES"
+                )
                 return m.group(0)
             body = render(name, root, tables)
             if body != m.group("body"):
