@@ -70,20 +70,20 @@ def test_base_image_is_the_pinned_release():
 
 
 def test_a_wrong_base_image_or_digest_is_refused():
-    good = "ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23\nFROM ${SGLANG_IMAGE} AS wheel\nFROM ${SGLANG_IMAGE}\n"
-    assert base_image_problems(good, "0.5.23") == []
+    good = "ARG SGLANG_IMAGE=lmsysorg/sglang:v9.8.7\nFROM ${SGLANG_IMAGE} AS wheel\nFROM ${SGLANG_IMAGE}\n"
+    assert base_image_problems(good, "9.8.7") == []
     digest = "sha256:" + "0123456789abcdef" * 4
-    pinned = good.replace("v0.5.23\n", f"v0.5.23@{digest}\n", 1)
-    assert base_image_problems(pinned, "0.5.23") == []
-    assert base_image_problems(good, "0.5.24") == [
-        "lmsysorg/sglang:v0.5.23: not lmsysorg/sglang:v0.5.24"
+    pinned = good.replace("v9.8.7\n", f"v9.8.7@{digest}\n", 1)
+    assert base_image_problems(pinned, "9.8.7") == []
+    assert base_image_problems(good, "9.8.8") == [
+        "lmsysorg/sglang:v9.8.7: not lmsysorg/sglang:v9.8.8"
     ]
-    short = good.replace("v0.5.23\n", "v0.5.23@sha256:abc\n", 1)
-    assert base_image_problems(short, "0.5.23") == [
+    short = good.replace("v9.8.7\n", "v9.8.7@sha256:abc\n", 1)
+    assert base_image_problems(short, "9.8.7") == [
         "sha256:abc: not a digest (sha256:<64 hex>)"
     ]
     other = good + "FROM python:3.12-slim\n"
-    assert len(base_image_problems(other, "0.5.23")) == 1
+    assert len(base_image_problems(other, "9.8.7")) == 1
 
 
 def _exec_form(dockerfile: str, instruction: str):

@@ -108,7 +108,7 @@ def test_a_stale_or_invalid_example_build_is_found():
 
     from sglang.fork import parse_expected_version
 
-    text = "--fork-expect-version 0.5.23+fork.7.xxxxxxx\n"
+    text = "--fork-expect-version 9.8.7+fork.7.xxxxxxx\n"
     assert _example_builds(text) == [7]
     (value,) = _expected_versions(text)
     with pytest.raises(argparse.ArgumentTypeError):
