@@ -1257,3 +1257,40 @@ def test_the_benchmark_runs_end_to_end_at_tiny_size(tmp_path):
     assert fast["read_gb_per_rank"][0] > 0 and fast["slabs_released_after_load"]
     assert "terminate called" not in run.stderr
     assert not (tmp_path / "ckpt").exists()  # the checkpoint it wrote is deleted
+
+
+def _help_problems(help_text: str, pinned: bool) -> list[str]:
+    """What the flag's help says about the slabs against what the engine allocates."""
+    wrong = "pageable" if pinned else "pinned"
+    right = "pinned" if pinned else "pageable"
+    return [f"help says {wrong}"] * (wrong in help_text) + [
+        f"help does not say {right}"
+    ] * (right not in help_text)
+
+
+def test_help_says_the_slabs_the_engine_allocates():
+    """--weight-loader-fast-load's help names the slabs the served loader uses: the engine's
+    iterator passes no pin_memory, so FastLoader's default decides (pageable)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    (action,) = [a for a in parser._actions if a.dest == "weight_loader_fast_load"]
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fl.fast_load_weights_iterator)))
+    (call,) = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "FastLoader"
+    ]
+    assert "pin_memory" not in {k.arg for k in call.keywords}
+    pinned = inspect.signature(FastLoader).parameters["pin_memory"].default
+    assert _help_problems(action.help, pinned) == []
+    # The help as it was (pinned on CUDA) is refused.
+    assert _help_problems("into large (pinned on CUDA) buffers", pinned) == [
+        "help says pinned",
+        "help does not say pageable",
+    ]

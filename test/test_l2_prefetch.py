@@ -1,4 +1,5 @@
-"""L2 prefetch at collective points (srt/distributed/l2_prefetch.py, kernels/ops/memory/l2_prefetch.py).
+"""L2 prefetch at collective points (benchmark/l2/l2_prefetch_planner.py, l2_prefetch_kernel.py there:
+not in the wheel, no engine code calls them; docs/l2_prefetch.md).
 
 CPU: the planning logic: a learning forward records the weights read between collective
 points, a replay prefetches the first budget bytes of the next span at each point, a replay that
@@ -11,12 +12,15 @@ changes no byte, and the prefetcher forks and joins inside a CUDA-graph capture.
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
+from conftest import REPO
 
-from sglang.kernels.ops.memory.l2_prefetch import CHUNK_BYTES, chunk_table
-from sglang.srt.distributed.l2_prefetch import L2PrefetchPlanner, weight_of
+sys.path.insert(0, str(REPO / "benchmark" / "l2"))
+from l2_prefetch_kernel import CHUNK_BYTES, chunk_table  # noqa: E402
+from l2_prefetch_planner import L2PrefetchPlanner, weight_of  # noqa: E402
 
 MB = 1 << 20
 
@@ -65,7 +69,7 @@ def test_mismatch_disables_the_key_and_logs(caplog):
     p = L2PrefetchPlanner()
     _forward(p, "k", SPANS)
     other = [SPANS[0], [W["shared"], W["router"]], SPANS[2], SPANS[3]]
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.distributed.l2_prefetch"):
+    with caplog.at_level(logging.WARNING, logger="l2_prefetch_planner"):
         assert _forward(p, "k", other)[2] == "mismatch"
     assert (
         "MISMATCH for 'k': span 0 read ['shared', 'router'] where the plan has ['router', 'shared']"
@@ -118,7 +122,7 @@ def test_chunk_table():
 def test_prefetcher_defaults_to_the_current_cuda_device(monkeypatch):
     """No device given: the current CUDA device (a regression: a (type, index) tuple is not a
     torch.device argument, which only the GPU test caught)."""
-    from sglang.srt.distributed.l2_prefetch import L2Prefetcher
+    from l2_prefetch_planner import L2Prefetcher
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: ("stream", device))
@@ -137,7 +141,7 @@ def test_prefetcher_defaults_to_the_current_cuda_device(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_kernel_emits_the_bulk_prefetch_and_changes_nothing():
-    from sglang.kernels.ops.memory import l2_prefetch as k
+    import l2_prefetch_kernel as k
 
     w = torch.randn(6 * MB // 2, device="cuda", dtype=torch.bfloat16)
     before = w.clone()
@@ -153,7 +157,7 @@ def test_gpu_kernel_emits_the_bulk_prefetch_and_changes_nothing():
 
 @pytest.mark.gpu
 def test_gpu_prefetcher_in_a_captured_graph():
-    from sglang.srt.distributed.l2_prefetch import L2Prefetcher
+    from l2_prefetch_planner import L2Prefetcher
 
     ws = [
         torch.randn(2048, 1536, device="cuda", dtype=torch.bfloat16) for _ in range(4)

@@ -1,4 +1,4 @@
-"""Pad-K (sglang/srt/layers/quantization/pad_k.py): a linear's K padded to a backend's granule.
+"""Pad-K (test/pad_k.py: not in the wheel, no engine code calls it; docs/b12x-mxfp8-linear.md): a linear's K padded to a backend's granule.
 
 CPU: the plan (granule, scale blocks, refusals), the padded weight and scales (fp32 block
 scales, e8m0 bytes, float8_e8m0fnu, a partial last block), the input buffer (tail zero across
@@ -17,13 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from conftest import HAS_CUDA
-
-from sglang.srt.layers.quantization.pad_k import (
-    E8M0_ONE,
-    KPad,
-    pad_block_scales_k,
-    plan_k_pad,
-)
+from pad_k import E8M0_ONE, KPad, pad_block_scales_k, plan_k_pad
 
 
 def test_plan():

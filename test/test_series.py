@@ -722,6 +722,12 @@ TOOL_TESTS = {
     "test/test_gb10_validate.py",
     "test/test_benchmark_readmes.py",
     "test/test_provenance.py",
+    "test/test_upstream_tables.py",
+    "test/test_reachable.py",
+    "test/test_docs_tables.py",
+    # modules outside the wheel, beside their tests and benchmarks (no patch ships them)
+    "test/test_pad_k.py",
+    "test/test_l2_prefetch.py",
 }
 
 

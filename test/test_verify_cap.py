@@ -26,7 +26,10 @@ import pytest
 import torch
 from conftest import REPO
 
-from sglang.kernels.ops.speculative.dspark.chain_verify_ref import chain_verify_ref
+# Not in the wheel (no engine code uses it): benchmark/dspark/ holds it.
+sys.path.insert(0, str(REPO / "benchmark" / "dspark"))
+from chain_verify_ref import chain_verify_ref  # noqa: E402
+
 from sglang.srt.speculative.dspark_components import dspark_verify_cap as vc
 
 GAMMA = 5

@@ -15,11 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harness.py
 
+from chain_verify_ref import chain_verify_ref  # noqa: E402
 from harness import parse_args, report  # noqa: E402
 
-from sglang.kernels.ops.speculative.dspark.chain_verify_ref import (  # noqa: E402
-    chain_verify_ref,
-)
 from sglang.srt.speculative.dspark_components.dspark_verify_cap import (  # noqa: E402
     mask_dead_draft_probs,
 )

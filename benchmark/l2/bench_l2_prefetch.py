@@ -27,11 +27,7 @@ import harness  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-
-from sglang.srt.distributed.l2_prefetch import (  # noqa: E402
-    L2Prefetcher,
-    L2PrefetchPlanner,
-)
+from l2_prefetch_planner import L2Prefetcher, L2PrefetchPlanner  # noqa: E402
 
 K = 5120
 MB = 1 << 20

@@ -31,11 +31,7 @@ sys.path.insert(0, str(REPO / "benchmark"))
 import harness  # noqa: E402
 import torch  # noqa: E402
 from bench_l2_prefetch import MB, K, spin  # noqa: E402
-
-from sglang.kernels.ops.memory.l2_prefetch import (  # noqa: E402
-    _l2_prefetch_kernel,
-    chunk_table,
-)
+from l2_prefetch_kernel import _l2_prefetch_kernel, chunk_table  # noqa: E402
 
 MODES = ("cold", "bulk-32", "bulk-1", "read", "warm")
 

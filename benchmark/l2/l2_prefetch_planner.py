@@ -1,13 +1,16 @@
 """L2 prefetch at collective points: while a collective runs, a side-stream kernel pulls the
 first megabytes of the weights that the next linears read into L2.
 
+Lives here, not in the wheel: it is not wired to the engine's collectives, and on one H200 it
+did not help (docs/l2_prefetch.md).
+
 At decode sizes a linear is a stream of its weight, and the first bytes arrive cold after every
 collective; the collective itself leaves HBM idle. ``L2PrefetchPlanner`` learns, per forward key
 (a captured graph's shape), the weights read between consecutive collective points (a learning
 forward records them in order), and later forwards of that key replay the plan:
 ``L2Prefetcher`` forks a side stream at each collective point, issues
 ``cp.async.bulk.prefetch.L2`` for the first ``budget_bytes`` of the next span's weights
-(kernels/ops/memory/l2_prefetch.py), and joins it at the next collective point (or the end of
+(l2_prefetch_kernel.py, beside this file), and joins it at the next collective point (or the end of
 the forward).
 
 INVARIANTS. A prefetch never changes memory or results; a plan only decides which bytes are
@@ -137,7 +140,7 @@ class L2Prefetcher:
     next one."""
 
     def __init__(self, planner: L2PrefetchPlanner, device=None):
-        from sglang.kernels.ops.memory.l2_prefetch import chunk_table
+        from l2_prefetch_kernel import chunk_table
 
         self.planner = planner
         if device is None:
@@ -173,7 +176,7 @@ class L2Prefetcher:
                     "plans must be learned (and their tables built) before capture"
                 )
             table = self._tables[(key, index)] = self._chunk_table(ranges, self.device)
-        from sglang.kernels.ops.memory.l2_prefetch import l2_prefetch
+        from l2_prefetch_kernel import l2_prefetch
 
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):

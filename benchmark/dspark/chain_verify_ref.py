@@ -1,5 +1,8 @@
 """Torch twin of chain_speculative_sampling_triton (reject_sampling.py), vectorized over rows.
 
+Lives here, not in the wheel: no engine code calls it (test/test_verify_cap.py and
+bench_block_verify.py import it from this folder).
+
 Same decisions from the same uniforms: token-wise rejection (accept draft i when
 u_i * q_i(x_i) < p_i(x_i)) and block verification (Sun et al. 2024, Algorithm 2, as the
 kernel runs it: weights w_i = min(w_{i-1} p/q, 1), backward scan with the residual mass).

@@ -1,5 +1,7 @@
 """Prefetch byte ranges of device memory into L2 with ``cp.async.bulk.prefetch.L2`` (SM90+).
 
+Lives here, not in the wheel: nothing in the engine calls it (docs/l2_prefetch.md).
+
 One lane per chunk issues one bulk prefetch (the TMA unit of its SM fetches the range into L2;
 no register or shared memory is written), so a plan of a few MB costs a handful of CTAs. The
 prefetch is a hint: it never changes memory, and the reads that follow are the same.

@@ -1,5 +1,9 @@
 """Pad a quantized linear's contraction dim K up to a GEMM backend's granule.
 
+Lives in test/, not in the wheel: no backend of the fork calls it (b12x's MXFP8 GEMM takes
+K = 576 as it is, docs/b12x-mxfp8-linear.md); test/test_pad_k.py keeps it proven for the
+backend that will.
+
 A backend whose kernel takes only K % granule == 0 (FlashInfer's b12x MXFP8 GEMM on SM12x needs
 K % 128; DeepSeek-V4.1's shared-expert ``down_proj`` at TP4 has K = 576) declares its granule
 and calls ``plan_k_pad``; the layer then keeps a ``KPad`` that pads the weight once at load

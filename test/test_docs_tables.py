@@ -1,0 +1,115 @@
+"""The docs' measured tables are their result files' (tools/docs_tables.py), and the build strings
+a reader copies from the docs are valid for this series.
+
+A figure lives once: a page's generated block must equal what ``tools/docs_tables.py`` renders
+from its result file, every table the script knows has its block, and a block names a table of
+its page. A launch example's ``--fork-expect-version`` value must be one the flag accepts, and an
+example build carries the series' patch count.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import docs_tables  # noqa: E402
+import pytest
+from conftest import REPO  # also puts tools/ on sys.path
+
+# The pages a reader copies launch lines and build strings from.
+USER_PAGES = [
+    "README.md",
+    "docker/README.md",
+    "docs/fork-identity.md",
+    "docs/serving.md",
+]
+
+
+def test_every_generated_table_matches_its_result_file():
+    assert docs_tables.update(write=False) == []
+
+
+def test_every_table_of_the_script_is_on_its_page():
+    for name, table in docs_tables.TABLES.items():
+        assert f"<!-- docs_tables: {name} -->" in (REPO / table.page).read_text()
+        assert (REPO / docs_tables.RESULTS / table.result).is_file()
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """docs/ and the result files the tables read, in a scratch repository."""
+    shutil.copytree(REPO / "docs", tmp_path / "docs")
+    (tmp_path / docs_tables.RESULTS).mkdir(parents=True)
+    for t in docs_tables.TABLES.values():
+        shutil.copy(
+            REPO / docs_tables.RESULTS / t.result, tmp_path / docs_tables.RESULTS
+        )
+    assert docs_tables.update(tmp_path, write=False) == []
+    return tmp_path
+
+
+def test_a_figure_edited_in_a_page_is_found_and_rewritten(copy):
+    page = copy / "docs/draft-temperature-scale.md"
+    page.write_text(page.read_text().replace("4.1e-201", "4.5e-192"))
+    (problem,) = docs_tables.update(copy, write=False)
+    assert "e2e_tau_control" in problem and "e2e-NVIDIA_H200.json" in problem
+    docs_tables.update(copy)  # the script rewrites it from the file
+    assert "4.1e-201" in page.read_text()
+    assert docs_tables.update(copy, write=False) == []
+
+
+def test_a_result_file_changed_under_its_table_is_found(copy):
+    path = copy / docs_tables.RESULTS / "hc_fused-NVIDIA_H200.json"
+    data = json.loads(path.read_text())
+    data["rows"][-1]["ratio"] = 2.0
+    path.write_text(json.dumps(data))
+    (problem,) = docs_tables.update(copy, write=False)
+    assert "docs/hc_fused.md" in problem and "'hc_fused'" in problem
+
+
+def test_a_missing_or_unknown_block_is_found(copy):
+    page = copy / "docs/fast-load.md"
+    text = page.read_text()
+    start = text.index("<!-- docs_tables: fast_load_h200_repeat -->")
+    end = text.index("<!-- /docs_tables -->", start) + len("<!-- /docs_tables -->")
+    page.write_text(
+        text[:start]
+        + "<!-- docs_tables: no_such_table -->\n<!-- /docs_tables -->"
+        + text[end:]
+    )
+    problems = docs_tables.update(copy, write=False)
+    assert any("no_such_table" in p for p in problems)
+    assert any(
+        "no block '<!-- docs_tables: fast_load_h200_repeat -->'" in p for p in problems
+    )
+
+
+def _example_builds(text: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\+fork\.(\d+)\.[0-9a-fx]{7}\b", text)]
+
+
+def _expected_versions(text: str) -> list[str]:
+    return re.findall(r"--fork-expect-version[ \t]+(\d[^\s`]*)", text)
+
+
+def test_example_builds_and_expected_versions_are_valid_for_this_series(series):
+    from sglang.fork import parse_expected_version
+
+    for rel in USER_PAGES:
+        text = (REPO / rel).read_text()
+        assert set(_example_builds(text)) <= {len(series)}, rel
+        for value in _expected_versions(text):
+            assert parse_expected_version(value) == value, rel
+
+
+def test_a_stale_or_invalid_example_build_is_found():
+    import argparse
+
+    from sglang.fork import parse_expected_version
+
+    text = "--fork-expect-version 9.8.7+fork.7.xxxxxxx\n"
+    assert _example_builds(text) == [7]
+    (value,) = _expected_versions(text)
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_expected_version(value)

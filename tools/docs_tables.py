@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""The measured tables of docs/, generated from the result files in benchmark/results/.
+
+A figure lives once, in its result file: a page carries it only inside a generated block,
+
+    <!-- docs_tables: NAME -->
+    ... what TABLES[NAME] renders from its result file ...
+    <!-- /docs_tables -->
+
+which this script rewrites (``python3 tools/docs_tables.py``) or checks (``--check``: exit 1
+naming each page whose block differs from its file, a block with no table of that name, or a
+table whose block is missing from its page). test/test_docs_tables.py runs the check in CI.
+
+A new table is a render function of the result file's parsed content (JSON, or the text of a
+``.txt`` file) returning markdown, added to TABLES with its page and file; then run the script
+once and commit the page. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = "benchmark/results"
+BLOCK_RE = re.compile(
+    r"(<!-- docs_tables: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /docs_tables -->)",
+    re.S,
+)
+
+
+@dataclass(frozen=True)
+class Table:
+    page: str  # relative to the repository
+    result: str  # file name in benchmark/results/
+    render: Callable[[Any], str]
+
+
+def _g(x: float) -> str:
+    """Microseconds as a table shows them: 3 significant figures, whole numbers from 100 up."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def _source(page: str, result: str, data: Any) -> str:
+    """The line under a table: its result file, linked from the page, and the build that wrote it."""
+    rel = Path("../" * (page.count("/"))) / RESULTS / result
+    build = data.get("fork_version") if isinstance(data, dict) else None
+    device = data.get("device") if isinstance(data, dict) else None
+    device = device.replace("_", " ") if device else None
+    extra = ", ".join(x for x in (device, f"build {build}" if build else None) if x)
+    return f"From [`{result}`]({rel.as_posix()})" + (f" ({extra})." if extra else ".")
+
+
+# --- draft temperature scale -------------------------------------------------------------
+
+
+def draft_tau_staging(d: dict) -> str:
+    rows = {(r["bs"], r["tau"]): r for r in d["rows"] if r["what"] == "stage params"}
+    out = [
+        "| bs | tau = 1, host | tau = 0.8, host | added |",
+        "| --- | --- | --- | --- |",
+    ]
+    for bs in sorted({bs for bs, _ in rows}):
+        one, scaled = rows[bs, 1.0], rows[bs, 0.8]
+        out.append(
+            f"| {bs} | {one['host_us']:.1f} us | {scaled['host_us']:.1f} us "
+            f"| {scaled['extra_host_us']:.1f} us |"
+        )
+    return "\n".join(out)
+
+
+def draft_tau_alpha(d: dict) -> str:
+    alpha: dict[str, dict[float, float]] = {}
+    for r in d["rows"]:
+        if m := re.fullmatch(r"alpha synthetic T=(\S+)", r["what"]):
+            alpha.setdefault(m.group(1), {})[r["tau"]] = r["alpha"]
+    taus = sorted({t for row in alpha.values() for t in row})
+    out = [
+        "| T | " + " | ".join(f"tau = {t:g}" for t in taus) + " |",
+        "| --- |" + " --- |" * len(taus),
+    ]
+    for temp in sorted(alpha, key=float, reverse=True):
+        out.append(
+            f"| {temp} | " + " | ".join(f"{alpha[temp][t]:.2f}" for t in taus) + " |"
+        )
+    return "\n".join(out)
+
+
+def e2e_tau_control(d: dict) -> str:
+    row = d["rows"]["tau_0.7"]
+    control = d["rows"]["off"]["negative_control_target_at_0.7T"]["min_p"]
+    ok = "passed" if row["ok"] else "FAILED"
+    return (
+        f"On the {d['device'].replace('_', ' ')}, row `tau_0.7` {ok} (smallest p against the flags-off row "
+        f"{row['sampled_vs_off']['min_p']:.2g}); the matrix's broken-rule control (the target "
+        f"itself sampled at 0.7 T) was refused at p = {control:.1e}."
+    )
+
+
+# --- hyper-connection mix statistics -------------------------------------------------------
+
+
+def hc_fused(d: dict) -> str:
+    by = {(r["route"], r["rows"]): r for r in d["rows"]}
+    routes = sorted({r for r, _ in by})
+    out = [
+        "| rows | "
+        + " | ".join(f"{r}: stock / ours us | ratio" for r in routes)
+        + " |",
+        "| ---: |" + " ---: | ---: |" * len(routes),
+    ]
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "- | -"
+        if r["ours_us"] is None:
+            return f"{_g(r['stock_us'])} / stock | -"
+        return f"{_g(r['stock_us'])} / {_g(r['ours_us'])} | {r['ratio']:.2f}"
+
+    for rows in sorted({n for _, n in by}):
+        out.append(
+            f"| {rows} | " + " | ".join(cell(by.get((r, rows))) for r in routes) + " |"
+        )
+    mins = ", ".join(
+        f"`{r}` {'from ' + str(m) + ' rows' if m else 'never'}"
+        for r, m in sorted(d["min_rows"].items())
+    )
+    return (
+        "\n".join(out)
+        + f"\n\nMeasured threshold (ours >= {d['margin']}x stock): {mins}."
+    )
+
+
+def hc_upstream_repeat(text: str) -> str:
+    """Per input (rows, seed): of 7 repeated calls, how many gave other bits than the first,
+    and the most rows one call changed (of pre, post and comb)."""
+    out = [
+        "| rows | input | calls differing from the first (of 7) | most rows differing in one call |",
+        "| ---: | ---: | ---: | ---: |",
+    ]
+    for m in re.finditer(r"^m=(\d+) seed=(\d+) stock repeat: \[(.*)\]$", text, re.M):
+        calls = re.findall(r"'([^']*)'", m.group(3))
+        counts = [
+            max(int(n) for n in re.findall(r":(\d+) rows", call)) for call in calls
+        ]
+        out.append(
+            f"| {m.group(1)} | {m.group(2)} | {sum(c > 0 for c in counts)} | {max(counts)} |"
+        )
+    return "\n".join(out)
+
+
+# --- fast load -------------------------------------------------------------------------------
+
+
+def fast_load(d: dict) -> str:
+    out = [
+        "| iterator | ranks | split | wall s | GB/s | peak RSS GB (max rank) | of it private / file-backed |",
+        "| --- | ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['iterator']} | {r['ranks']} | {r['split']} | {r['wall_s']:.1f} "
+            f"| {r['checkpoint_gbps']:.2f} | {r['peak_rss_gb_max_rank']:.2f} "
+            f"| {r['peak_rss_anon_gb_max_rank']:.2f} / {r['peak_rss_file_gb_max_rank']:.2f} |"
+        )
+    return "\n".join(out)
+
+
+TABLES: dict[str, Table] = {
+    "draft_tau_staging": Table(
+        "docs/draft-temperature-scale.md",
+        "draft_tau-NVIDIA_H200.json",
+        draft_tau_staging,
+    ),
+    "draft_tau_alpha": Table(
+        "docs/draft-temperature-scale.md", "draft_tau-NVIDIA_H200.json", draft_tau_alpha
+    ),
+    "e2e_tau_control": Table(
+        "docs/draft-temperature-scale.md", "e2e-NVIDIA_H200.json", e2e_tau_control
+    ),
+    "hc_fused": Table("docs/hc_fused.md", "hc_fused-NVIDIA_H200.json", hc_fused),
+    "hc_upstream_repeat": Table(
+        "docs/hc_fused.md", "hc-upstream-repeat-NVIDIA_H200.txt", hc_upstream_repeat
+    ),
+    "fast_load_h200": Table(
+        "docs/fast-load.md", "fast_load-NVIDIA_H200.json", fast_load
+    ),
+    "fast_load_h200_repeat": Table(
+        "docs/fast-load.md", "fast_load_ep4_repeat-NVIDIA_H200.json", fast_load
+    ),
+}
+
+
+def render(name: str, root: Path = REPO, tables: dict[str, Table] = TABLES) -> str:
+    """The block's body: the table from its result file, then the line linking that file."""
+    t = tables[name]
+    path = root / RESULTS / t.result
+    data = json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+    return f"{t.render(data)}\n\n{_source(t.page, t.result, data)}\n"
+
+
+def _pages(root: Path, tables: dict[str, Table]) -> list[Path]:
+    return sorted(
+        {*(root / "docs").glob("*.md"), *(root / t.page for t in tables.values())}
+    )
+
+
+def update(
+    root: Path = REPO, tables: dict[str, Table] = TABLES, write: bool = True
+) -> list[str]:
+    """Regenerate every block (``write``) or only compare; returns the problems found."""
+    problems, seen = [], set()
+    for page in _pages(root, tables):
+        if not page.exists():
+            continue
+        rel = page.relative_to(root).as_posix()
+        text = page.read_text()
+
+        def sub(m: re.Match) -> str:
+            name = m.group("name")
+            seen.add((rel, name))
+            if name not in tables or tables[name].page != rel:
+                problems.append(
+                    f"{rel}: block {name!r} has no table for this page in TABLES"
+                )
+                return m.group(0)
+            body = render(name, root, tables)
+            if body != m.group("body"):
+                problems.append(
+                    f"{rel}: block {name!r} differs from {RESULTS}/{tables[name].result}"
+                    " (python3 tools/docs_tables.py rewrites it)"
+                )
+            return m.group(1) + body + m.group(4)
+
+        new = BLOCK_RE.sub(sub, text)
+        if write and new != text:
+            page.write_text(new)
+    for name, t in tables.items():
+        if (t.page, name) not in seen:
+            problems.append(
+                f"{t.page}: no block '<!-- docs_tables: {name} -->' for {RESULTS}/{t.result}"
+            )
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    check = "--check" in argv
+    problems = update(write=not check)
+    stale = [p for p in problems if not check and "differs from" in p]
+    for p in problems:
+        if p not in stale:
+            print(p, file=sys.stderr)
+    if check:
+        return 1 if problems else 0
+    for p in stale:
+        print("rewrote " + p.split(" (")[0])
+    return 1 if len(problems) > len(stale) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
