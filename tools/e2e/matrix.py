@@ -1119,12 +1119,11 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
                 0 < spec.get("accepted_drafts_per_step", GAMMA) < GAMMA
             )
         if "--enable-loop-abort" in row.args:
-            checks["greedy_prompts_not_looped"] = g["finish"] == ["length"]
+            checks["greedy_prompts_not_looped"] = "loop" not in g["finish"]
     if "loop" in rec:
         checks["looping_request_aborted"] = rec["loop"]["greedy_finish"] == "loop"
-        checks["sampled_request_not_aborted"] = (
-            rec["loop"]["sampled_finish"] == "length"
-        )
+        # EOS may end the sampled one (it is honoured here); only a loop finish fails
+        checks["sampled_request_not_aborted"] = rec["loop"]["sampled_finish"] != "loop"
     if "thinking_disagreeing_switches" in rec:
         checks["disagreeing_switches_refused"] = rec[
             "thinking_disagreeing_switches"
