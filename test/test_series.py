@@ -712,6 +712,8 @@ TOOL_TESTS = {
     "test/test_series.py",
     "test/test_rebase.py",
     "test/test_export.py",
+    "test/test_export_hooks.py",
+    "test/test_format.py",
     "test/test_e2e_cpu.py",
     "test/test_e2e_tools.py",
     "test/test_gpu_bundle_smoke.py",
