@@ -194,6 +194,7 @@ def cfg(**kw):
         engram_row_store_dir=None,
         engram_row_store_cache_gib=None,
         enable_torch_compile=False,
+        engram_prefetch="off",
     )
     base.update(kw)
     return SimpleNamespace(**base)
@@ -236,6 +237,24 @@ def test_validate(tmp_path, monkeypatch):
             argparse.ArgumentTypeError, match="--engram-row-store-cache-gib .*accepted"
         ):
             rs.parse_engram_row_store_cache_gib(bad)
+
+
+def test_validate_through_server_args_resolution(tmp_path, llama_config):
+    """The hook reads upstream's and 0015's fields by name: a renamed field fails here."""
+    from conftest import resolve_server_args
+
+    d = str(tmp_path)
+    with pytest.raises(ValueError, match="cannot be used with --engram-prefetch=on"):
+        resolve_server_args(llama_config, engram_row_store_dir=d, engram_prefetch="on")
+    with pytest.raises(ValueError, match="--enable-torch-compile"):
+        resolve_server_args(
+            llama_config, engram_row_store_dir=d, enable_torch_compile=True
+        )
+    with pytest.raises(ValueError, match="the model has no Engram tables"):
+        resolve_server_args(llama_config, engram_row_store_dir=d)
+    with pytest.raises(ValueError, match="does nothing without --engram-row-store-dir"):
+        resolve_server_args(llama_config, engram_row_store_cache_gib=4.0)
+    resolve_server_args(llama_config)
 
 
 def test_validate_on_a_release_without_peer_shards(tmp_path, monkeypatch):

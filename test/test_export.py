@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from fakefork import BASE, TAG, Spec, make_fork, set_line
 from forklib import ForkError
 from forklib.export import export
+from forklib.hooks import check_diff
 from forklib.pin import fetch_pinned, load_pin
 
 SPECS = [
@@ -84,7 +86,8 @@ def test_export_names_the_patch_it_depends_on(fork):
 
 
 def test_every_real_patch_exports_alone(tmp_path, series):
-    """Each patch of the series, alone with the files it owns, applies to a clean tree of the pinned release."""
+    """Each patch of the series, alone with the files it owns, applies to a clean tree of the
+    pinned release and passes upstream's Python pre-commit hooks there."""
     tree = clean_tree(fetch_pinned(load_pin(), TAG), tmp_path / "clean")
 
     def export_some(
@@ -97,9 +100,14 @@ def test_every_real_patch_exports_alone(tmp_path, series):
             text = diff.read_text()
             assert all(f"b/{own}" in text for own in patch.owns)
             assert all(flag in md.read_text() for flag in patch.flags)
+            # upstream's Python pre-commit hooks, on our lines (test_export_hooks.py)
+            hooks = check_diff(diff, tree, Path(sys.executable).parent)
+            problems.extend(f"{patch.name}: {p}" for p in hooks)
 
+    problems: list[str] = []
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(export_some, range(2)))
+    assert problems == [], "\n".join(problems)
 
 
 # ---------------------------------------------------------------------------- dependencies (issue 19, item 5)

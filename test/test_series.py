@@ -713,6 +713,7 @@ TOOL_TESTS = {
     "test/test_rebase.py",
     "test/test_export.py",
     "test/test_docs.py",
+    "test/test_export_hooks.py",
     "test/test_format.py",
     "test/test_e2e_cpu.py",
     "test/test_e2e_tools.py",

@@ -64,21 +64,62 @@ def test_parse_rejects_malformed_values_listing_the_forms(bad):
         _validate(bad)
 
 
-def _validate(cap, **kw):
-    args = dict(
-        cap=cap,
-        cap_min=None,
-        log_path=None,
-        algorithm="DSPARK",
-        gamma=GAMMA,
-        ragged_mode="static",
+# the validator's old keyword -> the upstream / fork field it reads
+_FIELDS = dict(
+    cap_min="speculative_dspark_verify_cap_min",
+    log_path="speculative_dspark_verify_cap_log",
+    algorithm="speculative_algorithm",
+    attn_dp_size="attn_dp_size",
+    max_running_requests="max_running_requests",
+    moe_a2a_backend="moe_a2a_backend",
+    tp_size="tp_size",
+    device="device",
+)
+
+
+def _validate(
+    cap, *, gamma=GAMMA, ragged_mode="static", arch="DeepseekV4ForCausalLM", **kw
+):
+    """validate_verify_cap on a stand-in with the fields it reads (the real-resolution test
+    below holds the names to upstream's), the ragged mode and the target's architecture.
+    """
+    from unittest import mock
+
+    # imported before the patch below: a module importing model_config_of by name while it is
+    # patched would keep the stand-in for the rest of the session
+    import sglang.srt.arg_groups.overrides  # noqa: F401
+    import sglang.srt.arg_groups.pipeline  # noqa: F401
+    from sglang.srt.speculative import ragged_verify
+
+    fields = dict(
+        speculative_dspark_verify_cap=cap,
+        speculative_dspark_verify_cap_min=None,
+        speculative_dspark_verify_cap_log=None,
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=gamma + 1,
+        attn_dp_size=1,
+        max_running_requests=None,
+        moe_a2a_backend="none",
+        tp_size=1,
+        device="cuda",
     )
-    args.update(kw)
-    return vc.validate_verify_cap(**args)
+    fields.update({_FIELDS[k]: v for k, v in kw.items()})
+    config = types.SimpleNamespace(
+        hf_config=types.SimpleNamespace(architectures=[arch])
+    )
+    with mock.patch.object(
+        ragged_verify,
+        "read_ragged_verify_mode",
+        lambda: types.SimpleNamespace(value=ragged_mode),
+    ), mock.patch(
+        "sglang.srt.arg_groups.model_override_base.model_config_of",
+        lambda sa: config,
+    ):
+        return vc.validate_verify_cap(types.SimpleNamespace(**fields))
 
 
 def test_validate_cross_flag_rules():
-    assert _validate(None, gamma=None) is None
+    assert _validate(None) is None
     assert _validate("5").fixed == 5
     assert _validate("conf:0.1,0.2,0.3,0.4").thresholds == (0.1, 0.2, 0.3, 0.4)
     assert _validate("3", max_running_requests=vc.MAX_REQUESTS).fixed == 3
@@ -104,46 +145,56 @@ def test_validate_cross_flag_rules():
             "--moe-a2a-backend deepep at tp 4",
         ),
         ("3", {"device": "npu:0"}, "NPU top-k route"),
+        ("3", {"arch": "Qwen3MoeForCausalLM"}, "target is Qwen3MoeForCausalLM"),
     ]:
         with pytest.raises(ValueError, match=msg):
             _validate(cap, **kw)
 
 
-def test_validate_accepts_what_the_cap_serves(tmp_path, monkeypatch):
-    """A DeepSeek-V4 target (its architecture read from the model config only with the cap on),
-    an a2a backend on one rank (no scatter before the router), a log in a writable directory.
-    """
-    import sglang.srt.arg_groups.model_override_base as mob
-
-    arch, reads = {"a": "DeepseekV4ForCausalLM"}, []
-    monkeypatch.setattr(
-        mob,
-        "model_config_of",
-        lambda sa: reads.append(sa)
-        or types.SimpleNamespace(
-            hf_config=types.SimpleNamespace(architectures=[arch["a"]])
-        ),
-    )
-    assert (
-        _validate("3", server_args=object(), moe_a2a_backend="deepep", tp_size=1).fixed
-        == 3
-    )
-    arch["a"] = "Qwen3MoeForCausalLM"
-    with pytest.raises(
-        ValueError, match="target is Qwen3MoeForCausalLM; only DeepseekV4ForCausalLM"
-    ):
-        _validate("3", server_args=object())
-    assert (
-        len(reads) == 2
-        and _validate(None, server_args=object()) is None
-        and len(reads) == 2
-    )
+def test_validate_accepts_what_the_cap_serves(tmp_path):
+    """A DeepSeek-V4 target, an a2a backend on one rank (no scatter before the router), a log
+    in a writable directory."""
+    assert _validate("3", moe_a2a_backend="deepep", tp_size=1).fixed == 3
     assert _validate(
         "conf:0.1",
         moe_a2a_backend="none",
         tp_size=8,
         log_path=str(tmp_path / "cap.bin"),
     )
+
+
+def test_validate_through_server_args_resolution(llama_config, monkeypatch):
+    """The hook's one call reads upstream's fields by name: through ServerArgs' real resolution
+    (refused without DSPARK), and on a real ServerArgs record for the DSPARK-only fields, so a
+    renamed upstream field fails here."""
+    from conftest import resolve_server_args
+
+    from sglang.srt.server_args import ServerArgs
+
+    with pytest.raises(ValueError, match="needs --speculative-algorithm DSPARK"):
+        resolve_server_args(llama_config, speculative_dspark_verify_cap="3")
+    with pytest.raises(ValueError, match="need --speculative-dspark-verify-cap"):
+        resolve_server_args(llama_config, speculative_dspark_verify_cap_min=2)
+    resolve_server_args(llama_config)
+    sa = ServerArgs(
+        model_path=str(llama_config),
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=GAMMA + 1,
+        speculative_dspark_verify_cap="3",
+        tp_size=4,
+        moe_a2a_backend="deepep",
+    )
+    import sglang.srt.arg_groups.model_override_base as mob
+
+    monkeypatch.setattr(
+        mob,
+        "model_config_of",
+        lambda sa: types.SimpleNamespace(
+            hf_config=types.SimpleNamespace(architectures=["DeepseekV4ForCausalLM"])
+        ),
+    )
+    with pytest.raises(ValueError, match="--moe-a2a-backend deepep at tp 4"):
+        vc.validate_verify_cap(sa)
 
 
 def test_bad_flag_value_is_an_argparse_error():

@@ -138,26 +138,24 @@ class _Attn(torch.nn.Module):
         self.n_local_groups, self.o_lora_rank = w.shape[0], w.shape[1]
         self.wo_a = torch.nn.Linear(w.shape[2], w.shape[0] * w.shape[1], bias=False)
         self.wo_a.weight.data = w.reshape(-1, w.shape[2]).clone()
+        self.wo_a_twin = None  # as MqaAttentionBase declares it
 
 
 def test_build_off_is_upstream_and_build_counts(monkeypatch):
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     good, bad = twin_weight(2, 64, 1024, 1, "cpu"), twin_weight(2, 64, 1024, 2, "cpu")
     bad[1, 3, 3] = 1.0 + 2**-7
     model = torch.nn.ModuleDict({"a": _Attn(good), "b": _Attn(bad)})
-    assert (
-        twin_mod.build_wo_a_fp8_twins(model, "off", "target") == (0, 0)
-        and not twin_mod._TWINS
-    )
+    assert twin_mod.build_wo_a_fp8_twins(model, "off", "target") == (0, 0)
+    assert model["a"].wo_a_twin is None and model["b"].wo_a_twin is None
     assert not any(hasattr(m, "_derived_weight_cache_error") for m in model.modules())
     assert twin_mod.build_wo_a_fp8_twins(model, "small", "target") == (1, 1)
-    assert list(twin_mod._TWINS) == [model["a"].wo_a.weight.data_ptr()]
-    # off after a model with twins (an earlier model of this process): none may serve
-    assert twin_mod.build_wo_a_fp8_twins(torch.nn.ModuleDict(), "off", "target") == (
-        0,
-        0,
-    )
-    assert not twin_mod._TWINS
+    twin = model["a"].wo_a_twin
+    assert twin.weight_ptr == model["a"].wo_a.weight.data_ptr() and twin.mode == "small"
+    assert model["b"].wo_a_twin is None  # no exact twin: stock
+    # another model of this process, built with the flag off, holds no twin of this one's
+    other = torch.nn.ModuleDict({"a": _Attn(good)})
+    assert twin_mod.build_wo_a_fp8_twins(other, "off", "target") == (0, 0)
+    assert other["a"].wo_a_twin is None
 
 
 def test_flag_off_imports_nothing_of_ours():
@@ -186,7 +184,6 @@ def test_twins_refuse_online_weight_updates_and_survive_post_load_again(
     )
 
     for mode in ("small", "drop"):
-        monkeypatch.setattr(twin_mod, "_TWINS", {})
         model = _two_layer_model(70)
         assert _unsupported_derived_weight_cache_error(model) is None
         assert twin_mod.build_wo_a_fp8_twins(model, mode, "target") == (2, 0)
@@ -194,15 +191,13 @@ def test_twins_refuse_online_weight_updates_and_survive_post_load_again(
         assert (
             reason and f"--dsv4-wo-a-fp8-twin={mode}" in reason and "l0.wo_a" in reason
         )
-        twins, keys = [model[n]._wo_a_fp8_twin for n in ("l0", "l1")], dict(
-            twin_mod._TWINS
-        )
+        twins = [model[n].wo_a_twin for n in ("l0", "l1")]
+        ptrs = [t.weight_ptr for t in twins]
         with caplog.at_level("INFO"):
             assert twin_mod.build_wo_a_fp8_twins(model, mode, "target") == (0, 0)
         assert "2 kept from before" in caplog.text
-        assert [
-            model[n]._wo_a_fp8_twin for n in ("l0", "l1")
-        ] == twins and twin_mod._TWINS == keys
+        assert [model[n].wo_a_twin for n in ("l0", "l1")] == twins
+        assert [t.weight_ptr for t in twins] == ptrs
 
 
 def test_no_twin_after_the_first_load(monkeypatch, caplog):
@@ -210,7 +205,6 @@ def test_no_twin_after_the_first_load(monkeypatch, caplog):
     weights have) stays stock when a later load (an online update the missing twin allowed) gives
     it exact weights: graphs captured at startup read its bf16 weight, which a new twin would
     bypass (drop: free), and no later bucket of the update may be refused halfway."""
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = _two_layer_model(72)
     exact = model["l1"].wo_a.weight.data.clone()
     model["l1"].wo_a.weight.data[3, 3] = 1.0 + 2**-7
@@ -222,9 +216,8 @@ def test_no_twin_after_the_first_load(monkeypatch, caplog):
         "1 kept from before, 1 without one since the first load stay stock"
         in caplog.text
     )
-    assert model["l1"].wo_a.weight.stride() == (1024, 1) and not hasattr(
-        model["l1"], "_wo_a_fp8_twin"
-    )
+    assert model["l1"].wo_a.weight.stride() == (1024, 1)
+    assert model["l1"].wo_a_twin is None
     assert getattr(model["l1"], "_derived_weight_cache_error", None) is None
 
 
@@ -232,7 +225,6 @@ def test_build_refuses_gpus_without_e4m3(monkeypatch):
     """Before SM89 Triton has no e4m3: the twin's kernels would fail to compile at serving time."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     monkeypatch.setattr(
         twin_mod,
         "_wo_a_view",
@@ -302,7 +294,6 @@ def test_validate_refuses_what_the_twin_cannot_serve_under():
 
 
 def test_bad_layout_raises_naming_the_layer(monkeypatch):
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = torch.nn.ModuleDict(
         {"layer7": _Attn(twin_weight(2, 32, 1024, device="cpu"))}
     )
@@ -635,11 +626,10 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
         lambda o, *a: calls.append("mid") or torch.zeros(o.shape[0], 2, 1024),
     )
     monkeypatch.setattr(up, "_quantize_partial", lambda p: ("q", "s"))
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
-    monkeypatch.setitem(twin_mod._MODE, "mode", "mid")
     w = torch.zeros(2, 1024, 4096, dtype=torch.bfloat16)
-    twin = twin_mod._Twin("l0", None, torch.zeros(1), None, None, (2, 1024, 4096))
-    twin_mod._TWINS[w.data_ptr()] = twin
+    twin = twin_mod.WoAFp8Twin(
+        "l0", "mid", w.data_ptr(), None, torch.zeros(1), None, None, (2, 1024, 4096)
+    )
     kw = dict(
         is_decode=True, is_target_verify=False, is_prefill=False, fuse_mxfp8_quant=False
     )
@@ -647,62 +637,45 @@ def test_hopper_route_serves_bf16_and_mxfp8(monkeypatch):
     def x(m):
         return torch.zeros(m, 2, 4096, dtype=torch.bfloat16)
 
-    assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **kw).shape == (
+    assert twin(x(4), w, **kw).shape == (
         4,
         2,
         1024,
     ) and calls == [False]
-    out = twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "fuse_mxfp8_quant": True})
+    out = twin(x(4), w, **{**kw, "fuse_mxfp8_quant": True})
     assert isinstance(out, Mxfp8SwizzledInput) and calls == [False, True]
     # mid: the small kernel up to 32 rows at G = 2 (where it was measured faster than the wgmma
     # one), stock above and for one row
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(16), w, **kw).shape == (16, 2, 1024)
-        and calls[-1] is False
-    )
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(17), w, **kw).shape == (17, 2, 1024)
-        and calls[-1] is False
-    )
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(32), w, **kw).shape == (32, 2, 1024)
-        and calls[-1] is False
-    )
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(12), w, **{**kw, "fuse_mxfp8_quant": True})
-        is None
-    )
-    assert twin_mod.apply_wo_a_fp8_twin(x(33), w, **kw) is None
-    assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **kw) is None
-    monkeypatch.setitem(twin_mod._MODE, "mode", "small")
-    assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw) is None
+    assert twin(x(16), w, **kw).shape == (16, 2, 1024) and calls[-1] is False
+    assert twin(x(17), w, **kw).shape == (17, 2, 1024) and calls[-1] is False
+    assert twin(x(32), w, **kw).shape == (32, 2, 1024) and calls[-1] is False
+    assert twin(x(12), w, **{**kw, "fuse_mxfp8_quant": True}) is None
+    assert twin(x(33), w, **kw) is None
+    assert twin(x(1), w, **kw) is None
+    twin.mode = "small"
+    assert twin(x(12), w, **kw) is None
     # drop: a layer that kept its weight (its release refused) is served as under mid ...
-    monkeypatch.setitem(twin_mod._MODE, "mode", "drop")
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(16), w, **kw).shape == (16, 2, 1024)
-        and calls[-1] is False
-    )
-    assert twin_mod.apply_wo_a_fp8_twin(x(33), w, **kw) is None
+    twin.mode = "drop"
+    assert twin(x(16), w, **kw).shape == (16, 2, 1024) and calls[-1] is False
+    assert twin(x(33), w, **kw) is None
     # ... a released one: every decode/verify row count from the twin (one row on the small kernel, bf16)
     twin.dropped = True
     n = len(calls)
-    assert twin_mod.apply_wo_a_fp8_twin(
-        x(1), w, **{**kw, "fuse_mxfp8_quant": True}
-    ).shape == (1, 2, 1024)
-    assert twin_mod.apply_wo_a_fp8_twin(x(100), w, **kw).shape == (100, 2, 1024)
+    assert twin(x(1), w, **{**kw, "fuse_mxfp8_quant": True}).shape == (1, 2, 1024)
+    assert twin(x(100), w, **kw).shape == (100, 2, 1024)
     assert calls[n:] == [False, "mid"]
-    assert twin_mod.apply_wo_a_fp8_twin(x(193), w, **kw) is None
-    assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "is_prefill": True}) is None
+    assert twin(x(193), w, **kw) is None
+    assert twin(x(4), w, **{**kw, "is_prefill": True}) is None
     # rows not 16-byte aligned (row stride, start): the kernels' 16-byte copies would not compile
     odd = torch.zeros(4, 2 * 4096 + 8, dtype=torch.bfloat16)[:, : 2 * 4096].view(
         4, 2, 4096
     )
-    assert twin_mod.apply_wo_a_fp8_twin(odd, w, **kw) is None
+    assert twin(odd, w, **kw) is None
     shifted = torch.zeros(4 * 2 * 4096 + 1, dtype=torch.bfloat16)[1:].view(
         4, 2, 4096
     )  # 2-byte aligned
-    assert twin_mod.apply_wo_a_fp8_twin(shifted, w, **kw) is None
-    assert twin_mod.apply_wo_a_fp8_twin(odd[:, :, :].contiguous(), w, **kw).shape == (
+    assert twin(shifted, w, **kw) is None
+    assert twin(odd[:, :, :].contiguous(), w, **kw).shape == (
         4,
         2,
         1024,
@@ -717,7 +690,6 @@ def test_hopper_packing_only_for_exponents_the_conversion_can_scale(monkeypatch)
 
     assert sm90.MAX_BIASED_EXP == 134
     monkeypatch.setattr(sm90, "available", lambda device: True)
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     q = (
         torch.randn(2, 64, 4096, generator=torch.Generator().manual_seed(3)) * 64
     ).clamp(-448, 448)
@@ -730,7 +702,7 @@ def test_hopper_packing_only_for_exponents_the_conversion_can_scale(monkeypatch)
         }
     )
     assert twin_mod.build_wo_a_fp8_twins(model, "small", "target") == (2, 0)
-    ok, big = model["ok"]._wo_a_fp8_twin, model["big"]._wo_a_fp8_twin
+    ok, big = model["ok"].wo_a_twin, model["big"].wo_a_twin
     assert int(ok.exp.max()) == 134 and ok.packed is not None and ok.weight8 is None
     assert int(big.exp.max()) == 135 and big.packed is None and big.weight8 is not None
 
@@ -776,7 +748,11 @@ def _all_routes(model):
             (3, dict(is_decode=False)),
         ):
             x = torch.randn(m, 2, 1024, generator=gen).to(torch.bfloat16).to(DEV)
-            out.append(deepseek_v4._apply_wo_a_bf16_matmul(x, wv, **kw))
+            out.append(
+                deepseek_v4._apply_wo_a_bf16_matmul(
+                    x, wv, wo_a_twin=model[name].wo_a_twin, **kw
+                )
+            )
     return out
 
 
@@ -785,12 +761,10 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
     route (prefill, one row, 4 and 12 rows, other modes) gives the bits it gave before the release;
     the parameter holds a stand-in no fast path takes (zero strides) and that poisons any reader.
     """
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = _two_layer_model(40)
     stock = [y.clone() for y in _all_routes(model)]
     assert twin_mod.build_wo_a_fp8_twins(model, "mid", "target") == (2, 0)
     before = [y.clone() for y in _all_routes(model)]
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = _two_layer_model(40)
     with caplog.at_level("INFO"):
         assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (2, 0)
@@ -804,7 +778,8 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
         assert (
             sw.shape == (128, 1024) and sw.stride() == (0, 0) and torch.isnan(sw[0, 0])
         )
-        assert twin_mod._TWINS[sw.data_ptr()].dropped
+        twin = model[name].wo_a_twin
+        assert twin.dropped and twin.weight_ptr == sw.data_ptr()
     # upstream's weight export (remote instance send, save_sharded_model) refuses, naming the
     # layer (a release whose export has no such refusal refuses drop at startup: the next test)
     from sglang.srt.model_executor.model_runner_components.weight_exporter import (
@@ -824,7 +799,9 @@ def test_drop_releases_weights_and_outputs_do_not_change(monkeypatch, caplog):
         assert torch.equal(after[i].view(torch.int16), stock[i].view(torch.int16)), i
     # a slice of the stand-in (what a per-rank narrowing would hand over) is refused, not rebuilt whole
     with pytest.raises(RuntimeError, match="l0.wo_a read as \\(1, 64, 1024\\)"):
-        twin_mod.stock_weight(model["l0"].wo_a.weight.view(2, 64, -1).narrow(0, 0, 1))
+        model["l0"].wo_a_twin.stock_weight(
+            model["l0"].wo_a.weight.view(2, 64, -1).narrow(0, 0, 1)
+        )
 
 
 def test_drop_frees_the_storage_whatever_else_holds_it(monkeypatch, caplog):
@@ -833,7 +810,6 @@ def test_drop_frees_the_storage_whatever_else_holds_it(monkeypatch, caplog):
     ImportError of its lazy import, whose frames reach back to the build's locals). A weight that is
     a view into a larger storage cannot be released alone: it is kept, and the log says why.
     """
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = _two_layer_model(60)
     held = model["l0"].wo_a.weight.data.view(2, 64, -1)
     shared = torch.empty(2 * 128 * 1024, dtype=torch.bfloat16, device=DEV)
@@ -855,12 +831,12 @@ def test_drop_frees_the_storage_whatever_else_holds_it(monkeypatch, caplog):
 
 
 def test_drop_refuses_layers_read_past_the_dispatch(monkeypatch):
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = _two_layer_model(50)
     model["l1"].use_fused_wo_a = True
     with pytest.raises(RuntimeError, match="l1.wo_a is read by the fused rope"):
         twin_mod.build_wo_a_fp8_twins(model, "drop", "target")
-    assert not twin_mod._TWINS  # refused before any twin is built
+    # refused before any twin is built
+    assert model["l0"].wo_a_twin is None and model["l1"].wo_a_twin is None
     model["l1"].use_fused_wo_a = False
     model["l1"]._use_fast_kernel = False  # a DSpark draft layer on its einsum path
     with pytest.raises(RuntimeError, match="DSpark draft's einsum"):
@@ -877,11 +853,10 @@ def test_drop_refuses_layers_read_past_the_dispatch(monkeypatch):
 
 
 def test_drop_keeps_a_weight_whose_dequantisation_disagrees(monkeypatch, caplog):
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = _two_layer_model(60)
-    real = twin_mod._Twin.dequant
+    real = twin_mod.WoAFp8Twin.dequant
     monkeypatch.setattr(
-        twin_mod._Twin,
+        twin_mod.WoAFp8Twin,
         "dequant",
         lambda self: real(self) * (2 if self.name == "l1" else 1),
     )
@@ -892,7 +867,7 @@ def test_drop_keeps_a_weight_whose_dequantisation_disagrees(monkeypatch, caplog)
         model["l1"].wo_a.weight.is_contiguous()
         and not model["l0"].wo_a.weight.is_contiguous()
     )
-    assert not twin_mod._TWINS[model["l1"].wo_a.weight.data_ptr()].dropped
+    assert not model["l1"].wo_a_twin.dropped and model["l0"].wo_a_twin.dropped
 
 
 # ---------------------------------------------------------------- routing
@@ -901,11 +876,9 @@ def test_drop_keeps_a_weight_whose_dequantisation_disagrees(monkeypatch, caplog)
 def test_routing_rules(monkeypatch):
     g, r, d = 2, 64, 1024
     w = twin_weight(g, r, d, 5)
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
-    monkeypatch.setitem(twin_mod._MODE, "mode", "small")
     w8, e = twin_mod.make_twin(w)
-    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin(
-        "l0", w8, None, e, k.counters_for(w8), (g, r, d)
+    twin = twin_mod.WoAFp8Twin(
+        "l0", "small", w.data_ptr(), w8, None, e, k.counters_for(w8), (g, r, d)
     )
     kw = dict(
         is_decode=False, is_target_verify=True, is_prefill=False, fuse_mxfp8_quant=False
@@ -914,27 +887,17 @@ def test_routing_rules(monkeypatch):
     def x(m):
         return torch.randn(m, g, d).to(torch.bfloat16).to(DEV)
 
-    assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **kw).shape == (4, g, r)
-    assert twin_mod.apply_wo_a_fp8_twin(x(1), w, **kw) is None  # gemv stays
-    assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw) is None  # small only
-    assert twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "is_prefill": True}) is None
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "fuse_mxfp8_quant": True})
-        is None
-    )  # MXFP8: stock
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(4), w, **{**kw, "is_target_verify": False})
-        is None
-    )
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(4), w.clone(), **kw) is None
-    )  # no twin for this weight
-    assert (
-        twin_mod.apply_wo_a_fp8_twin(x(4)[:, :, :512], w, **kw) is None
-    )  # other layout
-    monkeypatch.setitem(twin_mod._MODE, "mode", "mid")
-    assert twin_mod.apply_wo_a_fp8_twin(x(12), w, **kw).shape == (12, g, r)
-    assert twin_mod.apply_wo_a_fp8_twin(x(193), w, **kw) is None
+    assert twin(x(4), w, **kw).shape == (4, g, r)
+    assert twin(x(1), w, **kw) is None  # gemv stays
+    assert twin(x(12), w, **kw) is None  # small only
+    assert twin(x(4), w, **{**kw, "is_prefill": True}) is None
+    assert twin(x(4), w, **{**kw, "fuse_mxfp8_quant": True}) is None  # MXFP8: stock
+    assert twin(x(4), w, **{**kw, "is_target_verify": False}) is None
+    assert twin(x(4), w.clone(), **kw) is None  # no twin for this weight
+    assert twin(x(4)[:, :, :512], w, **kw) is None  # other layout
+    twin.mode = "mid"
+    assert twin(x(12), w, **kw).shape == (12, g, r)
+    assert twin(x(193), w, **kw) is None
 
 
 def test_dispatch_is_wired_and_off_means_stock(monkeypatch):
@@ -943,7 +906,6 @@ def test_dispatch_is_wired_and_off_means_stock(monkeypatch):
     g, r, d = 2, 64, 1024
     w = twin_weight(g, r, d, 6)
     xx = torch.randn(4, g, d).to(torch.bfloat16).to(DEV)
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     stock = deepseek_v4._apply_wo_a_bf16_matmul(
         xx, w, is_decode=False, is_target_verify=True
     )
@@ -951,11 +913,11 @@ def test_dispatch_is_wired_and_off_means_stock(monkeypatch):
         stock, torch.einsum("tgd,grd->tgr", xx, w)
     )  # flag off: upstream's einsum
     w8, e = twin_mod.make_twin(w)
-    twin_mod._TWINS[w.data_ptr()] = twin_mod._Twin(
-        "l0", w8, None, e, k.counters_for(w8), (g, r, d)
+    twin = twin_mod.WoAFp8Twin(
+        "l0", "small", w.data_ptr(), w8, None, e, k.counters_for(w8), (g, r, d)
     )
     got = deepseek_v4._apply_wo_a_bf16_matmul(
-        xx, w, is_decode=False, is_target_verify=True
+        xx, w, is_decode=False, is_target_verify=True, wo_a_twin=twin
     )
     assert torch.equal(got, k.wo_a_fp8_matmul(xx, w8, e, k.counters_for(w8)))
 
@@ -1253,21 +1215,20 @@ def test_gpu_hopper_served_path_equals_stock(monkeypatch):
     from sglang.kernels.ops.gemm import dsv4_wo_a as up
 
     _hopper()
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     w = twin_weight(2, 1024, 4096, 30)
     model = torch.nn.ModuleDict({"attn": _Attn(w)}).cuda()
     assert twin_mod.build_wo_a_fp8_twins(model, "small", "target") == (1, 0)
     wv = model["attn"].wo_a.weight.view(2, 1024, 4096)
-    (twin,) = twin_mod._TWINS.values()
+    twin = model["attn"].wo_a_twin
     assert twin.packed is not None and twin.weight8 is None
     kw = dict(is_decode=False, is_target_verify=True, is_prefill=False)
     for m in (2, 6, 8):
         x = torch.randn(m, 2, 4096, device="cuda").to(torch.bfloat16)
-        y = twin_mod.apply_wo_a_fp8_twin(x, wv, fuse_mxfp8_quant=False, **kw)
+        y = twin(x, wv, fuse_mxfp8_quant=False, **kw)
         assert torch.equal(
             y.view(torch.int16), up.wo_a_bf16_small_batch(x, wv).view(torch.int16)
         )
-        mx = twin_mod.apply_wo_a_fp8_twin(x, wv, fuse_mxfp8_quant=True, **kw)
+        mx = twin(x, wv, fuse_mxfp8_quant=True, **kw)
         q0, s0 = up.wo_a_bf16_small_batch_mxfp8(x, wv)
         assert torch.equal(
             mx[0].view(torch.uint8), q0.view(torch.uint8)
@@ -1326,21 +1287,22 @@ def test_gpu_hopper_drop_served_path_and_memory(monkeypatch):
             (300, dict(is_decode=False, is_prefill=True)),
         ):
             x = torch.randn(m, 2, 4096, device="cuda", generator=gen).to(torch.bfloat16)
-            out.append((x, deepseek_v4._apply_wo_a_bf16_matmul(x, wv, **kw)))
+            y = deepseek_v4._apply_wo_a_bf16_matmul(
+                x, wv, wo_a_twin=model["attn"].wo_a_twin, **kw
+            )
+            out.append((x, y))
         return out
 
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = torch.nn.ModuleDict({"attn": _Attn(w)}).cuda()
     twin_mod.build_wo_a_fp8_twins(model, "mid", "target")
     mid = routes(model)
-    monkeypatch.setattr(twin_mod, "_TWINS", {})
     model = torch.nn.ModuleDict({"attn": _Attn(w)}).cuda()
     torch.cuda.synchronize()
     m0 = torch.cuda.memory_allocated()
     assert twin_mod.build_wo_a_fp8_twins(model, "drop", "target") == (1, 0)
     torch.cuda.synchronize()
     freed = m0 - torch.cuda.memory_allocated()
-    twin_bytes = next(iter(twin_mod._TWINS.values())).nbytes()
+    twin_bytes = model["attn"].wo_a_twin.nbytes()
     print(
         f"drop: {freed / 2**20:.2f} MiB freed net of the twin ({twin_bytes / 2**20:.2f} MiB)"
     )

@@ -306,8 +306,7 @@ def main() -> None:
         dspark,
         "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
         "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
-        "        # the draft's wo_a reaches the twin only through _apply_wo_a_bf16_matmul\n"
-        "        _wo_a_twin.build_wo_a_fp8_twins(\n"
+        "        build_wo_a_fp8_twins(\n"
         '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
         "        )\n\n",
     )

@@ -124,6 +124,7 @@ class _Attn(torch.nn.Module):
         self.wo_a.weight = torch.nn.Parameter(
             w.reshape(-1, w.shape[2]).clone(), requires_grad=False
         )
+        self.wo_a_twin = None
 
 
 def drop_memory(weights: list) -> dict:
@@ -131,16 +132,12 @@ def drop_memory(weights: list) -> dict:
     torch.cuda.synchronize()
     start = torch.cuda.memory_allocated()
     model = torch.nn.ModuleList(_Attn(w) for w in weights)
-    saved = dict(twin_mod._TWINS)
-    twin_mod._TWINS.clear()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     made, _ = twin_mod.build_wo_a_fp8_twins(model, "drop", "bench")
     torch.cuda.synchronize()
     freed = before - torch.cuda.memory_allocated()
     bf16 = sum(w.numel() * w.element_size() for w in weights)
-    twin_mod._TWINS.clear()
-    twin_mod._TWINS.update(saved)
     return {
         "layers": made,
         "bf16_MiB": bf16 / 2**20,

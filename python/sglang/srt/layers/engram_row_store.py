@@ -76,15 +76,13 @@ def validate_engram_row_store(cfg, *, has_engram=None) -> None:
             raise ValueError(
                 f"{FLAG} cannot be used with {env}=1: that places the Engram tables elsewhere"
             )
-    prefetch = getattr(
-        cfg, "engram_prefetch", "off"
-    )  # the Engram prefetch patch's flag, if in the series
+    prefetch = cfg.engram_prefetch  # --engram-prefetch (patch 0015, in Depends:)
     if prefetch not in (None, "off"):
         raise ValueError(
             f"{FLAG} cannot be used with --engram-prefetch={prefetch}: the prefetch gathers from the "
             "device table, which the row store does not keep"
         )
-    if getattr(cfg, "enable_torch_compile", False):
+    if cfg.enable_torch_compile:
         raise ValueError(
             f"{FLAG} cannot be used with --enable-torch-compile: the lookup reads storage on the host"
         )

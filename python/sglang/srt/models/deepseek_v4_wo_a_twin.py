@@ -4,7 +4,8 @@ V4.1 ships wo_a as e4m3 with one ue8m0 scale per 32x32 block; the engine dequant
 at load, so every decode / verify / draft call streams twice the bytes. After the weights load,
 every bf16 ``wo_a`` of the target and of the DSpark draft gets a twin (e4m3 values + one exponent
 per 32x32 block), kept only when dequantizing it gives the bf16 weight back bit for bit.
-``_apply_wo_a_bf16_matmul`` asks ``apply_wo_a_fp8_twin`` first. On Hopper
+The attention layer holds its twin (``wo_a_twin``, None without one) and
+``_apply_wo_a_bf16_matmul`` calls it first. On Hopper
 (``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
 - ``small``: decode / target-verify / draft calls with 2..8 rows on the small kernel, also those
   that want upstream's fused MXFP8 epilogue (the bits of upstream's ``wo_a_bf16_small_batch``,
@@ -27,12 +28,12 @@ takes (the fused rope + wo_a kernel, mega attention, the NPU MXFP8 and bf16 path
 draft's einsum) refuse to boot under drop, naming it, and writing into the stand-in raises.
 
 REFUSED. Every level refuses --enable-deterministic-inference (the kernel follows the row
-count), --enable-torch-compile (a traced ``data_ptr()`` misses the twin table: under drop the
-stand-in would be multiplied) and ROCm builds of torch. Layers with a twin refuse online weight
-updates through upstream's ``_derived_weight_cache_error`` (captured CUDA graphs read the twin's
-buffers); twins are built at the first load only, so a layer that had none then (e.g.
-``--load-format dummy``) stays stock through later updates. Under drop a released layer refuses
-weight export (upstream's ``_weight_export_error``).
+count), --enable-torch-compile (the twin serves only the address of the weight it was built
+from, which a traced ``data_ptr()`` is not: under drop the stand-in would be multiplied) and
+ROCm builds of torch. Layers with a twin refuse online weight updates through upstream's
+``_derived_weight_cache_error`` (captured CUDA graphs read the twin's buffers); twins are built
+at the first load only, so a layer that had none then (e.g. ``--load-format dummy``) stays stock
+through later updates. Under drop a released layer refuses weight export (upstream's ``_weight_export_error``).
 """
 
 from __future__ import annotations
@@ -70,11 +71,6 @@ def small_kernel_rows(g: int) -> int:
     return SMALL_KERNEL_MAX.get(g, 8)
 
 
-# weight data_ptr (after drop: the stand-in's) -> _Twin; filled after load, only when the flag is on
-_TWINS: dict = {}
-_MODE = {"mode": "off"}
-
-
 # the targets whose wo_a the twin serves (the DSpark draft of one follows its target)
 TWIN_TARGETS = ("DeepseekV4ForCausalLM",)
 
@@ -98,8 +94,8 @@ _REFUSED_WITH = (
     (
         "enable_torch_compile",
         "--enable-torch-compile",
-        "a traced wo_a.data_ptr() does not find the twin, so compiled decode would skip it (under drop: "
-        "multiply the released weight's stand-in)",
+        "a traced wo_a.data_ptr() is not the address the twin serves, so compiled decode would skip "
+        "it (under drop: multiply the released weight's stand-in)",
     ),
 )
 _DROP_REFUSED_WITH = (
@@ -160,17 +156,59 @@ def _weight_export_honours_refusals() -> bool:
     return hasattr(WeightExporter, "_weight_export_unsupported_reason")
 
 
-class _Twin:
-    """One layer's twin. On Hopper ``packed`` holds the fragment-major words both Hopper kernels
-    read, with their arrival ``counters``; elsewhere ``weight8`` (row-major e4m3) feeds the
-    portable Triton kernel. ``dropped``: the bf16 weight is released and ``dequant`` rebuilds it.
+class WoAFp8Twin:
+    """One layer's twin, held by the layer as ``wo_a_twin``. On Hopper ``packed`` holds the
+    fragment-major words both Hopper kernels read, with their arrival ``counters``; elsewhere
+    ``weight8`` (row-major e4m3) feeds the portable Triton kernel. ``weight_ptr``: the address
+    of the weight it serves (after drop, the stand-in's); a call on any other tensor is stock.
+    ``dropped``: the bf16 weight is released and ``dequant`` rebuilds it.
     """
 
-    __slots__ = ("name", "weight8", "packed", "exp", "counters", "shape", "dropped")
+    __slots__ = (
+        "name",
+        "mode",
+        "weight_ptr",
+        "weight8",
+        "packed",
+        "exp",
+        "counters",
+        "shape",
+        "dropped",
+    )
 
-    def __init__(self, name, weight8, packed, exp, counters, shape, dropped=False):
-        self.name, self.weight8, self.packed, self.exp = name, weight8, packed, exp
+    def __init__(
+        self,
+        name,
+        mode,
+        weight_ptr,
+        weight8,
+        packed,
+        exp,
+        counters,
+        shape,
+        dropped=False,
+    ):
+        self.name, self.mode, self.weight_ptr = name, mode, weight_ptr
+        self.weight8, self.packed, self.exp = weight8, packed, exp
         self.counters, self.shape, self.dropped = counters, shape, dropped
+
+    def __call__(
+        self, o, wo_a, is_decode, is_target_verify, is_prefill, fuse_mxfp8_quant
+    ):
+        """This call's result from the twin, or None for the stock path (``apply_wo_a_fp8_twin``)."""
+        return apply_wo_a_fp8_twin(
+            self,
+            o,
+            wo_a,
+            is_decode=is_decode,
+            is_target_verify=is_target_verify,
+            is_prefill=is_prefill,
+            fuse_mxfp8_quant=fuse_mxfp8_quant,
+        )
+
+    def stock_weight(self, wo_a: torch.Tensor) -> torch.Tensor:
+        """The weight the stock path multiplies (``stock_weight``)."""
+        return stock_weight(self, wo_a)
 
     def dequant(self) -> torch.Tensor:
         """The bf16 weight [G, R, D] in a fresh buffer (one per call: the target and draft streams
@@ -270,7 +308,6 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
             )
             failed += 1
             continue
-        key = view.data_ptr()
         mod.wo_a.weight.data = _stand_in(old)
         storage.resize_(0)
         twin.dropped = True
@@ -278,8 +315,7 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
             f"{name}.wo_a was released by --dsv4-wo-a-fp8-twin=drop (it lives as its fp8 twin only); "
             "restart with --dsv4-wo-a-fp8-twin=mid to export or save weights"
         )
-        _TWINS.pop(key, None)
-        _TWINS[mod.wo_a.weight.data_ptr()] = twin
+        twin.weight_ptr = mod.wo_a.weight.data_ptr()
         released += view.numel() * view.element_size()
     if released and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -287,7 +323,8 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
 
 
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
-    """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft). Logs one line.
+    """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft), set as its
+    layer's ``wo_a_twin``. Logs one line.
     A layer that has its twin already (``post_load_weights`` again, e.g. at the end of a weight-
     update session) keeps it: CUDA graphs captured since hold its buffers, and its weight cannot
     have changed, since every layer with a twin refuses online weight updates (upstream's
@@ -296,7 +333,6 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
     """
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
-        _TWINS.clear()  # twins of a model this process loaded earlier must not serve this one
         return 0, 0  # upstream's path: no kernel of ours is imported
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
     from sglang.kernels.ops.gemm.dsv4_wo_a_fp8 import counters_for, wo_a_fp8_dequant
@@ -309,14 +345,13 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
                 "--dsv4-wo-a-fp8-twin=drop: SGLANG_OPT_NPU_BF16_WO_A_GEMM sends decode wo_a to "
                 "F.linear on the weight, which drop releases; use --dsv4-wo-a-fp8-twin=mid"
             )
-    _MODE["mode"] = mode
     first = not getattr(model, "_wo_a_fp8_twins_built", False)
     made = kept = had = late = 0
     entries, layers = [], []
     for name, mod in model.named_modules():
         if getattr(mod, "wo_a", None) is None or not hasattr(mod, "n_local_groups"):
             continue
-        if getattr(mod, "_wo_a_fp8_twin", None) is not None:
+        if getattr(mod, "wo_a_twin", None) is not None:
             had += 1
             continue
         view = _wo_a_view(mod, name, mod.n_local_groups, mod.o_lora_rank)
@@ -347,9 +382,6 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
         ):
             twin = None  # the kernel's own dequantisation must agree too
         if twin is None:
-            _TWINS.pop(
-                view.data_ptr(), None
-            )  # nor may an earlier model's twin at this address
             kept += 1
             continue
         weight8, exp = twin
@@ -366,9 +398,17 @@ def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int,
             counters = sm90.mid_counters(view.shape[0], view.shape[1], view.device)
         else:
             counters = counters_for(weight8)
-        t = _Twin(name, weight8, packed, exp, counters, tuple(view.shape))
-        _TWINS[view.data_ptr()] = t
-        mod._wo_a_fp8_twin = t
+        t = WoAFp8Twin(
+            name,
+            mode,
+            view.data_ptr(),
+            weight8,
+            packed,
+            exp,
+            counters,
+            tuple(view.shape),
+        )
+        mod.wo_a_twin = t
         if getattr(mod, "_derived_weight_cache_error", None) is None:
             mod._derived_weight_cache_error = (
                 f"Online weight updates are not supported with --dsv4-wo-a-fp8-twin={mode}: "
@@ -415,6 +455,7 @@ def _token_major(o: torch.Tensor, shape: tuple) -> bool:
 
 
 def apply_wo_a_fp8_twin(
+    twin: WoAFp8Twin,
     o: torch.Tensor,
     wo_a: torch.Tensor,
     *,
@@ -429,9 +470,8 @@ def apply_wo_a_fp8_twin(
     variant (not to Hopper's stock einsum); mid rows on the wgmma kernel where it is faster (drop: all of them, and one row).
     Elsewhere the portable Triton kernel serves the bf16 calls (its partials are not bitwise, so
     MXFP8 calls stay stock)."""
-    twin = _TWINS.get(wo_a.data_ptr())
     if (
-        twin is None
+        wo_a.data_ptr() != twin.weight_ptr
         or tuple(wo_a.shape) != twin.shape
         or is_prefill
         or not (is_decode or is_target_verify)
@@ -439,7 +479,7 @@ def apply_wo_a_fp8_twin(
         return None
     if not _token_major(o, twin.shape):
         return None
-    mode, m = _MODE["mode"], o.shape[0]
+    mode, m = twin.mode, o.shape[0]
     g, r, _ = twin.shape
     if twin.packed is not None:
         from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
@@ -475,12 +515,11 @@ def apply_wo_a_fp8_twin(
     return k.wo_a_fp8_matmul(o, twin.weight8, twin.exp, twin.counters)
 
 
-def stock_weight(wo_a: torch.Tensor) -> torch.Tensor:
+def stock_weight(twin: WoAFp8Twin, wo_a: torch.Tensor) -> torch.Tensor:
     """The weight the stock path multiplies: ``wo_a`` itself, or for a dropped weight its bf16
     rebuilt from the twin into a fresh buffer (bit-identical, checked before the release).
     """
-    twin = _TWINS.get(wo_a.data_ptr())
-    if twin is None or not twin.dropped:
+    if not twin.dropped or wo_a.data_ptr() != twin.weight_ptr:
         return wo_a
     if tuple(wo_a.shape) != twin.shape:
         raise RuntimeError(

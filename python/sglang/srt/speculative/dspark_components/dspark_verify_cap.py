@@ -95,22 +95,18 @@ def parse_verify_cap(value: str) -> str:
     return value
 
 
-def validate_verify_cap(
-    *,
-    cap: Optional[str],
-    cap_min: Optional[int],
-    log_path: Optional[str],
-    algorithm: Optional[str],
-    gamma: Optional[int] = None,
-    ragged_mode: Optional[str] = None,
-    attn_dp_size: int = 1,
-    max_running_requests: Optional[int] = None,
-    server_args=None,
-    moe_a2a_backend: Optional[str] = "none",
-    tp_size: int = 1,
-    device: str = "cuda",
-) -> Optional[VerifyCapSpec]:
-    """Cross-flag checks (speculative_hook); raises ValueError with the reason."""
+def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
+    """The resolution hook's check (``handle_speculative_decoding``, after the algorithm's own
+    resolution has fixed gamma): the flags parsed once (``Engine(...)`` bypasses argparse) and
+    refused, with ValueError naming the flag and the reason, wherever a router would not see
+    request-major rows or the live length. Returns the parsed cap, None when off."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
+    cap = cfg.speculative_dspark_verify_cap
+    cap_min = cfg.speculative_dspark_verify_cap_min
+    log_path = cfg.speculative_dspark_verify_cap_log
+    algorithm = cfg.speculative_algorithm
     if cap is None:
         if cap_min is not None or log_path:
             raise ValueError(
@@ -124,8 +120,7 @@ def validate_verify_cap(
             f"(got {algorithm!r})."
         )
     spec = verify_cap_spec(cap)
-    if gamma is None:
-        return spec
+    gamma = int(cfg.speculative_num_draft_tokens) - 1
     if spec.fixed is not None and not (1 <= spec.fixed <= gamma):
         raise ValueError(
             f"--speculative-dspark-verify-cap {cap}: K must be in 1..gamma (gamma={gamma})."
@@ -158,43 +153,43 @@ def validate_verify_cap(
         raise ValueError(
             f"--speculative-dspark-verify-cap-log {log_path}: {log_dir} is not a writable directory."
         )
-    if ragged_mode is not None and ragged_mode != "static":
+    from sglang.srt.speculative.ragged_verify import read_ragged_verify_mode
+
+    ragged_mode = read_ragged_verify_mode().value
+    if ragged_mode != "static":
         raise ValueError(
             "--speculative-dspark-verify-cap runs inside the static verify layout; it "
             f"needs SGLANG_RAGGED_VERIFY_MODE=static (got {ragged_mode!r})."
         )
-    if attn_dp_size > 1:
+    if cfg.attn_dp_size > 1:
         raise ValueError(
             "--speculative-dspark-verify-cap needs the verify rows of one rank in the "
             "MoE (request-major); dp attention (attn_dp_size > 1) is not supported."
         )
-    target_arch = None
-    if (
-        server_args is not None
-    ):  # the target's architecture, read only when the cap is on
-        from sglang.srt.arg_groups.model_override_base import model_config_of
+    from sglang.srt.arg_groups.model_override_base import model_config_of
 
-        target_arch = model_config_of(server_args).hf_config.architectures[0]
-    if target_arch is not None and target_arch not in CAP_TARGETS:
+    target_arch = model_config_of(server_args).hf_config.architectures[0]
+    if target_arch not in CAP_TARGETS:
         raise ValueError(
             f"--speculative-dspark-verify-cap: the target is {target_arch}; only "
             f"{', '.join(CAP_TARGETS)} routes its verify rows by live length (elsewhere the cap "
             "would only shorten acceptance)."
         )
-    if moe_a2a_backend not in (None, "none") and tp_size > 1:
+    if cfg.moe_a2a_backend not in (None, "none") and cfg.tp_size > 1:
         raise ValueError(
             f"--speculative-dspark-verify-cap cannot be used with --moe-a2a-backend "
-            f"{moe_a2a_backend} at tp {tp_size}: the backend scatters the verify rows over the "
+            f"{cfg.moe_a2a_backend} at tp {cfg.tp_size}: the backend scatters the verify rows over the "
             "attention-TP ranks before the router, so a rank's rows are not request-major."
         )
-    if device.startswith("npu"):
+    if str(cfg.device).startswith("npu"):
         raise ValueError(
             "--speculative-dspark-verify-cap: the NPU top-k route does not take the live length."
         )
-    if max_running_requests is not None and max_running_requests > MAX_REQUESTS:
+    max_running = cfg.max_running_requests
+    if max_running is not None and max_running > MAX_REQUESTS:
         raise ValueError(
             f"--speculative-dspark-verify-cap holds one live length per request for at most "
-            f"{MAX_REQUESTS} requests; --max-running-requests is {max_running_requests}."
+            f"{MAX_REQUESTS} requests; --max-running-requests is {max_running}."
         )
     return spec
 
