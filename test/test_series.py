@@ -719,7 +719,6 @@ TOOL_TESTS = {
     "test/test_e2e_tools.py",
     "test/test_gpu_bundle_smoke.py",
     "test/test_docker.py",
-    "test/test_format.py",
     "test/test_gb10_validate.py",
     "test/test_benchmark_readmes.py",
     "test/test_provenance.py",
