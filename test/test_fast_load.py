@@ -1170,7 +1170,7 @@ def test_launch_server_refuses_fast_load_where_it_would_do_nothing(tmp_path):
 
     r = refusal(
         write_tiny_llama(tmp_path / "tiny"),
-        CPU_ARGS + ["--weight-loader-fast-load"],
+        CPU_ARGS + ["--load-format", "dummy", "--weight-loader-fast-load"],
         env=CPU_ENV,
         timeout=240,
     )

@@ -237,7 +237,7 @@ def test_the_overwrite_scan_finds_a_writer_that_ignores_it():
 # ---------------------------------------------------------------- cited evidence
 
 
-OLD = "0.5.23+fork.1.0000000"
+OLD = "0.0.1+fork.1.0000000"  # any build other than the one under test
 
 
 def _repo(tmp_path: Path, cite: str | None) -> tuple[Path, Path]:

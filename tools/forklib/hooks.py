@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from .git import run as git_run
 from .lint import CODESPELL_ARGS, ISORT_ARGS, _tool
 
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+(\d+)(?:,(\d+))? @@")
@@ -97,7 +98,7 @@ def check_diff(diff: Path, upstream: Path, bindir: Path) -> list[str]:
                 for root in (pre, post):
                     (root / p).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(upstream / p, root / p)
-        r = _run(["git", "apply", str(diff.resolve())], post)
+        r = git_run(post, "apply", str(diff.resolve()))
         if r.returncode != 0:
             return [f"{diff.name}: does not apply to {upstream}: {r.stderr.strip()}"]
         for p, (created, lines) in sorted(files.items()):
