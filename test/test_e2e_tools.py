@@ -155,7 +155,6 @@ def test_rows_hold_their_promises():
     # flags off and every row that promises upstream's bits: tokens and logprobs identical
     for name in (
         "random_off",
-        "random_fence",
         "random_tau_0.7",
         "random_fast_load",
         "random_serial_load",
@@ -164,6 +163,16 @@ def test_rows_hold_their_promises():
     ):
         assert named[name].same_as == ("random_up_off",), name
     assert named["random_nospec"].same_as == ("random_up_nospec",)
+    # the harness's own control: upstream twice, the same bits
+    again = named["random_up_nospec_again"]
+    assert again.tree == "upstream" and again.same_as == ("random_up_nospec",)
+    # the fence folds nothing on a DeepSeek-V4 checkpoint: refused there, in no serving row
+    assert "refuse_fence_v4" in named
+    assert all(
+        "--speculative-dspark-fence-accept-results" not in r.args
+        for r in rows()
+        if not r.refused_with
+    )
     # the agree checkpoint: upstream's tokens, logprobs within the scheduling bound
     assert named["off"].tokens_as == named["off"].same_as + ("up_off",)
     assert named["off"].bound_to == "up_off" and named["nospec"].bound_to == "up_nospec"

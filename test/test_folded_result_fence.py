@@ -467,3 +467,24 @@ def test_flag_without_dspark_is_refused_at_resolution(llama_config):
     ):
         resolve_server_args(llama_config, speculative_dspark_fence_accept_results=True)
     resolve_server_args(llama_config)  # off: accepted
+
+
+def test_worker_refuses_the_fence_where_no_step_folds():
+    """Where DSpark builds no verify epilogue (a deepseek_v4 target in static mode, or no decode
+    graphs) nothing folds: the flag is refused at worker start, naming what the server has.
+    """
+    from sglang.srt.speculative.dspark_components.dspark_result_fence import (
+        refuse_fence_without_fold,
+    )
+
+    found = dict(
+        target="deepseek_v4", verify_mode="static", moe_draft=True, graphs=True
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"--speculative-dspark-fence-accept-results .* folds none: .*"
+        r"found target deepseek_v4, verify mode static, MoE draft, decode CUDA graphs on",
+    ):
+        refuse_fence_without_fold(True, None, **found)
+    refuse_fence_without_fold(False, None, **found)  # off: nothing to refuse
+    refuse_fence_without_fold(True, _epilogue(fence=True), **found)  # it folds: served

@@ -3,7 +3,8 @@
 # the real launch_server, row by row (tools/e2e/matrix.py), on a machine with torch, triton and nvcc
 # but no sglang dependencies and no network (the H200 harness: functional stand-ins included).
 #   bash e2e.sh [RESULTS_DIR] [matrix args: --rows off,cap_3 --budget 500 ...]
-# Writes e2e-<device>.json and e2e-logs.tar.gz (one server log per row) to RESULTS_DIR.
+# Writes e2e-<device>.json, e2e-raw-<device>.json.gz (tokens and logprobs, for --evaluate) and
+# e2e-logs.tar.gz (one server log per row) to RESULTS_DIR.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 results=$(mkdir -p "${1:-${OUT:-$here/results}}" && cd "${1:-${OUT:-$here/results}}" && pwd)
@@ -24,6 +25,6 @@ nvcc=$(command -v nvcc || ls /usr/local/cuda*/bin/nvcc 2>/dev/null | head -1)
 [ -n "$nvcc" ] && export CUDA_HOME="${CUDA_HOME:-$(dirname "$(dirname "$nvcc")")}" && export PATH="$CUDA_HOME/bin:$PATH"
 python3 -m e2e.matrix --standins --upstream "$work/upstream/python" --out "$results/e2e" "$@"
 rc=$?
-mv "$results"/e2e/e2e-*.json "$results"/ 2>/dev/null
+mv "$results"/e2e/e2e-*.json "$results"/e2e/e2e-raw-*.json.gz "$results"/ 2>/dev/null
 tar -czf "$results/e2e-logs.tar.gz" -C "$results/e2e" e2e-logs && rm -rf "$results/e2e"
 exit $rc

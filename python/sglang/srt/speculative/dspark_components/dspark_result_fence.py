@@ -275,6 +275,30 @@ def validate_fence_accept_results(enabled: bool, algorithm: Optional[str]) -> No
         )
 
 
+def refuse_fence_without_fold(
+    enabled: bool,
+    epilogue,
+    *,
+    target: str,
+    verify_mode: str,
+    moe_draft: bool,
+    graphs: bool,
+) -> None:
+    """Worker-start check: the fence copies what the verify epilogue folds, and DSpark builds
+    that epilogue only for a DeepSeek-V4.1 target in static verify mode with an MoE draft, or
+    in compact verify mode, and only with decode CUDA graphs. Without it no step folds and the
+    flag would do nothing: refused, naming what this server has."""
+    if enabled and epilogue is None:
+        raise ValueError(
+            "--speculative-dspark-fence-accept-results fences the folded accept results, and "
+            "this server folds none: DSpark folds them only with decode CUDA graphs, for a "
+            "deepseek_v41 target in static verify mode with an MoE draft or in compact verify "
+            f"mode (found target {target}, verify mode {verify_mode}, "
+            f"{'MoE' if moe_draft else 'dense'} draft, decode CUDA graphs "
+            f"{'on' if graphs else 'off'})"
+        )
+
+
 def maybe_build_accept_result_fence(
     epilogue, enabled: bool
 ) -> Optional[AcceptResultFence]:
