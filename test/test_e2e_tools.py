@@ -21,8 +21,10 @@ from e2e.matrix import (
     kernel_summary,
     main,
     merge_rows,
+    read_raws,
     rows,
     sample_test,
+    write_raw,
 )
 from e2e.server import handled_fallbacks, log_errors
 
@@ -485,3 +487,22 @@ def test_the_bundles_upstream_overlay_turns_the_fork_tree_back_into_the_release(
         assert tar.getnames() == ["python/sglang/up.py"]
         assert tar.extractfile("python/sglang/up.py").read() == b"x = 1\n"
     assert (bundle / "upstream-added.txt").read_text() == "python/sglang/ours.py\n"
+
+
+def test_raw_files_of_two_sittings_are_judged_as_one_matrix(tmp_path):
+    meta = {"fork_version": "0.5.23+fork.2.abcdef0", "device": "D", "standins": True}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_raw(
+        tmp_path / "a", meta, [1, 2], {"ref": {"tokens": [1]}, "x": {"tokens": [2]}}
+    )
+    write_raw(tmp_path / "b", meta, None, {"x": {"tokens": [3]}, "y": {"tokens": [4]}})
+    a, b = tmp_path / "a" / "e2e-raw-D.json.gz", tmp_path / "b" / "e2e-raw-D.json.gz"
+    got_meta, recs, succ = read_raws([a, b])
+    assert got_meta == meta and succ == [1, 2]
+    assert recs == {"ref": {"tokens": [1]}, "x": {"tokens": [3]}, "y": {"tokens": [4]}}
+    other = tmp_path / "c"
+    other.mkdir()
+    write_raw(other, {**meta, "fork_version": "0.5.23+fork.3.1234567"}, None, {})
+    with pytest.raises(SystemExit, match="fork_version"):
+        read_raws([a, other / "e2e-raw-D.json.gz"])

@@ -91,14 +91,91 @@ def draft_tau_alpha(d: dict) -> str:
 
 
 def e2e_tau_control(d: dict) -> str:
-    row = d["rows"]["tau_0.7"]
-    control = d["rows"]["off"]["negative_control_target_at_0.7T"]["min_p"]
+    row = d["rows"]["s_tau_0.7"]
+    control = d["rows"]["s_tau_wrong_q"]["sampled_vs_upstream_nospec"]["min_p"]
     ok = "passed" if row["ok"] else "FAILED"
     return (
-        f"On the {d['device'].replace('_', ' ')}, row `tau_0.7` {ok} (smallest p against the flags-off row "
-        f"{row['sampled_vs_off']['min_p']:.2g}); the matrix's broken-rule control (the target "
-        f"itself sampled at 0.7 T) was refused at p = {control:.1e}."
+        f"On the {d['device'].replace('_', ' ')}, row `s_tau_0.7` {ok} (smallest p against "
+        f"upstream without speculation {row['sampled_vs_upstream_nospec']['min_p']:.2g}, "
+        f"{d['sampled_requests']:,} requests); the negative control `s_tau_wrong_q` (the accept "
+        f"rule reads q at T while the draft samples at 0.7 T) was refused at p = {control:.1e}."
     )
+
+
+def e2e_last_run(d: dict) -> str:
+    """The matrix's rows by kind: how many served, passed, and the figures each kind is judged by."""
+    rows = d["rows"]
+
+    def kind(name: str) -> str:
+        if name.startswith("refuse_"):
+            return "startup refusals"
+        if name.startswith("s_"):
+            return "sampled (sample checkpoint)"
+        if name.startswith("random_"):
+            return "greedy, random weights"
+        return "greedy, agree checkpoint"
+
+    out = [
+        "| rows | served | passed | judged by |",
+        "| --- | ---: | ---: | --- |",
+    ]
+    for k in (
+        "greedy, agree checkpoint",
+        "greedy, random weights",
+        "sampled (sample checkpoint)",
+        "startup refusals",
+    ):
+        names = [n for n in rows if kind(n) == k]
+        done = [n for n in names if rows[n].get("ok") is not None]
+        passed = sum(bool(rows[n]["ok"]) for n in done)
+        if k == "greedy, random weights":
+            same = [
+                n
+                for n in names
+                if rows[n].get("tree") == "fork"
+                and any(
+                    v.get("logprobs_identical") and v.get("tokens_identical")
+                    for key, v in rows[n].items()
+                    if key.startswith("vs_random_up_")
+                )
+            ]
+            bound = [
+                rows[n]["vs_random_up_off"]["first_decode_max_abs"]
+                for n in names
+                if rows[n]["checks"].get("within_bound_of_random_up_off")
+            ]
+            wrong = rows["random_wo_a_wrong"]["vs_random_up_off"][
+                "first_decode_max_abs"
+            ]
+            how = (
+                f"{len(same)} fork rows identical to upstream in tokens and logprobs; the wo_a "
+                f"rows within the first-decode logprob bound (largest {max(bound):.3g}), the "
+                f"wrong twin outside it ({wrong:.3g})"
+            )
+        elif k == "sampled (sample checkpoint)":
+            ps = {
+                n: rows[n]["sampled_vs_upstream_nospec"]["min_p"]
+                for n in names
+                if "sampled_vs_upstream_nospec" in rows[n] and n != "s_tau_wrong_q"
+            }
+            how = (
+                f"smallest p against upstream without speculation {min(ps.values()):.2g} "
+                f"({min(ps, key=ps.get)}); controls refused: 0.97 T at p = "
+                f"{rows['s_up_nospec']['negative_control_0.97T']['min_p']:.1e}, q at T at p = "
+                f"{rows['s_tau_wrong_q']['sampled_vs_upstream_nospec']['min_p']:.1e}"
+            )
+        elif k == "greedy, agree checkpoint":
+            diffs = [
+                v["max_abs"]
+                for n in names
+                for key, v in rows[n].items()
+                if key.startswith("vs_up_")
+            ]
+            how = f"tokens identical to upstream; largest logprob difference {max(diffs):.2g}"
+        else:
+            how = "the server exits with the flag's message"
+        out.append(f"| {k} | {len(done)} | {passed} | {how} |")
+    return "\n".join(out)
 
 
 # --- hyper-connection mix statistics -------------------------------------------------------
@@ -182,6 +259,7 @@ TABLES: dict[str, Table] = {
     "e2e_tau_control": Table(
         "docs/draft-temperature-scale.md", "e2e-NVIDIA_H200.json", e2e_tau_control
     ),
+    "e2e_last_run": Table("docs/gpu-testing.md", "e2e-NVIDIA_H200.json", e2e_last_run),
     "hc_fused": Table("docs/hc_fused.md", "hc_fused-NVIDIA_H200.json", hc_fused),
     "hc_upstream_repeat": Table(
         "docs/hc_fused.md", "hc-upstream-repeat-NVIDIA_H200.txt", hc_upstream_repeat

@@ -1145,6 +1145,7 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
     if "_sampled" in rec:
         s = rec["_sampled"]
         rec["sampled_spec"] = s["spec"]
+        rec["sampled_requests"] = len(s["tokens"])  # a sitting's --sampled-requests
         prev0 = char_vocab()[SAMPLED_PROMPT[-1]]
         if row.name != SAMPLED_REFERENCE:
             if reference is None or succ is None:
@@ -1192,8 +1193,13 @@ def _public(rec: dict) -> dict:
     return rec
 
 
-def serve_all(args, selected: list[Row], profiled: set, t_start: float):
-    """Serve the selected rows; returns their raw records and the sample checkpoint's successor map."""
+def serve_all(args, selected: list[Row], profiled: set, t_start: float, meta: dict):
+    """Serve the selected rows; returns their raw records and the sample checkpoint's successor map.
+
+    The raw file (``e2e-raw-<device>.json.gz``) is rewritten after every row, so a run cut short
+    (its machine's time limit) still leaves the tokens of every row that served: ``--evaluate``
+    judges them, alone or together with another sitting's raw file.
+    """
     logs = args.out / "e2e-logs"
     logs.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONUNBUFFERED": "1"}
@@ -1256,6 +1262,7 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float):
         with (
             PROGRESS_LOCK
         ):  # a progress file, so a run cut short still says what served
+            write_raw(args.out, meta, succ, recs)
             (args.out / "e2e-progress.json").write_text(  # not a result: progress
                 json.dumps(
                     {
@@ -1336,9 +1343,11 @@ def main(argv=None) -> int:
     p.add_argument(
         "--evaluate",
         type=Path,
+        nargs="+",
         metavar="RAW",
-        help="evaluate an earlier run's e2e-raw-<device>.json.gz again (no server is "
-        "started): the checks recomputed from its tokens and logprobs",
+        help="evaluate earlier runs' e2e-raw-<device>.json.gz again (no server is "
+        "started): the checks recomputed from their tokens and logprobs; several "
+        "sittings' files of one build are judged as one matrix",
     )
     p.add_argument(
         "--merge",
@@ -1364,15 +1373,11 @@ def main(argv=None) -> int:
         "sampled_requests": args.sampled_requests,
     }
     if args.evaluate:
-        with gzip.open(args.evaluate, "rt") as f:
-            raw = json.load(f)
-        meta, recs, succ = raw["meta"], raw["rows"], raw["succ"]
+        meta, recs, succ = read_raws(args.evaluate)
         selected = [r for r in selected if r.name in recs]
     else:
-        recs, succ = serve_all(args, selected, profiled, t_start)
-        raw = {"meta": meta, "succ": succ, "rows": recs}
-        with gzip.open(args.out / f"e2e-raw-{meta['device']}.json.gz", "wt") as f:
-            json.dump(raw, f)  # not a result: its tokens, for --evaluate
+        recs, succ = serve_all(args, selected, profiled, t_start, meta)
+        write_raw(args.out, meta, succ, recs)
     report = {**meta, "rows": {}}
     out_json = args.out / f"e2e-{meta['device']}.json"
     for row in selected:
@@ -1398,6 +1403,41 @@ def main(argv=None) -> int:
     out_json = write_result(out_json, report, overwrite=args.overwrite)
     print(f"{report['passed']} passed, {report['failed']} failed")
     return 0 if report["failed"] == 0 else 1
+
+
+def write_raw(out: Path, meta: dict, succ: list[int] | None, recs: dict) -> None:
+    """The tokens and logprobs of every row served so far, for ``--evaluate``."""
+    path = out / f"e2e-raw-{meta['device']}.json.gz"
+    tmp = path.with_suffix(".tmp")
+    with gzip.open(tmp, "wt") as f:
+        json.dump(
+            {"meta": meta, "succ": succ, "rows": dict(recs)}, f
+        )  # not a result: tokens
+    tmp.replace(path)
+
+
+def read_raws(paths: list[Path]) -> tuple[dict, dict, list[int] | None]:
+    """One matrix from the raw files of several sittings of one build on one device (a row served
+    in two of them: the later file's); refuses files of another build, device or checkpoint.
+    """
+    meta, recs, succ = None, {}, None
+    for path in paths:
+        with gzip.open(path, "rt") as f:
+            raw = json.load(f)
+        if meta is None:
+            meta, succ = raw["meta"], raw["succ"]
+        for key in ("fork_version", "device", "standins"):
+            if raw["meta"].get(key) != meta.get(key):
+                raise SystemExit(
+                    f"--evaluate: {path} has {key} {raw['meta'].get(key)!r}, "
+                    f"{paths[0]} has {meta.get(key)!r}"
+                )
+        if raw["succ"] is not None:
+            if succ is not None and raw["succ"] != succ:
+                raise SystemExit(f"--evaluate: {path} served another sample checkpoint")
+            succ = raw["succ"]
+        recs.update(raw["rows"])
+    return meta, recs, succ
 
 
 def merge_rows(report: dict, earlier: dict) -> None:
