@@ -636,6 +636,10 @@ def report(
         "by the kernel benchmarks; no end-to-end measurement behind it",
         "model": model.name,
         "gamma": gamma,
+        "lines": [{"line": t, "tp": tp, "device": d} for t, tp, d in lines],
+        "served": {
+            t: served_table(model, gamma, tp, d, batches) for t, tp, d in lines
+        },
         "rows": out,
     }
 
@@ -644,6 +648,9 @@ def _cell(p: dict) -> str:
     done = sum(1 for x in p["sites"] if x["status"] in (MEASURED, INTERPOLATED))
     saved = p["saved_us_per_step"]
     if not p["complete"]:
+        no_device = [w for w in p["not_measured"] if "no measurement on" in w]
+        if done == 0 and no_device:
+            return "no measurement on " + no_device[0].split("no measurement on ")[1]
         if done == 0:
             return "not measured"
         return f">= {saved:.0f} (part not measured)"
@@ -673,19 +680,30 @@ def table(rep: dict, line: str) -> str:
     return "\n".join(out)
 
 
-def counts_table(model: Model, gamma: int, tp: int, batches=BATCHES) -> str:
-    """Calls and rows per step of every site (all flags on), and whether each is served."""
+def served_table(model: Model, gamma: int, tp: int, device: str, batches=BATCHES) -> str:
+    """Rows per call of every site, all flags on (wo_a mid, head fp8, cap 3), and whether the
+    fork serves it there: the part of the model that needs no timing."""
+    flags = Flags("mid", True, "3")
     out = [
         "| site | calls/step | " + " | ".join(f"bs {b}" for b in batches) + " |",
         "| --- | --- |" + " --- |" * len(batches),
     ]
-    per = {}
+    per: dict = {}
     for bs in batches:
-        s = Setup(model, tp, gamma, bs, Flags("mid", True, "3"))
+        s = Setup(model, tp, gamma, bs, flags, device=device)
         for site in count_sites(s):
-            per.setdefault((site.site, site.calls), []).append(site.rows)
-    for (name, calls), rows in per.items():
-        out.append(f"| {name} | {calls} | " + " | ".join(map(str, rows)) + " |")
+            if site.feature == "--dsv4-wo-a-fp8-twin":
+                served = wo_a_served(s, site)[0]
+            elif site.feature == "--speculative-dspark-draft-head-fp8":
+                served = head_served(s, site)[0]
+            else:
+                served = True
+            cell = f"{site.rows} {'served' if served else 'stock'}"
+            if site.feature == "--speculative-dspark-verify-cap":
+                cell = f"{site.rows} capped"
+            per.setdefault((site.site, site.calls), []).append(cell)
+    for (name, calls), cells in per.items():
+        out.append(f"| {name} | {calls} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -694,8 +712,21 @@ def render(rep: dict) -> str:
         f"{rep['model']}, gamma {rep['gamma']}: predicted us saved per decode step and rank "
         "(* = an interpolated shape; '0 (stock)' = no call is served at this batch)."
     ]
-    for line in dict.fromkeys(r["line"] for r in rep["rows"]):
-        parts += ["", f"## {line}", "", table(rep, line)]
+    for line in rep["lines"]:
+        title = line["line"]
+        rows = [r for r in rep["rows"] if r["line"] == title]
+        parts += ["", f"## {title}", ""]
+        unmeasured = any(_cell(r).startswith("no measurement on") for r in rows)
+        if unmeasured and not any(r["saved_us_per_step"] for r in rows):
+            device = line["device"].replace("_", " ")
+            parts += [
+                f"No measurement on {device}: no saving is predicted. Rows per call on one "
+                "rank, all flags on (wo_a mid, head fp8, cap 3), served by the fork or stock:",
+                "",
+                rep["served"][title],
+            ]
+        else:
+            parts.append(table(rep, title))
     return "\n".join(parts)
 
 
