@@ -59,6 +59,12 @@ def test_shapes_per_rank_follow_tp():
         cm.groups_per_rank(V41, 5)
 
 
+def test_an_odd_batch_above_8_runs_its_graphs_padded():
+    assert [cm.graph_bs(b) for b in (1, 5, 8, 9, 11, 32, 33)] == [1, 5, 8, 10, 12, 32, 40]
+    assert _sites(bs=9)["wo_a, target verify"].rows == 10 * 6
+    assert _sites(bs=9, cuda_graph=False)["wo_a, target verify"].rows == 9 * 6
+
+
 def test_draft_rows_without_sampling_from_the_anchor():
     s = _sites(bs=2, gamma=5, sample_from_anchor=False)
     assert s["wo_a, draft stages"].rows == 2 * 6 and s["draft LM head"].rows == 2 * 5

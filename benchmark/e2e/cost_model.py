@@ -174,6 +174,7 @@ class Setup:
     device: str = "NVIDIA_H200"
     sample_from_anchor: bool = True  # dspark_config.get_dspark_sample_from_anchor's default
     mxfp8_wo_b: bool = False  # wo_b on FlashInfer's CuTe DSL MXFP8 backend (Blackwell)
+    cuda_graph: bool = True  # the step replays a CUDA graph captured at graph_bs(bs)
     results: Path = RESULTS
 
 
@@ -229,9 +230,27 @@ def vocab_shard(vocab: int, tp: int) -> int:
     return pad(vocab, size) // tp
 
 
+def graph_bs(bs: int) -> int:
+    """The batch a speculative decode step's CUDA graph was captured at, so the rows its kernels
+    see: the default capture sizes with a speculative algorithm
+    (``arg_groups/cuda_graph_hook.generate_decode_cuda_graph_batch_sizes``: 1..8, then even to 32,
+    every 4th to 64, every 8th to 256), padded up (``bisect_left`` over ``capture_bs``)."""
+    sizes = (
+        list(range(1, 9))
+        + list(range(10, 33, 2))
+        + list(range(40, 65, 4))
+        + list(range(72, 257, 8))
+    )
+    for size in sizes:
+        if size >= bs:
+            return size
+    raise ValueError(f"bs {bs}: above the default capture sizes (256); run eager")
+
+
 def count_sites(s: Setup) -> list[Site]:
     """The fork kernels' call sites in one decode step, with calls and rows (nothing timed)."""
-    m, bs, gamma = s.model, s.bs, s.gamma
+    m, gamma = s.model, s.gamma
+    bs = graph_bs(s.bs) if s.cuda_graph else s.bs
     g, _ = groups_per_rank(m, s.tp)
     wo_a_shape = {"G": g, "R": m.o_lora, "D": m.heads // m.o_groups * m.head_dim}
     draft_rows = bs * (gamma if s.sample_from_anchor else gamma + 1)
@@ -515,6 +534,13 @@ def predict(s: Setup) -> dict:
         "tp": {"value": s.tp, "mark": "given"},
         "gamma": {"value": s.gamma, "mark": "assumed (V4.1-Flash's DSpark block: 5)"},
         "bs": {"value": s.bs, "mark": "given"},
+        "graph_bs": {
+            "value": graph_bs(s.bs) if s.cuda_graph else s.bs,
+            "mark": "derived: the default speculative CUDA-graph capture sizes (assumed "
+            "--cuda-graph-bs unset)"
+            if s.cuda_graph
+            else "eager",
+        },
         "device": {"value": s.device, "mark": "given"},
         "groups_per_rank": dict(
             zip(("value", "mark"), groups_per_rank(s.model, s.tp))
@@ -621,21 +647,34 @@ def report(
     lines=LINES,
     results: Path = RESULTS,
 ) -> dict:
-    out = []
+    out, code, marks = [], {}, {}
     for title, tp, device in lines:
         for flags in flag_sets:
             for bs in batches:
                 p = predict(
                     Setup(model, tp, gamma, bs, flags, device=device, results=results)
                 )
-                out.append({"line": title, "tp": tp, "bs": bs, **p})
+                p["inputs"].pop("model")  # once, at the top
+                for name, value in p["inputs"].items():  # marks once, values per row
+                    if isinstance(value, dict) and "mark" in value:
+                        marks.setdefault(name, set()).add(value["mark"])
+                        p["inputs"][name] = value["value"]
+                for site in p["sites"]:
+                    code[site["site"]] = site.pop("code")
+                    for key in ("stock_us", "fork_us", "saved_us_per_call", "saved_us"):
+                        if isinstance(site[key], float):
+                            site[key] = round(site[key], 3)
+                p["saved_us_per_step"] = round(p["saved_us_per_step"], 3)
+                out.append({"line": title, "tp": tp, "bs": bs, **p, "cell": _cell(p)})
     return {
         "benchmark": "cost_model",
         "what": "predicted time saved per DSpark decode step (us, one rank) by the fork's "
         "speed flags: calls counted from the engine code, times the per-call saving measured "
         "by the kernel benchmarks; no end-to-end measurement behind it",
-        "model": model.name,
+        "model": {**asdict(model), "mark": model.source},
         "gamma": gamma,
+        "marks": {name: sorted(m) for name, m in marks.items()},
+        "code": code,
         "lines": [{"line": t, "tp": tp, "device": d} for t, tp, d in lines],
         "served": {
             t: served_table(model, gamma, tp, d, batches) for t, tp, d in lines
@@ -668,7 +707,7 @@ def table(rep: dict, line: str) -> str:
     rows = [r for r in rep["rows"] if r["line"] == line]
     labels = list(dict.fromkeys(r["label"] for r in rows))
     batches = sorted({r["bs"] for r in rows})
-    cells = {(r["label"], r["bs"]): _cell(r) for r in rows}
+    cells = {(r["label"], r["bs"]): r["cell"] for r in rows}
     out = [
         "| flags | " + " | ".join(f"bs {b}" for b in batches) + " |",
         "| --- |" + " --- |" * len(batches),
@@ -709,14 +748,14 @@ def served_table(model: Model, gamma: int, tp: int, device: str, batches=BATCHES
 
 def render(rep: dict) -> str:
     parts = [
-        f"{rep['model']}, gamma {rep['gamma']}: predicted us saved per decode step and rank "
+        f"{rep['model']['name']}, gamma {rep['gamma']}: predicted us saved per decode step and rank "
         "(* = an interpolated shape; '0 (stock)' = no call is served at this batch)."
     ]
     for line in rep["lines"]:
         title = line["line"]
         rows = [r for r in rep["rows"] if r["line"] == title]
         parts += ["", f"## {title}", ""]
-        unmeasured = any(_cell(r).startswith("no measurement on") for r in rows)
+        unmeasured = any(r["cell"].startswith("no measurement on") for r in rows)
         if unmeasured and not any(r["saved_us_per_step"] for r in rows):
             device = line["device"].replace("_", " ")
             parts += [
