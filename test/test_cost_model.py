@@ -38,7 +38,10 @@ def test_calls_and_rows_per_step_at_tp4():
         s["wo_a, draft stages"],
         s["draft LM head"],
     )
-    assert (verify.calls, verify.rows) == (43, 4 * 6)  # a call per layer, bs * (gamma + 1)
+    assert (verify.calls, verify.rows) == (
+        43,
+        4 * 6,
+    )  # a call per layer, bs * (gamma + 1)
     assert (draft.calls, draft.rows) == (3, 4 * 5)  # a call per stage, bs * gamma
     assert (head.calls, head.rows) == (1, 4 * 5)  # one head call, bs * gamma rows
     assert verify.shape["G"] == 2 and (verify.shape["R"], verify.shape["D"]) == (
@@ -60,7 +63,15 @@ def test_shapes_per_rank_follow_tp():
 
 
 def test_an_odd_batch_above_8_runs_its_graphs_padded():
-    assert [cm.graph_bs(b) for b in (1, 5, 8, 9, 11, 32, 33)] == [1, 5, 8, 10, 12, 32, 40]
+    assert [cm.graph_bs(b) for b in (1, 5, 8, 9, 11, 32, 33)] == [
+        1,
+        5,
+        8,
+        10,
+        12,
+        32,
+        40,
+    ]
     assert _sites(bs=9)["wo_a, target verify"].rows == 10 * 6
     assert _sites(bs=9, cuda_graph=False)["wo_a, target verify"].rows == 9 * 6
 
@@ -88,9 +99,7 @@ def test_counts_from_an_hf_config():
     model = cm.Model.from_config(cfg, draft_stages=2, name="cfg.json")
     sites = {
         s.site: s
-        for s in cm.count_sites(
-            cm.Setup(model, 4, 3, 2, cm.Flags("mid", True, "2"))
-        )
+        for s in cm.count_sites(cm.Setup(model, 4, 3, 2, cm.Flags("mid", True, "2")))
     }
     assert (sites["wo_a, target verify"].calls, sites["wo_a, target verify"].rows) == (
         61,
@@ -117,13 +126,15 @@ def test_small_batches_save_and_the_savings_are_the_measured_ones():
     p, s = _predict(bs=1)
     rows = {
         (r["G"], r["M"]): r
-        for r in json.loads(
-            (cm.RESULTS / "wo_a_fp8-NVIDIA_H200.json").read_text()
-        )["rows"]
+        for r in json.loads((cm.RESULTS / "wo_a_fp8-NVIDIA_H200.json").read_text())[
+            "rows"
+        ]
     }
     verify = s["wo_a, target verify"]
     assert verify["status"] == cm.MEASURED
-    want = rows[2, 6]["einsum_us"] - rows[2, 6]["twin_us"]  # Hopper's stock is the einsum
+    want = (
+        rows[2, 6]["einsum_us"] - rows[2, 6]["twin_us"]
+    )  # Hopper's stock is the einsum
     assert verify["saved_us"] == pytest.approx(43 * want)
     assert p["complete"] and p["saved_us_per_step"] > 150
 
@@ -179,7 +190,9 @@ def test_shapes_outside_the_benchmarks_are_not_measured():
     assert not p["complete"] and p["not_measured"]
     wide = cm.Model(**{**cm.asdict(V41), "hidden": 7168})
     p = cm.predict(cm.Setup(wide, 4, 5, 1, cm.Flags(draft_head_fp8=True)))
-    assert p["sites"][2]["status"] == cm.NOT_MEASURED and "K=5120" in p["sites"][2]["why"]
+    assert (
+        p["sites"][2]["status"] == cm.NOT_MEASURED and "K=5120" in p["sites"][2]["why"]
+    )
 
 
 def test_the_verify_cap_is_measured_only_at_the_benchmarks_expert_shape():
@@ -194,11 +207,15 @@ def test_the_verify_cap_is_measured_only_at_the_benchmarks_expert_shape():
     cap = p["sites"][3]
     assert cap["status"] == cm.MEASURED
     assert cap["saved_us"] == pytest.approx(row["saved_us_per_step_43_layers"])
-    p = cm.predict(cm.Setup(v4, 4, 5, 32, cm.Flags(verify_cap="3")))  # bs 32: not measured
+    p = cm.predict(
+        cm.Setup(v4, 4, 5, 32, cm.Flags(verify_cap="3"))
+    )  # bs 32: not measured
     assert p["sites"][3]["status"] == cm.NOT_MEASURED
     with pytest.raises(ValueError, match="--cap-mean-k"):
         cm.predict(cm.Setup(v4, 4, 5, 4, cm.Flags(verify_cap="conf:0.1")))
-    p = cm.predict(cm.Setup(v4, 4, 5, 2, cm.Flags(verify_cap="conf:0.1", cap_mean_k=2.5)))
+    p = cm.predict(
+        cm.Setup(v4, 4, 5, 2, cm.Flags(verify_cap="conf:0.1", cap_mean_k=2.5))
+    )
     assert p["sites"][3]["status"] == cm.INTERPOLATED
     assert "assumed" in p["inputs"]["cap_k"]["mark"]
 
@@ -222,8 +239,12 @@ def _synthetic(saved, complete=True):
 
 
 def test_explains_within_a_third():
-    assert cm.explains(_synthetic(200.0), 10_000.0, 9_780.0)["explained"]  # 220 measured
-    miss = cm.explains(_synthetic(200.0), 10_000.0, 9_600.0)  # 400 measured: off by half
+    assert cm.explains(_synthetic(200.0), 10_000.0, 9_780.0)[
+        "explained"
+    ]  # 220 measured
+    miss = cm.explains(
+        _synthetic(200.0), 10_000.0, 9_600.0
+    )  # 400 measured: off by half
     assert not miss["explained"] and "outside" in miss["why"]
     assert not cm.explains(_synthetic(200.0), 10_000.0, 10_050.0)["explained"]  # slower
     assert not cm.explains(_synthetic(200.0, complete=False), 10_000.0, 9_800.0)[
@@ -232,7 +253,13 @@ def test_explains_within_a_third():
 
 
 def test_the_command_line_check(capsys):
-    args = ["--dsv4-wo-a-fp8-twin", "mid", "--speculative-dspark-draft-head-fp8", "--bs", "1"]
+    args = [
+        "--dsv4-wo-a-fp8-twin",
+        "mid",
+        "--speculative-dspark-draft-head-fp8",
+        "--bs",
+        "1",
+    ]
     p = cm.predict(cm.Setup(V41, 4, 5, 1, ALL))["saved_us_per_step"]
     assert cm.main(args + ["--measured-step-us", "20000", str(20000 - p)]) == 0
     assert "EXPLAINED" in capsys.readouterr().out

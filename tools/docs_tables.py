@@ -183,7 +183,9 @@ def _cost_model_line(d: dict, line: str) -> str:
         "| --- |" + " ---: |" * len(batches),
     ]
     for label in labels:
-        out.append(f"| {label} | " + " | ".join(cells[label, b] for b in batches) + " |")
+        out.append(
+            f"| {label} | " + " | ".join(cells[label, b] for b in batches) + " |"
+        )
     build = d.get("provenance", {}).get("fork_version")
     return "\n".join(out) + (f"\n\nPredicted by build {build}." if build else "")
 

@@ -151,7 +151,9 @@ class Flags:
     wo_a_twin: str = "off"  # --dsv4-wo-a-fp8-twin
     draft_head_fp8: bool = False  # --speculative-dspark-draft-head-fp8
     verify_cap: str | None = None  # --speculative-dspark-verify-cap: "K" or "conf:..."
-    cap_mean_k: float | None = None  # the drafts a conf: cap verifies per request, assumed
+    cap_mean_k: float | None = (
+        None  # the drafts a conf: cap verifies per request, assumed
+    )
 
     def label(self) -> str:
         parts = []
@@ -172,7 +174,9 @@ class Setup:
     bs: int
     flags: Flags
     device: str = "NVIDIA_H200"
-    sample_from_anchor: bool = True  # dspark_config.get_dspark_sample_from_anchor's default
+    sample_from_anchor: bool = (
+        True  # dspark_config.get_dspark_sample_from_anchor's default
+    )
     mxfp8_wo_b: bool = False  # wo_b on FlashInfer's CuTe DSL MXFP8 backend (Blackwell)
     cuda_graph: bool = True  # the step replays a CUDA graph captured at graph_bs(bs)
     results: Path = RESULTS
@@ -234,7 +238,8 @@ def graph_bs(bs: int) -> int:
     """The batch a speculative decode step's CUDA graph was captured at, so the rows its kernels
     see: the default capture sizes with a speculative algorithm
     (``arg_groups/cuda_graph_hook.generate_decode_cuda_graph_batch_sizes``: 1..8, then even to 32,
-    every 4th to 64, every 8th to 256), padded up (``bisect_left`` over ``capture_bs``)."""
+    every 4th to 64, every 8th to 256), padded up (``bisect_left`` over ``capture_bs``).
+    """
     sizes = (
         list(range(1, 9))
         + list(range(10, 33, 2))
@@ -364,7 +369,9 @@ def cap_k(flags: Flags, gamma: int) -> tuple[float, str]:
         return float(flags.cap_mean_k), "assumed (mean of the conf: rule)"
     k = int(value)
     if not 1 <= k <= gamma:
-        raise ValueError(f"--speculative-dspark-verify-cap {k}: outside 1..gamma ({gamma})")
+        raise ValueError(
+            f"--speculative-dspark-verify-cap {k}: outside 1..gamma ({gamma})"
+        )
     return float(k), "derived: the fixed cap"
 
 
@@ -380,13 +387,18 @@ def _load(s: Setup, name: str) -> tuple[dict | None, str]:
 
 def interpolate(points: dict[float, tuple[float, str]], x: float):
     """``points``: {x: (value, kernel)}. (value, status, note) at ``x``: measured where x is a
-    point, linear between the two neighbouring points when both ran the same kernel, else None."""
+    point, linear between the two neighbouring points when both ran the same kernel, else None.
+    """
     if x in points:
         return points[x][0], MEASURED, f"at {x:g}"
     lower = [p for p in points if p < x]
     upper = [p for p in points if p > x]
     if not lower or not upper:
-        return None, NOT_MEASURED, f"{x:g} outside the measured {min(points):g}..{max(points):g}"
+        return (
+            None,
+            NOT_MEASURED,
+            f"{x:g} outside the measured {min(points):g}..{max(points):g}",
+        )
     lo, hi = max(lower), min(upper)
     if points[lo][1] != points[hi][1]:
         return (
@@ -491,9 +503,13 @@ def time_cap(s: Setup, site: Site, k: float) -> None:
     data, source = _load(s, "verify_cap_moe")
     if data is None:
         return _fill(site, NOT_MEASURED, source)
-    want = {key: site.shape[key] for key in ("hidden", "experts", "topk", "inter_per_rank")}
+    want = {
+        key: site.shape[key] for key in ("hidden", "experts", "topk", "inter_per_rank")
+    }
     got = {key: data[key] for key in want}
-    drafts = max(int(r["k"]) for r in data["rows"])  # the benchmark's gamma: k = gamma is no cap
+    drafts = max(
+        int(r["k"]) for r in data["rows"]
+    )  # the benchmark's gamma: k = gamma is no cap
     if want != got or site.shape["gamma"] != drafts:
         return _fill(
             site,
@@ -536,15 +552,15 @@ def predict(s: Setup) -> dict:
         "bs": {"value": s.bs, "mark": "given"},
         "graph_bs": {
             "value": graph_bs(s.bs) if s.cuda_graph else s.bs,
-            "mark": "derived: the default speculative CUDA-graph capture sizes (assumed "
-            "--cuda-graph-bs unset)"
-            if s.cuda_graph
-            else "eager",
+            "mark": (
+                "derived: the default speculative CUDA-graph capture sizes (assumed "
+                "--cuda-graph-bs unset)"
+                if s.cuda_graph
+                else "eager"
+            ),
         },
         "device": {"value": s.device, "mark": "given"},
-        "groups_per_rank": dict(
-            zip(("value", "mark"), groups_per_rank(s.model, s.tp))
-        ),
+        "groups_per_rank": dict(zip(("value", "mark"), groups_per_rank(s.model, s.tp))),
         "sample_from_anchor": {
             "value": s.sample_from_anchor,
             "mark": "assumed: dspark_config.get_dspark_sample_from_anchor's default (True)",
@@ -607,7 +623,8 @@ def explains(
         return {
             **out,
             "explained": False,
-            "why": "the prediction is incomplete: " + "; ".join(prediction["not_measured"]),
+            "why": "the prediction is incomplete: "
+            + "; ".join(prediction["not_measured"]),
         }
     ok = abs(predicted - change) <= tol * abs(change)
     why = (
@@ -676,9 +693,7 @@ def report(
         "marks": {name: sorted(m) for name, m in marks.items()},
         "code": code,
         "lines": [{"line": t, "tp": tp, "device": d} for t, tp, d in lines],
-        "served": {
-            t: served_table(model, gamma, tp, d, batches) for t, tp, d in lines
-        },
+        "served": {t: served_table(model, gamma, tp, d, batches) for t, tp, d in lines},
         "rows": out,
     }
 
@@ -719,7 +734,9 @@ def table(rep: dict, line: str) -> str:
     return "\n".join(out)
 
 
-def served_table(model: Model, gamma: int, tp: int, device: str, batches=BATCHES) -> str:
+def served_table(
+    model: Model, gamma: int, tp: int, device: str, batches=BATCHES
+) -> str:
     """Rows per call of every site, all flags on (wo_a mid, head fp8, cap 3), and whether the
     fork serves it there: the part of the model that needs no timing."""
     flags = Flags("mid", True, "3")
@@ -783,12 +800,18 @@ def _parser() -> argparse.ArgumentParser:
         "at TP3 and TP4, bs 1..32, each flag set",
     )
     p.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
-    p.add_argument("--config", type=Path, help="a model's HF config.json instead of --model")
-    p.add_argument("--draft-stages", type=int, default=3, help="with --config (default: 3)")
+    p.add_argument(
+        "--config", type=Path, help="a model's HF config.json instead of --model"
+    )
+    p.add_argument(
+        "--draft-stages", type=int, default=3, help="with --config (default: 3)"
+    )
     p.add_argument("--tp", type=int, default=4)
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--bs", type=int, nargs="+", default=list(BATCHES))
-    p.add_argument("--device", default="NVIDIA_H200", help="result files' device suffix")
+    p.add_argument(
+        "--device", default="NVIDIA_H200", help="result files' device suffix"
+    )
     p.add_argument("--dsv4-wo-a-fp8-twin", default="off", choices=WO_A_LEVELS)
     p.add_argument("--speculative-dspark-draft-head-fp8", action="store_true")
     p.add_argument("--speculative-dspark-verify-cap", default=None)
@@ -804,7 +827,9 @@ def _parser() -> argparse.ArgumentParser:
         "explain the change within a third?",
     )
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.add_argument("--out", type=Path, help="with --report: write cost_model-cpu.json here")
+    p.add_argument(
+        "--out", type=Path, help="with --report: write cost_model-cpu.json here"
+    )
     add_overwrite_arg(p)
     return p
 
@@ -823,7 +848,9 @@ def main(argv=None) -> int:
         if a.out is not None:
             from e2e.provenance import write_result
 
-            path = write_result(a.out / "cost_model-cpu.json", rep, overwrite=a.overwrite)
+            path = write_result(
+                a.out / "cost_model-cpu.json", rep, overwrite=a.overwrite
+            )
             print(f"wrote {path}")
         return 0
     flags = Flags(
@@ -862,7 +889,9 @@ def main(argv=None) -> int:
                 f"{x['saved_us']:.1f} us ({x['why']}{'; ' + x['source'] if x['source'] else ''})"
             )
         if "check" in p:
-            print(f"  {'EXPLAINED' if p['check']['explained'] else 'NOT EXPLAINED'}: {p['check']['why']}")
+            print(
+                f"  {'EXPLAINED' if p['check']['explained'] else 'NOT EXPLAINED'}: {p['check']['why']}"
+            )
     if a.measured_step_us is not None and not p["check"]["explained"]:
         return 1
     return 0
