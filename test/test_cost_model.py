@@ -252,6 +252,13 @@ def test_explains_within_a_third():
     ]
 
 
+def test_a_zero_prediction_against_noise_needs_the_interval():
+    flat = cm.explains(_synthetic(0.0), 10_000.0, 9_990.0)  # 10 us of noise
+    assert not flat["explained"]
+    assert cm.explains(_synthetic(0.0), 10_000.0, 9_990.0, ci_us=40.0)["explained"]
+    assert not cm.explains(_synthetic(0.0), 10_000.0, 9_800.0, ci_us=40.0)["explained"]
+
+
 def test_the_command_line_check(capsys):
     args = [
         "--dsv4-wo-a-fp8-twin",

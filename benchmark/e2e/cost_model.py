@@ -450,10 +450,9 @@ def time_wo_a(s: Setup, site: Site) -> None:
             f"G={shape['G']}{' MXFP8' if shape['mxfp8'] else ''} not measured",
             source=source,
         )
-    both = {x: ((v[0][0], v[0][1]), v[1]) for x, v in points.items()}
-    stock, _, _ = interpolate({x: (v[0][0], v[1]) for x, v in both.items()}, site.rows)
+    stock, _, _ = interpolate({x: (t[0], k) for x, (t, k) in points.items()}, site.rows)
     fork, status, note = interpolate(
-        {x: (v[0][1], v[1]) for x, v in both.items()}, site.rows
+        {x: (t[1], k) for x, (t, k) in points.items()}, site.rows
     )
     if fork is None:
         return _fill(site, status, f"G={shape['G']}: {note}", source=source)
@@ -507,9 +506,8 @@ def time_cap(s: Setup, site: Site, k: float) -> None:
         key: site.shape[key] for key in ("hidden", "experts", "topk", "inter_per_rank")
     }
     got = {key: data[key] for key in want}
-    drafts = max(
-        int(r["k"]) for r in data["rows"]
-    )  # the benchmark's gamma: k = gamma is no cap
+    # the benchmark's gamma: its largest k verifies every draft (no cap)
+    drafts = max(int(r["k"]) for r in data["rows"])
     if want != got or site.shape["gamma"] != drafts:
         return _fill(
             site,
@@ -529,8 +527,9 @@ def time_cap(s: Setup, site: Site, k: float) -> None:
         if value is not None:
             at_bs[bs] = (value, "fused_moe")
             notes.append(status)
+    batch = site.rows // (site.shape["gamma"] + 1)  # the graph's batch, padded
     saved, status, note = (
-        interpolate(at_bs, s.bs) if at_bs else (None, NOT_MEASURED, "k")
+        interpolate(at_bs, batch) if at_bs else (None, NOT_MEASURED, "k")
     )
     if saved is None:
         return _fill(site, status, f"bs {note}", source=source)
@@ -605,10 +604,16 @@ def predict(s: Setup) -> dict:
 
 
 def explains(
-    prediction: dict, stock_step_us: float, fork_step_us: float, tol=TOLERANCE
+    prediction: dict,
+    stock_step_us: float,
+    fork_step_us: float,
+    tol=TOLERANCE,
+    ci_us: float | None = None,
 ) -> dict:
     """Whether ``prediction`` accounts for a measured step-time change (stock minus fork):
-    within ``tol`` of the measured change, and only from a complete prediction."""
+    within ``tol`` of the measured change, and only from a complete prediction. ``ci_us``, the
+    half-width of the change's 95 % interval, widens the margin where the change itself is
+    within noise (a prediction of zero against a change of zero +- ci)."""
     change = stock_step_us - fork_step_us
     predicted = prediction["saved_us_per_step"]
     out = {
@@ -626,10 +631,13 @@ def explains(
             "why": "the prediction is incomplete: "
             + "; ".join(prediction["not_measured"]),
         }
-    ok = abs(predicted - change) <= tol * abs(change)
+    margin = max(tol * abs(change), ci_us or 0.0)
+    ok = abs(predicted - change) <= margin
     why = (
-        f"predicted {predicted:.1f} us against a measured {change:.1f} us: "
-        f"{'within' if ok else 'outside'} {tol:.0%} of the measured change"
+        f"predicted {predicted:.1f} us against a measured {change:.1f} us"
+        + (f" +- {ci_us:.1f}" if ci_us else "")
+        + f": {'within' if ok else 'outside'} {margin:.1f} us "
+        f"(a third of the measured change{', or its interval' if ci_us else ''})"
     )
     return {**out, "explained": ok, "why": why}
 
@@ -826,6 +834,12 @@ def _parser() -> argparse.ArgumentParser:
         help="a measured decode step time, flags off and on (one --bs): does the prediction "
         "explain the change within a third?",
     )
+    p.add_argument(
+        "--measured-ci-us",
+        type=float,
+        default=None,
+        help="with --measured-step-us: the half-width of the change's 95 %% interval",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument(
         "--out", type=Path, help="with --report: write cost_model-cpu.json here"
@@ -874,7 +888,7 @@ def main(argv=None) -> int:
         )
         p = predict(s)
         if a.measured_step_us is not None:
-            p["check"] = explains(p, *a.measured_step_us)
+            p["check"] = explains(p, *a.measured_step_us, ci_us=a.measured_ci_us)
         if a.json:
             print(json.dumps(p, indent=1))
             continue
