@@ -247,7 +247,50 @@ def fast_load(d: dict) -> str:
     return "\n".join(out)
 
 
+# --- the per-step cost model (benchmark/e2e/cost_model.py) -----------------------------------
+
+
+def _cost_model_line(d: dict, line: str) -> str:
+    rows = [r for r in d["rows"] if r["line"] == line]
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    batches = sorted({r["bs"] for r in rows})
+    cells = {(r["label"], r["bs"]): r["cell"] for r in rows}
+    out = [
+        "| flags | " + " | ".join(f"bs {b}" for b in batches) + " |",
+        "| --- |" + " ---: |" * len(batches),
+    ]
+    for label in labels:
+        out.append(
+            f"| {label} | " + " | ".join(cells[label, b] for b in batches) + " |"
+        )
+    build = d.get("provenance", {}).get("fork_version")
+    return "\n".join(out) + (f"\n\nPredicted by build {build}." if build else "")
+
+
+def cost_model_h200_tp4(d: dict) -> str:
+    return _cost_model_line(d, "H200, TP4")
+
+
+def cost_model_h200_tp1(d: dict) -> str:
+    return _cost_model_line(d, "H200, TP1")
+
+
+def cost_model_gb10(d: dict) -> str:
+    return "\n\n".join(
+        f"{line}:\n\n{d['served'][line]}" for line in d["served"] if "GB10" in line
+    )
+
+
 TABLES: dict[str, Table] = {
+    "cost_model_h200_tp4": Table(
+        "docs/performance.md", "cost_model-cpu.json", cost_model_h200_tp4
+    ),
+    "cost_model_h200_tp1": Table(
+        "docs/performance.md", "cost_model-cpu.json", cost_model_h200_tp1
+    ),
+    "cost_model_gb10": Table(
+        "docs/performance.md", "cost_model-cpu.json", cost_model_gb10
+    ),
     "draft_tau_staging": Table(
         "docs/draft-temperature-scale.md",
         "draft_tau-NVIDIA_H200.json",

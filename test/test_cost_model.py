@@ -1,0 +1,282 @@
+"""benchmark/e2e/cost_model.py: the calls it counts per decode step, the fall-back to stock above
+the kernels' row limits, interpolation only within measured shapes, and the check that a
+prediction explains a measured step-time change (failing on a synthetic mismatch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmark" / "e2e"))
+import cost_model as cm  # noqa: E402
+
+V41 = cm.V41_FLASH
+ALL = cm.Flags("mid", True)
+
+
+def _sites(tp=4, bs=4, gamma=5, flags=ALL, **kw):
+    return {
+        s.site: s for s in cm.count_sites(cm.Setup(V41, tp, gamma, bs, flags, **kw))
+    }
+
+
+def _predict(tp=4, bs=4, gamma=5, flags=ALL, **kw):
+    p = cm.predict(cm.Setup(V41, tp, gamma, bs, flags, **kw))
+    return p, {s["site"]: s for s in p["sites"]}
+
+
+# ------------------------------------------------------------------ counting
+
+
+def test_calls_and_rows_per_step_at_tp4():
+    s = _sites(tp=4, bs=4, gamma=5)
+    verify, draft, head = (
+        s["wo_a, target verify"],
+        s["wo_a, draft stages"],
+        s["draft LM head"],
+    )
+    assert (verify.calls, verify.rows) == (
+        43,
+        4 * 6,
+    )  # a call per layer, bs * (gamma + 1)
+    assert (draft.calls, draft.rows) == (3, 4 * 5)  # a call per stage, bs * gamma
+    assert (head.calls, head.rows) == (1, 4 * 5)  # one head call, bs * gamma rows
+    assert verify.shape["G"] == 2 and (verify.shape["R"], verify.shape["D"]) == (
+        1024,
+        4096,
+    )
+    assert head.shape == {"N": 32320, "K": 5120}
+    assert "routed experts, target verify" not in s  # no cap, no site
+
+
+def test_shapes_per_rank_follow_tp():
+    assert _sites(tp=1)["wo_a, target verify"].shape["G"] == 8
+    assert _sites(tp=1)["draft LM head"].shape["N"] == 129280
+    assert cm.groups_per_rank(V41, 3) == (4, cm.groups_per_rank(V41, 3)[1])
+    assert "assumed" in cm.groups_per_rank(V41, 3)[1]
+    assert cm.vocab_shard(129280, 3) == 43136  # 64 does not split over 3: padded to 192
+    with pytest.raises(ValueError, match="do not split"):
+        cm.groups_per_rank(V41, 5)
+
+
+def test_an_odd_batch_above_8_runs_its_graphs_padded():
+    assert [cm.graph_bs(b) for b in (1, 5, 8, 9, 11, 32, 33)] == [
+        1,
+        5,
+        8,
+        10,
+        12,
+        32,
+        40,
+    ]
+    assert _sites(bs=9)["wo_a, target verify"].rows == 10 * 6
+    assert _sites(bs=9, cuda_graph=False)["wo_a, target verify"].rows == 9 * 6
+
+
+def test_draft_rows_without_sampling_from_the_anchor():
+    s = _sites(bs=2, gamma=5, sample_from_anchor=False)
+    assert s["wo_a, draft stages"].rows == 2 * 6 and s["draft LM head"].rows == 2 * 5
+
+
+def test_counts_from_an_hf_config():
+    cfg = {
+        "hidden_size": 7168,
+        "num_attention_heads": 128,
+        "qk_nope_head_dim": 448,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": 1536,
+        "o_groups": 16,
+        "o_lora_rank": 1024,
+        "moe_intermediate_size": 3072,
+        "n_routed_experts": 384,
+        "num_experts_per_tok": 6,
+        "vocab_size": 129280,
+        "num_hidden_layers": 61,
+    }
+    model = cm.Model.from_config(cfg, draft_stages=2, name="cfg.json")
+    sites = {
+        s.site: s
+        for s in cm.count_sites(cm.Setup(model, 4, 3, 2, cm.Flags("mid", True, "2")))
+    }
+    assert (sites["wo_a, target verify"].calls, sites["wo_a, target verify"].rows) == (
+        61,
+        8,
+    )
+    assert sites["wo_a, target verify"].shape["G"] == 4
+    assert (sites["wo_a, draft stages"].calls, sites["wo_a, draft stages"].rows) == (
+        2,
+        6,
+    )
+    assert sites["routed experts, target verify"].shape["inter_per_rank"] == 768
+
+
+def test_row_limits_are_the_engines():
+    assert cm.engine_constant(cm.HEAD_MODULE, "MAX_ROWS") == 32
+    assert cm.engine_constant(cm.TWIN_MODULE, "MID_FASTER_MAX") == {2: 32, 4: 32, 8: 32}
+    assert cm.engine_constant(cm.TWIN_MODULE, "MID_MAX_ROWS") == 192
+
+
+# ------------------------------------------------------------------ the fall-back above 32 rows
+
+
+def test_small_batches_save_and_the_savings_are_the_measured_ones():
+    p, s = _predict(bs=1)
+    rows = {
+        (r["G"], r["M"]): r
+        for r in json.loads((cm.RESULTS / "wo_a_fp8-NVIDIA_H200.json").read_text())[
+            "rows"
+        ]
+    }
+    verify = s["wo_a, target verify"]
+    assert verify["status"] == cm.MEASURED
+    want = (
+        rows[2, 6]["einsum_us"] - rows[2, 6]["twin_us"]
+    )  # Hopper's stock is the einsum
+    assert verify["saved_us"] == pytest.approx(43 * want)
+    assert p["complete"] and p["saved_us_per_step"] > 150
+
+
+@pytest.mark.parametrize("bs", [8, 16, 32])
+def test_above_32_rows_everything_falls_back_to_stock(bs):
+    p, s = _predict(bs=bs)
+    assert p["complete"] and p["saved_us_per_step"] == 0
+    assert all(x["status"] == cm.NOT_SERVED for x in s.values())
+
+
+def test_the_gain_ends_at_batch_5_to_6():
+    _, s6 = _predict(bs=6)  # 36 verify rows: stock; 30 draft rows: still served
+    assert s6["wo_a, target verify"]["status"] == cm.NOT_SERVED
+    assert s6["draft LM head"]["saved_us"] > 0
+    p7, _ = _predict(bs=7)  # 42 verify, 35 draft rows: nothing of the fork runs
+    assert p7["saved_us_per_step"] == 0
+
+
+def test_small_serves_two_to_eight_rows_only():
+    p1, _ = _predict(bs=1, flags=cm.Flags("small"))
+    p2, _ = _predict(bs=2, flags=cm.Flags("small"))
+    assert p1["saved_us_per_step"] > 0 and p2["saved_us_per_step"] == 0
+
+
+def test_drop_serves_above_32_rows_at_the_measured_loss():
+    _, s = _predict(bs=8, flags=cm.Flags("drop"))  # 48 verify rows: measured, slower
+    assert s["wo_a, target verify"]["status"] == cm.MEASURED
+    assert s["wo_a, target verify"]["saved_us"] < 0
+
+
+# ------------------------------------------------------------------ interpolation
+
+
+def test_interpolation_within_measured_points_only():
+    pts = {2.0: (10.0, "a"), 8.0: (4.0, "a"), 16.0: (2.0, "b")}
+    assert cm.interpolate(pts, 2)[:2] == (10.0, cm.MEASURED)
+    assert cm.interpolate(pts, 5)[:2] == (7.0, cm.INTERPOLATED)
+    assert cm.interpolate(pts, 1)[:2] == (None, cm.NOT_MEASURED)
+    assert cm.interpolate(pts, 17)[:2] == (None, cm.NOT_MEASURED)
+    value, status, note = cm.interpolate(pts, 12)  # the kernel changes between 8 and 16
+    assert (value, status) == (None, cm.NOT_MEASURED) and "kernels differ" in note
+
+
+def test_shapes_outside_the_benchmarks_are_not_measured():
+    _, s = _predict(bs=1, gamma=1, flags=cm.Flags("drop"))
+    # drop serves the draft's 1-row call; the wo_a benchmark has no 1-row point
+    assert s["wo_a, draft stages"]["rows"] == 1
+    assert s["wo_a, draft stages"]["status"] == cm.NOT_MEASURED
+    assert s["wo_a, target verify"]["status"] == cm.MEASURED  # 2 rows
+    p, s = _predict(tp=1, bs=4)  # G = 8: 24 rows on the mid kernel, 16 on the small one
+    assert s["wo_a, draft stages"]["status"] == cm.NOT_MEASURED
+    assert not p["complete"] and p["not_measured"]
+    wide = cm.Model(**{**cm.asdict(V41), "hidden": 7168})
+    p = cm.predict(cm.Setup(wide, 4, 5, 1, cm.Flags(draft_head_fp8=True)))
+    assert (
+        p["sites"][2]["status"] == cm.NOT_MEASURED and "K=5120" in p["sites"][2]["why"]
+    )
+
+
+def test_the_verify_cap_is_measured_only_at_the_benchmarks_expert_shape():
+    p, s = _predict(bs=4, flags=cm.Flags(verify_cap="3"))
+    assert s["routed experts, target verify"]["status"] == cm.NOT_MEASURED
+    v4 = cm.Model(
+        **{**cm.asdict(V41), "hidden": 7168, "expert_width": 3072, "layers": 43}
+    )
+    data = json.loads((cm.RESULTS / "verify_cap_moe-NVIDIA_H200.json").read_text())
+    row = next(r for r in data["rows"] if (r["bs"], r["k"]) == (4, 3))
+    p = cm.predict(cm.Setup(v4, 4, 5, 4, cm.Flags(verify_cap="3")))
+    cap = p["sites"][3]
+    assert cap["status"] == cm.MEASURED
+    assert cap["saved_us"] == pytest.approx(row["saved_us_per_step_43_layers"])
+    p = cm.predict(
+        cm.Setup(v4, 4, 5, 32, cm.Flags(verify_cap="3"))
+    )  # bs 32: not measured
+    assert p["sites"][3]["status"] == cm.NOT_MEASURED
+    with pytest.raises(ValueError, match="--cap-mean-k"):
+        cm.predict(cm.Setup(v4, 4, 5, 4, cm.Flags(verify_cap="conf:0.1")))
+    p = cm.predict(
+        cm.Setup(v4, 4, 5, 2, cm.Flags(verify_cap="conf:0.1", cap_mean_k=2.5))
+    )
+    assert p["sites"][3]["status"] == cm.INTERPOLATED
+    assert "assumed" in p["inputs"]["cap_k"]["mark"]
+
+
+def test_no_result_file_says_no_measurement_on_that_device():
+    p, s = _predict(bs=1, device="NVIDIA_GB10")
+    assert not p["complete"]
+    assert "no measurement on NVIDIA GB10" in s["wo_a, target verify"]["why"]
+    assert s["wo_a, target verify"]["saved_us"] == 0
+
+
+# ------------------------------------------------------------------ against a measurement
+
+
+def _synthetic(saved, complete=True):
+    return {
+        "saved_us_per_step": saved,
+        "complete": complete,
+        "not_measured": [] if complete else ["x: not measured"],
+    }
+
+
+def test_explains_within_a_third():
+    assert cm.explains(_synthetic(200.0), 10_000.0, 9_780.0)[
+        "explained"
+    ]  # 220 measured
+    miss = cm.explains(
+        _synthetic(200.0), 10_000.0, 9_600.0
+    )  # 400 measured: off by half
+    assert not miss["explained"] and "outside" in miss["why"]
+    assert not cm.explains(_synthetic(200.0), 10_000.0, 10_050.0)["explained"]  # slower
+    assert not cm.explains(_synthetic(200.0, complete=False), 10_000.0, 9_800.0)[
+        "explained"
+    ]
+
+
+def test_a_zero_prediction_against_noise_needs_the_interval():
+    flat = cm.explains(_synthetic(0.0), 10_000.0, 9_990.0)  # 10 us of noise
+    assert not flat["explained"]
+    assert cm.explains(_synthetic(0.0), 10_000.0, 9_990.0, ci_us=40.0)["explained"]
+    assert not cm.explains(_synthetic(0.0), 10_000.0, 9_800.0, ci_us=40.0)["explained"]
+
+
+def test_the_command_line_check(capsys):
+    args = [
+        "--dsv4-wo-a-fp8-twin",
+        "mid",
+        "--speculative-dspark-draft-head-fp8",
+        "--bs",
+        "1",
+    ]
+    p = cm.predict(cm.Setup(V41, 4, 5, 1, ALL))["saved_us_per_step"]
+    assert cm.main(args + ["--measured-step-us", "20000", str(20000 - p)]) == 0
+    assert "EXPLAINED" in capsys.readouterr().out
+    assert cm.main(args + ["--measured-step-us", "20000", str(20000 - 3 * p)]) == 1
+    assert "NOT EXPLAINED" in capsys.readouterr().out
+
+
+def test_report_writes_its_json_with_provenance(tmp_path, capsys):
+    assert cm.main(["--report", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "cost_model-cpu.json").read_text())
+    assert out["provenance"]["fork_version"] and out["rows"]
+    text = capsys.readouterr().out
+    assert "No measurement on NVIDIA GB10" in text and "## H200, TP4" in text
