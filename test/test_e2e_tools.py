@@ -490,7 +490,7 @@ def test_the_bundles_upstream_overlay_turns_the_fork_tree_back_into_the_release(
 
 
 def test_raw_files_of_two_sittings_are_judged_as_one_matrix(tmp_path):
-    meta = {"fork_version": "0.5.23+fork.2.abcdef0", "device": "D", "standins": True}
+    meta = {"fork_version": "1.0.0+fork.2.abcdef0", "device": "D", "standins": True}
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     write_raw(
@@ -503,6 +503,6 @@ def test_raw_files_of_two_sittings_are_judged_as_one_matrix(tmp_path):
     assert recs == {"ref": {"tokens": [1]}, "x": {"tokens": [3]}, "y": {"tokens": [4]}}
     other = tmp_path / "c"
     other.mkdir()
-    write_raw(other, {**meta, "fork_version": "0.5.23+fork.3.1234567"}, None, {})
+    write_raw(other, {**meta, "fork_version": "1.0.0+fork.3.1234567"}, None, {})
     with pytest.raises(SystemExit, match="fork_version"):
         read_raws([a, other / "e2e-raw-D.json.gz"])
