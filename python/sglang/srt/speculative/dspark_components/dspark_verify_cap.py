@@ -230,8 +230,9 @@ def _capturing() -> bool:
 
 
 class VerifyCap:
-    """The per-process cap state: the live-length buffer [MAX_REQUESTS] (int64, L = 1 + k)
-    that the router, the accepts and the graphs read by address."""
+    """The cap's state, built once by ``build_verify_cap`` and held by the DSpark worker, the
+    target model, the verify epilogue and the executor: the live-length buffer [MAX_REQUESTS]
+    (int64, L = 1 + k) that the router, the accepts and the graphs read by address."""
 
     def __init__(
         self,
@@ -346,38 +347,27 @@ class VerifyCap:
         self._log.flush()
 
 
-_CAP: Optional[VerifyCap] = None
-_RESOLVED = False
-
-
-def configure(cap: Optional[VerifyCap]) -> None:
-    """Install (or clear) the process's cap; tests and the first get_verify_cap() call."""
-    global _CAP, _RESOLVED
-    _CAP, _RESOLVED = cap, True
-
-
-def get_verify_cap() -> Optional[VerifyCap]:
-    """The cap from the server arguments, built at the first call; None when off."""
-    if _RESOLVED:
-        return _CAP
-    from sglang.srt.runtime_context import get_spec
-
-    try:
-        spec_ns = get_spec()
-    except ValueError:  # server arguments not published in this process (yet)
-        return None
-    value = getattr(spec_ns, "speculative_dspark_verify_cap", None)
+def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[VerifyCap]:
+    """The cap built once from the resolved spec arguments (``get_spec()``) where the DSpark
+    worker is built; None when off. It is handed to ``target_model`` (whose forward opens the
+    router scope with it) here, and by the worker to the verify epilogue and executor.
+    """
+    value = spec.speculative_dspark_verify_cap
     if value is None:
-        configure(None)
         return None
-    gamma = int(spec_ns.speculative_num_draft_tokens) - 1
+    if target_model is not None and not hasattr(target_model, "verify_cap"):
+        raise ValueError(
+            f"{FLAG}: the target model {type(target_model).__name__} does not hold a "
+            f"verify cap (only {', '.join(CAP_TARGETS)} routes its verify rows by live length)."
+        )
+    gamma = int(spec.speculative_num_draft_tokens) - 1
     cap = VerifyCap(
         spec=verify_cap_spec(value),
         gamma=gamma,
-        k_min=int(spec_ns.speculative_dspark_verify_cap_min or 1),
-        log_path=spec_ns.speculative_dspark_verify_cap_log,
+        k_min=int(spec.speculative_dspark_verify_cap_min or 1),
+        log_path=spec.speculative_dspark_verify_cap_log,
+        device=device,
     )
-    configure(cap)
     logger.info(
         "DSpark verify cap on (%s, min %d, gamma %d): acceptance capped per request, "
         "dead verify rows route to the anchor's experts%s",
@@ -386,20 +376,29 @@ def get_verify_cap() -> Optional[VerifyCap]:
         gamma,
         f", per-step log {cap._log_path}" if cap._log_path else "",
     )
+    if target_model is not None:
+        target_model.verify_cap = cap
     return cap
 
 
-def verify_cap_cutoff(bs: int) -> Optional[torch.Tensor]:
-    cap = get_verify_cap()
-    return None if cap is None else cap.cutoff(bs)
+def verify_cap_needs_confidence(value) -> bool:
+    """Whether the flag's value (``get_spec().speculative_dspark_verify_cap``, where the draft
+    model is built) is a conf: stopping rule, which needs the draft's confidence head.
+    """
+    return value is not None and verify_cap_spec(value).thresholds is not None
 
 
-def verify_cap_needs_confidence() -> bool:
-    cap = get_verify_cap()
-    return cap is not None and cap.needs_confidence
+def verify_cap_cutoff(
+    cap: Optional[VerifyCap], bs: int, cutoff: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """The accept's cutoff lengths: ``cutoff`` when given (a ragged layout's), else the
+    cap's live lengths, else None (upstream's accept)."""
+    if cutoff is not None or cap is None:
+        return cutoff
+    return cap.cutoff(bs)
 
 
-def verify_cap_router_scope(forward_batch):
-    """The target model's forward runs in this scope (DeepSeek-V4's ``forward``)."""
-    cap = get_verify_cap()
+def verify_cap_router_scope(cap: Optional[VerifyCap], forward_batch):
+    """The target model's forward runs in this scope (DeepSeek-V4's ``forward``, with the
+    cap the model holds)."""
     return contextlib.nullcontext() if cap is None else cap.router_scope(forward_batch)
