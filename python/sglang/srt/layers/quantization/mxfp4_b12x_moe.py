@@ -44,8 +44,11 @@ MICRO_PIN_MAX_ROWS = (
 LADDER_MIN = 16  # first prefill rung
 
 
-def validate_b12x_moe(cfg) -> None:
+def validate_b12x_moe(server_args) -> None:
     """Resolution-hook check (``Engine(...)`` bypasses argparse), when the backend is b12x."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
     if cfg.moe_runner_backend != "b12x":
         return
     a2a = getattr(cfg, "moe_a2a_backend", "none")

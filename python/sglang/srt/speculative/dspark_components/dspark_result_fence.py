@@ -265,9 +265,14 @@ def _view(arena: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.
     return arena[offset : offset + size].view(dtype).view(shape)
 
 
-def validate_fence_accept_results(enabled: bool, algorithm: Optional[str]) -> None:
+def validate_fence_accept_results(server_args) -> None:
     """Resolution-hook check: only DSpark folds its accept results into graph buffers, so the
     flag would do nothing with another algorithm (or none): refused, not ignored."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
+    enabled = cfg.speculative_dspark_fence_accept_results
+    algorithm = cfg.speculative_algorithm
     if enabled and (algorithm or "").upper() != "DSPARK":
         raise ValueError(
             "--speculative-dspark-fence-accept-results applies to --speculative-algorithm DSPARK "
