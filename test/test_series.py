@@ -727,6 +727,7 @@ TOOL_TESTS = {
     "test/test_docs_tables.py",
     # every patch's validator through ServerArgs resolution (a case per patch present)
     "test/test_validators_resolution.py",
+    "test/test_docstring_share.py",
     # modules outside the wheel, beside their tests and benchmarks (no patch ships them)
     "test/test_pad_k.py",
     "test/test_l2_prefetch.py",

@@ -13,15 +13,10 @@ With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 +
   k drafts (upstream's trim after acceptance is not, for block verification);
 * in target-verify forwards the router takes the anchor row's experts for rows >= L
   (``moe_fused_gate(live_lens=...)``, through the scope of ``layers/moe/router_live_rows.py``
-  this cap opens around the target's forward), so dead rows add no experts to a layer's set.
-  Dead rows are never committed and live rows attend to earlier rows only. Every router a
-  DeepSeek-V4 / V4.1 target verify can take follows or refuses: select_experts' JIT route
-  and V4.1's vision routing pass the live buffer to moe_fused_gate; the hash-routed layers
-  copy the anchor's routing over dead rows after their router (``anchor_dead_rows_``, one launch
-  on 3 of 43 layers); a route that cannot take it (routing inside a FlashInfer TRT-LLM /
-  triton_kernels MoE, the DeepGEMM mega gate, aiter, XPU, the torch-native, grouped or
-  custom routers) raises at the first capped target verify, i.e. at graph capture.
-  What it saves: docs/verify-cap.md, benchmark/results/verify_cap_moe-NVIDIA_H200.json.
+  the target model opens with the cap it holds), so dead rows add no experts to a layer's set;
+  dead rows are never committed and live rows attend to earlier rows only. A router that
+  cannot take the live length raises at the first capped target verify (graph capture, i.e.
+  startup), naming the layer; the routers that follow or refuse: docs/verify-cap.md.
 
 k is fixed (``K``) or a stopping rule on the draft confidence head (``conf:T`` or
 ``conf:t2,...,tgamma``): the number of leading drafts whose running product of per-position
