@@ -115,20 +115,6 @@ CASES = {
     ),
 }
 
-# Validators still taking values or a namespace besides the server arguments; each is brought
-# to ``validate_<feature>(server_args)`` when its patch is next touched (CONTRIBUTING, "The
-# flag pattern", step 2). The list only shrinks.
-NOT_YET_SERVER_ARGS = {
-    "validate_weight_loader_disable_async_load",
-    "validate_hc_fused_stats",
-    "validate_engram_prefetch",
-    "validate_engram_row_store",
-    "validate_block_fp8_mxfp8_backend",
-    "validate_engram_fused_all_reduce",
-    "validate_wo_a_fp8_twin",
-    "validate_draft_head_fp8",
-}
-
 
 def _validators() -> dict[str, str]:
     """validator name -> the module of ours that defines it (every series patch's files)."""
@@ -163,14 +149,7 @@ def test_validators_take_the_server_arguments():
             inspect.signature(getattr(importlib.import_module(module), name)).parameters
         )
         shapes[name] = params
-    wrong = {
-        n: p
-        for n, p in shapes.items()
-        if p != ["server_args"] and n not in NOT_YET_SERVER_ARGS
-    }
-    assert wrong == {}
-    done = sorted(n for n in NOT_YET_SERVER_ARGS if shapes.get(n) == ["server_args"])
-    assert done == [], f"converted: drop {done} from NOT_YET_SERVER_ARGS"
+    assert {n: p for n, p in shapes.items() if p != ["server_args"]} == {}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -32,23 +32,31 @@ logger = logging.getLogger(__name__)
 FLAG = "--engram-fused-all-reduce"
 
 
-def validate_engram_fused_all_reduce(cfg, model_arch: str, hf_config) -> bool:
+def validate_engram_fused_all_reduce(server_args) -> bool:
     """Resolution-hook check: refuses every configuration where the flag would do nothing or
     could not give upstream's bits."""
-    if not getattr(cfg, "engram_fused_all_reduce", False):
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
+    if not cfg.engram_fused_all_reduce:
         return False
     if cfg.tp_size <= 1:
         raise ValueError(
             f"{FLAG} does nothing at --tp-size {cfg.tp_size}: the Engram lookup has no "
             "all-reduce on one rank"
         )
+    hf_config = model_config_of(server_args).hf_config
+    model_arch = hf_config.architectures[0]
     layer_ids = tuple(getattr(hf_config, "engram_layer_ids", None) or ())
     if model_arch != "DeepseekV4ForCausalLM" or not layer_ids:
         raise ValueError(
             f"{FLAG}: this model ({model_arch}) has no Engram layers (DeepSeek-V4.1 "
             "checkpoints list them in engram_layer_ids)"
         )
-    prefetch = getattr(cfg, "engram_prefetch", "off")
+    prefetch = cfg.engram_prefetch  # --engram-prefetch (patch 0015, in Depends:)
     if prefetch not in ("on", "check"):
         raise ValueError(
             f"{FLAG} needs --engram-prefetch on (or check), got --engram-prefetch={prefetch}: "

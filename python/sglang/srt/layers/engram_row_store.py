@@ -49,9 +49,15 @@ _WRITE_CHUNK_ROWS = 1 << 18
 FLAG = "--engram-row-store-dir"
 
 
-def validate_engram_row_store(cfg, *, has_engram=None) -> None:
-    """Resolution-hook check (``Engine(...)`` bypasses argparse). ``has_engram``: a callable
-    telling whether the model has Engram tables, asked only when the flag is on."""
+def validate_engram_row_store(server_args) -> None:
+    """Resolution-hook check (``Engine(...)`` bypasses argparse); the model is read only when
+    the flag is on."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     directory, gib = cfg.engram_row_store_dir, cfg.engram_row_store_cache_gib
     if directory is None:
         if gib is not None:
@@ -86,7 +92,8 @@ def validate_engram_row_store(cfg, *, has_engram=None) -> None:
         raise ValueError(
             f"{FLAG} cannot be used with --enable-torch-compile: the lookup reads storage on the host"
         )
-    if has_engram is not None and not has_engram():
+    hf_config = model_config_of(server_args).hf_config
+    if not getattr(hf_config, "engram_layer_ids", None):
         raise ValueError(f"{FLAG} does nothing here: the model has no Engram tables")
 
 

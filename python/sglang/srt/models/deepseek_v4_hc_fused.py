@@ -60,12 +60,20 @@ def parse_hc_fused_stats(value) -> str:
     raise argparse.ArgumentTypeError(f"--dsv4-hc-fused-stats={value!r}: {_USAGE}")
 
 
-def validate_hc_fused_stats(cfg, model_arch: str, hf_config) -> str:
+def validate_hc_fused_stats(server_args) -> str:
     """Resolution-hook check (Engine(...) bypasses argparse): the value, and every configuration
     where the flag would do nothing, refused with the reason."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     mode = parse_hc_fused_stats(cfg.dsv4_hc_fused_stats)
     if mode == "off":
         return mode
+    hf_config = model_config_of(server_args).hf_config
+    model_arch = hf_config.architectures[0]
     if model_arch != "DeepseekV4ForCausalLM":
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: only DeepSeek-V4.1 computes hyper-connection mix "

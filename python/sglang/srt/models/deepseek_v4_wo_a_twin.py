@@ -112,13 +112,20 @@ _DROP_REFUSED_WITH = (
 )
 
 
-def validate_wo_a_fp8_twin(cfg, model_arch: str) -> str:
+def validate_wo_a_fp8_twin(server_args) -> str:
     """Resolution-hook check for every target (Engine(...) bypasses argparse): the flag's value,
     refused where no twin would be built (another architecture) and with the server arguments
     the twin cannot serve under, each with the reason."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     mode = parse_wo_a_fp8_twin(cfg.dsv4_wo_a_fp8_twin)
     if mode == "off":
         return mode
+    model_arch = model_config_of(server_args).hf_config.architectures[0]
     if model_arch not in TWIN_TARGETS:
         raise ValueError(
             f"--dsv4-wo-a-fp8-twin={mode}: the target is {model_arch}; only {', '.join(TWIN_TARGETS)} "
