@@ -114,10 +114,13 @@ def parse_engram_row_store_cache_gib(value) -> float:
 
 DEFAULT_CACHE_GIB = 16.0
 
-# Stores of this process in construction order; a store's cache share is fixed at its finish_load,
-# when every table of the model has been constructed (before the memory profile: on unified-memory
-# machines the cache comes out of the same pool as the KV cache).
 _STORES: list["EngramRowStore"] = []
+"""The row stores of this process in construction order. The RAM cache budget is one figure
+for the process (``--engram-row-store-cache-gib``), split over every table shard; a store's
+share is fixed at its ``finish_load``, when every table has been constructed (before the
+memory profile: on unified-memory machines the cache comes out of the KV cache's pool). The
+Engram layers are built one by one with no object of the model's they could share, so the
+list is the module's; only this module reads it (an Engram layer holds its own store)."""
 
 
 def maybe_engram_row_store(
@@ -480,6 +483,8 @@ def _make_graph_break():
 
 
 _graph_break = None
+"""The eager host lookup wrapped for breakable CUDA graphs, built at the first use (its
+import is heavy); stateless, read only by ``_lookup_at_graph_break``."""
 
 
 def _lookup_at_graph_break(store, indices, out) -> None:

@@ -197,6 +197,12 @@ def _differing_bits(a, b) -> tuple[int, int]:
 
 
 _ACTIVE: Optional[HcFusedStats] = None
+"""The feature of this process (``configure_hc_fused_stats``, at model load), or None. Upstream's
+mix-statistics functions in ``kernels/ops/layernorm/mhc.py`` are free functions called from
+``deepseek_v4_mhc``'s layer code with tensors only, so their one-line hooks (``mix_stats`` and
+its two siblings) read it here. Every DeepSeek-V4 model of the process configures it from the
+same flag, so they share one (a second configure with the same mode keeps the first, its
+checks included); with the flag off it is None and every hook returns None at once."""
 
 
 def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:

@@ -27,13 +27,10 @@ would race between the target's and the draft's streams). Layers whose wo_a anot
 takes (the fused rope + wo_a kernel, mega attention, the NPU MXFP8 and bf16 paths, the DSpark
 draft's einsum) refuse to boot under drop, naming it, and writing into the stand-in raises.
 
-REFUSED. Every level refuses --enable-deterministic-inference (the kernel follows the row
-count), --enable-torch-compile (the twin serves only the address of the weight it was built
-from, which a traced ``data_ptr()`` is not: under drop the stand-in would be multiplied) and
-ROCm builds of torch. Layers with a twin refuse online weight updates through upstream's
-``_derived_weight_cache_error`` (captured CUDA graphs read the twin's buffers); twins are built
-at the first load only, so a layer that had none then (e.g. ``--load-format dummy``) stays stock
-through later updates. Under drop a released layer refuses weight export (upstream's ``_weight_export_error``).
+REFUSED (the reasons: docs/wo-a-fp8-twin.md): --enable-deterministic-inference,
+--enable-torch-compile and ROCm builds of torch at every level; online weight updates of a
+layer with a twin (upstream's ``_derived_weight_cache_error``) and, under drop, weight export
+of a released layer (upstream's ``_weight_export_error``).
 """
 
 from __future__ import annotations

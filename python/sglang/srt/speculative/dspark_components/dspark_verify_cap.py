@@ -24,11 +24,8 @@ survival stays >= the threshold, at least ``--speculative-dspark-verify-cap-min`
 value for draft i is computed from drafts before i only, so the cut never looks at the token
 it drops. The live length is decided on TP rank 0 and broadcast (rank-invariant).
 
-Refused at startup (``validate_verify_cap``), where a router would not see request-major rows
-or would not take the live length: other algorithms, targets other than DeepSeek-V4 (only its
-forward enters the router scope: elsewhere the cap would only shorten acceptance), a ragged
-verify mode other than static, dp attention, an a2a MoE backend at tp > 1 (it scatters the
-verify rows over the attention-TP ranks before the router), NPU, more than MAX_REQUESTS requests.
+Refused at startup (``validate_verify_cap``) wherever a router would not see request-major
+rows or would not take the live length; the list and the reasons: docs/verify-cap.md.
 """
 
 from __future__ import annotations
