@@ -166,3 +166,18 @@ def _error_on_our_deprecations(config):
         "(" + "|".join(re.escape(m) for m in _our_modules()) + r")\Z"
     )  # a colon would split the filter
     config.addinivalue_line("filterwarnings", f"error::DeprecationWarning:{pattern}")
+
+
+def with_model(cfg, arch=None, hf_config=None):
+    """A stand-in server-args record for a validator's table of cases: ``cfg``'s fields (a
+    namespace or a dict) and the model ``model_config_of`` hands back for it (a configuration
+    a fixture supplies carries no key, so it is returned as it is). Each validator also has a
+    case through a real ``ServerArgs`` (``test_validators_resolution.py``)."""
+    from types import SimpleNamespace
+
+    fields = dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
+    hf = {} if hf_config is None else dict(vars(hf_config))
+    if arch is not None:
+        hf["architectures"] = [arch]
+    fields["_model_config"] = SimpleNamespace(hf_config=SimpleNamespace(**hf))
+    return SimpleNamespace(**fields)

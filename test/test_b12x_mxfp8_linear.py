@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import with_model
 
 from sglang.srt.layers.quantization import b12x_block_fp8 as bf
 from sglang.srt.utils import b12x_pin
@@ -39,20 +40,22 @@ def test_flag_values():
         parser.parse_args(["--model-path", "x", "--block-fp8-mxfp8-backend", "cutlass"])
 
 
+def quant(quantization_config):
+    return SimpleNamespace(quantization_config=quantization_config)
+
+
 def test_validate(monkeypatch):
     cfg = SimpleNamespace(block_fp8_mxfp8_backend=None)
-    bf.validate_block_fp8_mxfp8_backend(
-        cfg, quant_config=lambda: pytest.fail("read with the flag off")
-    )
+    bf.validate_block_fp8_mxfp8_backend(cfg)  # no model: read only with the flag set
     cfg.block_fp8_mxfp8_backend = "b12x"
     with pytest.raises(
         ValueError,
         match=r"does nothing here: .* \(found weight_block_size=\[128, 128\], scale_fmt=None\)",
     ):
         bf.validate_block_fp8_mxfp8_backend(
-            cfg, quant_config=lambda: {"weight_block_size": [128, 128]}
+            with_model(cfg, hf_config=quant({"weight_block_size": [128, 128]}))
         )
-    v41 = lambda: {"weight_block_size": [32, 32], "scale_fmt": "ue8m0"}  # noqa: E731
+    v41 = quant({"weight_block_size": [32, 32], "scale_fmt": "ue8m0"})
     monkeypatch.setattr(
         b12x_pin, "found_device", lambda: ((9, 0), "NVIDIA H200 (SM90)")
     )
@@ -60,12 +63,12 @@ def test_validate(monkeypatch):
         ValueError,
         match=r"--block-fp8-mxfp8-backend b12x refused: device: NVIDIA H200 \(SM90\)",
     ):
-        bf.validate_block_fp8_mxfp8_backend(cfg, quant_config=v41)
+        bf.validate_block_fp8_mxfp8_backend(with_model(cfg, hf_config=v41))
     monkeypatch.setattr(
         b12x_pin, "found_device", lambda: ((12, 1), "NVIDIA GB10 (SM121)")
     )
     monkeypatch.setattr(b12x_pin, "found_b12x", lambda api, attr: ("1.5.1", ""))
-    bf.validate_block_fp8_mxfp8_backend(cfg, quant_config=v41)
+    bf.validate_block_fp8_mxfp8_backend(with_model(cfg, hf_config=v41))
 
 
 def test_which_weights_take_b12x():

@@ -133,6 +133,14 @@ def test_row_gate_and_refusals():
     assert Spec.__struct_defaults__[i] is False
 
 
+def _args(enabled, algorithm, deterministic=False):
+    return types.SimpleNamespace(
+        speculative_dspark_draft_head_fp8=enabled,
+        speculative_algorithm=algorithm,
+        enable_deterministic_inference=deterministic,
+    )
+
+
 def test_flag_refused_where_no_draft_builds_the_copy(monkeypatch):
     """Only DSPARK with a DeepSeek-V4 target builds the fp8 head (in DeepseekV4ForCausalLMDSpark);
     elsewhere the flag is refused at startup instead of being ignored."""
@@ -146,15 +154,15 @@ def test_flag_refused_where_no_draft_builds_the_copy(monkeypatch):
             hf_config=types.SimpleNamespace(architectures=[arch["a"]])
         ),
     )
-    mod.validate_draft_head_fp8(None, False, "EAGLE")
-    mod.validate_draft_head_fp8(None, True, "DSPARK")
+    mod.validate_draft_head_fp8(_args(False, "EAGLE", False))
+    mod.validate_draft_head_fp8(_args(True, "DSPARK", False))
     with pytest.raises(ValueError, match="DSPARK only .got 'EAGLE'."):
-        mod.validate_draft_head_fp8(None, True, "EAGLE")
+        mod.validate_draft_head_fp8(_args(True, "EAGLE", False))
     arch["a"] = "Qwen3MoeForCausalLM"
     with pytest.raises(
         ValueError, match="target is Qwen3MoeForCausalLM; only the DSpark draft"
     ):
-        mod.validate_draft_head_fp8(None, True, "DSPARK")
+        mod.validate_draft_head_fp8(_args(True, "DSPARK", False))
 
 
 def test_refuses_deterministic_inference():
@@ -165,10 +173,8 @@ def test_refuses_deterministic_inference():
     with pytest.raises(
         ValueError, match="cannot be used with --enable-deterministic-inference"
     ):
-        mod.validate_draft_head_fp8(None, True, "DSPARK", deterministic=True)
-    mod.validate_draft_head_fp8(
-        None, False, "DSPARK", deterministic=True
-    )  # off: nothing to refuse
+        mod.validate_draft_head_fp8(_args(True, "DSPARK", True))
+    mod.validate_draft_head_fp8(_args(False, "DSPARK", True))  # off: nothing to refuse
 
 
 def check_row_invariance_in_graphs(

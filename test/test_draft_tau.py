@@ -79,23 +79,28 @@ TEMPS = torch.tensor([0.7, 1.0, 1.3, 0.0, 0.5], dtype=torch.float32)
 TOPKS = torch.tensor([50, 1 << 30, 40, 1, 1 << 30])  # row 3 is a greedy row
 
 
+def _args(tau, algorithm):
+    return types.SimpleNamespace(
+        speculative_dspark_draft_temperature_scale=tau, speculative_algorithm=algorithm
+    )
+
+
 def test_flag_parser_and_hook():
     p = dspark_draft_tau.parse_draft_temperature_scale
     assert p("0.8") == 0.8 and p(1.25) == 1.25
     for bad in ("0", "-1", "nan", "inf", "x", None):
         with pytest.raises(argparse.ArgumentTypeError, match="finite float > 0"):
             p(bad)
-    dspark_draft_tau.validate_draft_temperature_scale(0.8, "dspark")
-    dspark_draft_tau.validate_draft_temperature_scale(1.0, None)
+    v = dspark_draft_tau.validate_draft_temperature_scale
+    v(_args(0.8, "dspark"))
+    v(_args(1.0, None))
     with pytest.raises(ValueError, match="DSPARK only"):
-        dspark_draft_tau.validate_draft_temperature_scale(0.8, "EAGLE")
+        v(_args(0.8, "EAGLE"))
     with pytest.raises(
         argparse.ArgumentTypeError,
         match="--speculative-dspark-draft-temperature-scale: .*finite float > 0",
     ):
-        dspark_draft_tau.validate_draft_temperature_scale(
-            0.0, "DSPARK"
-        )  # Engine(...) skips argparse
+        v(_args(0.0, "DSPARK"))  # Engine(...) skips argparse
     from sglang.srt.arg_groups.fields.spec import Spec
 
     i = Spec.__struct_fields__.index("speculative_dspark_draft_temperature_scale")
@@ -166,7 +171,7 @@ def test_draft_consumers_read_the_scaled_buffer_target_the_unscaled(
             gate=None,
             gated=False,
             draft_sampler=s,
-            epilogue=None,
+            epilogue=types.SimpleNamespace(verify_cap=None),
             tp_sync=None,
             fused_argmax=False,
             block_verification=False,

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import REPO
+from conftest import REPO, with_model
 
 sys.path.insert(0, str(REPO / "benchmark" / "engram"))
 import engram_stack as stack  # noqa: E402
@@ -86,35 +86,37 @@ def test_flag_default_and_command_line():
 
 def test_validate_refuses_where_it_would_do_nothing(monkeypatch):
     hf = engram_config(*SHAPES["cols4"])
-    assert far.validate_engram_fused_all_reduce(_cfg(), V41, hf) is True
+    assert far.validate_engram_fused_all_reduce(with_model(_cfg(), V41, hf)) is True
     assert (
         far.validate_engram_fused_all_reduce(
-            _cfg(engram_prefetch="check", tp_size=3), V41, hf
+            with_model(_cfg(engram_prefetch="check", tp_size=3), V41, hf)
         )
         is True
     )
     assert (
         far.validate_engram_fused_all_reduce(
-            _cfg(engram_fused_all_reduce=False, tp_size=1), "X", None
+            with_model(_cfg(engram_fused_all_reduce=False, tp_size=1), "X", None)
         )
         is False
     )
     with pytest.raises(
         ValueError, match="--engram-fused-all-reduce does nothing at --tp-size 1"
     ):
-        far.validate_engram_fused_all_reduce(_cfg(tp_size=1), V41, hf)
+        far.validate_engram_fused_all_reduce(with_model(_cfg(tp_size=1), V41, hf))
     with pytest.raises(
         ValueError, match=r"this model \(LlamaForCausalLM\) has no Engram layers"
     ):
-        far.validate_engram_fused_all_reduce(_cfg(), "LlamaForCausalLM", hf)
+        far.validate_engram_fused_all_reduce(with_model(_cfg(), "LlamaForCausalLM", hf))
     with pytest.raises(ValueError, match="has no Engram layers"):
         far.validate_engram_fused_all_reduce(
-            _cfg(), V41, SimpleNamespace(engram_layer_ids=[])
+            with_model(_cfg(), V41, SimpleNamespace(engram_layer_ids=[]))
         )
     with pytest.raises(
         ValueError, match="needs --engram-prefetch on .*got --engram-prefetch=off"
     ):
-        far.validate_engram_fused_all_reduce(_cfg(engram_prefetch="off"), V41, hf)
+        far.validate_engram_fused_all_reduce(
+            with_model(_cfg(engram_prefetch="off"), V41, hf)
+        )
 
 
 def test_validate_refuses_lookups_without_an_all_reduce(monkeypatch):
@@ -124,19 +126,19 @@ def test_validate_refuses_lookups_without_an_all_reduce(monkeypatch):
         ValueError,
         match="SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS=1: each rank reads its peers",
     ):
-        far.validate_engram_fused_all_reduce(_cfg(), V41, hf)
+        far.validate_engram_fused_all_reduce(with_model(_cfg(), V41, hf))
     monkeypatch.delenv("SGLANG_OPT_DSV41_ENGRAM_PEER_SHARDS")
     monkeypatch.setenv("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "1")
     monkeypatch.setenv(
         "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT", "per_rank"
     )  # sharded: served
-    assert far.validate_engram_fused_all_reduce(_cfg(), V41, hf) is True
+    assert far.validate_engram_fused_all_reduce(with_model(_cfg(), V41, hf)) is True
     monkeypatch.setenv("SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT", "shared")
     with pytest.raises(
         ValueError,
         match="SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1: every rank reads the whole",
     ):
-        far.validate_engram_fused_all_reduce(_cfg(), V41, hf)
+        far.validate_engram_fused_all_reduce(with_model(_cfg(), V41, hf))
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

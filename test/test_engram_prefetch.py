@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HAS_CUDA, REPO
+from conftest import HAS_CUDA, REPO, with_model
 
 sys.path.insert(0, str(REPO / "benchmark" / "engram"))
 import engram_stack as stack  # noqa: E402
@@ -90,29 +90,41 @@ def test_validate_refuses_where_it_would_do_nothing():
     )
     assert (
         ep.validate_engram_prefetch(
-            SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", v41
+            with_model(SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", v41)
         )
         == "on"
     )
     assert (
         ep.validate_engram_prefetch(
-            SimpleNamespace(**{**cfg, "engram_prefetch": "off"}), "X", None
+            with_model(SimpleNamespace(**{**cfg, "engram_prefetch": "off"}), "X", None)
         )
         == "off"
     )
     with pytest.raises(ValueError, match="no Engram layers"):
         ep.validate_engram_prefetch(
-            SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", SimpleNamespace()
+            with_model(
+                SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", SimpleNamespace()
+            )
         )
     with pytest.raises(ValueError, match="no Engram layers"):
-        ep.validate_engram_prefetch(SimpleNamespace(**cfg), "LlamaForCausalLM", v41)
+        ep.validate_engram_prefetch(
+            with_model(SimpleNamespace(**cfg), "LlamaForCausalLM", v41)
+        )
     with pytest.raises(ValueError, match="DP attention"):
         ep.validate_engram_prefetch(
-            SimpleNamespace(**{**cfg, "attn_dp_size": 4}), "DeepseekV4ForCausalLM", v41
+            with_model(
+                SimpleNamespace(**{**cfg, "attn_dp_size": 4}),
+                "DeepseekV4ForCausalLM",
+                v41,
+            )
         )
     with pytest.raises(ValueError, match="--device cuda"):
         ep.validate_engram_prefetch(
-            SimpleNamespace(**{**cfg, "device": "cpu"}), "DeepseekV4ForCausalLM", v41
+            with_model(
+                SimpleNamespace(**{**cfg, "device": "cpu"}),
+                "DeepseekV4ForCausalLM",
+                v41,
+            )
         )
 
 

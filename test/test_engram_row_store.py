@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, with_model
 
 from sglang.srt.layers import engram_row_store as rs
 
@@ -189,6 +189,10 @@ def test_refusals_name_what_they_found(tmp_path):
         rs.EngramRowStore(str(tmp_path), "x", 0, 10, 100, cache_bytes=0)
 
 
+ENGRAM = SimpleNamespace(engram_layer_ids=[1, 14])
+NO_ENGRAM = SimpleNamespace(engram_layer_ids=[])
+
+
 def cfg(**kw):
     base = dict(
         engram_row_store_dir=None,
@@ -209,14 +213,17 @@ def test_validate(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not a writable directory"):
         rs.validate_engram_row_store(cfg(engram_row_store_dir=str(tmp_path / "nope")))
     ok = cfg(engram_row_store_dir=str(tmp_path), engram_row_store_cache_gib=0.0)
-    rs.validate_engram_row_store(ok, has_engram=lambda: True)
+    rs.validate_engram_row_store(with_model(ok, hf_config=ENGRAM))
     with pytest.raises(
         ValueError, match="does nothing here: the model has no Engram tables"
     ):
-        rs.validate_engram_row_store(ok, has_engram=lambda: False)
+        rs.validate_engram_row_store(with_model(ok, hf_config=NO_ENGRAM))
     with pytest.raises(ValueError, match="--enable-torch-compile"):
         rs.validate_engram_row_store(
-            cfg(engram_row_store_dir=str(tmp_path), enable_torch_compile=True)
+            with_model(
+                cfg(engram_row_store_dir=str(tmp_path), enable_torch_compile=True),
+                hf_config=ENGRAM,
+            )
         )
     with pytest.raises(ValueError, match="cannot be used with --engram-prefetch=on"):
         rs.validate_engram_row_store(
@@ -230,7 +237,7 @@ def test_validate(tmp_path, monkeypatch):
         )
     monkeypatch.setenv("SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE", "1")
     with pytest.raises(ValueError, match="SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1"):
-        rs.validate_engram_row_store(ok, has_engram=lambda: True)
+        rs.validate_engram_row_store(with_model(ok, hf_config=ENGRAM))
     assert rs.parse_engram_row_store_cache_gib("2.5") == 2.5
     for bad in ("-1", "inf", "nan", "lots", None):
         with pytest.raises(
@@ -269,10 +276,10 @@ def test_validate_on_a_release_without_peer_shards(tmp_path, monkeypatch):
         SimpleNamespace(SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=host_table),
     )
     ok = cfg(engram_row_store_dir=str(tmp_path))
-    rs.validate_engram_row_store(ok, has_engram=lambda: True)
+    rs.validate_engram_row_store(with_model(ok, hf_config=ENGRAM))
     host_table.get = lambda: True
     with pytest.raises(ValueError, match="SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE=1"):
-        rs.validate_engram_row_store(ok, has_engram=lambda: True)
+        rs.validate_engram_row_store(with_model(ok, hf_config=ENGRAM))
 
 
 def test_flag_on_command_line(tmp_path):

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, with_model
 
 from sglang.kernels.ops.layernorm import mhc
 from sglang.srt.models import deepseek_v4_hc_fused as hcf
@@ -110,7 +110,11 @@ def test_flag_values_and_errors():
         argparse.ArgumentTypeError, match="accepted"
     ):  # Engine(...) skips argparse
         hcf.validate_hc_fused_stats(
-            SimpleNamespace(dsv4_hc_fused_stats="yes"), "DeepseekV4ForCausalLM", None
+            with_model(
+                SimpleNamespace(dsv4_hc_fused_stats="yes"),
+                "DeepseekV4ForCausalLM",
+                None,
+            )
         )
 
 
@@ -133,22 +137,31 @@ def test_flag_on_command_line():
 def test_validate_refuses_where_it_would_do_nothing(monkeypatch):
     v41 = SimpleNamespace(hc_pre_from_prev_sublayer=True)
     cfg = SimpleNamespace(dsv4_hc_fused_stats="auto", device="cuda")
-    assert hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", v41) == "auto"
+    assert (
+        hcf.validate_hc_fused_stats(with_model(cfg, "DeepseekV4ForCausalLM", v41))
+        == "auto"
+    )
     off = SimpleNamespace(dsv4_hc_fused_stats="off", device="cpu")
-    assert hcf.validate_hc_fused_stats(off, "LlamaForCausalLM", None) == "off"
+    assert (
+        hcf.validate_hc_fused_stats(with_model(off, "LlamaForCausalLM", None)) == "off"
+    )
     with pytest.raises(ValueError, match="only DeepSeek-V4.1 .* LlamaForCausalLM"):
-        hcf.validate_hc_fused_stats(cfg, "LlamaForCausalLM", v41)
+        hcf.validate_hc_fused_stats(with_model(cfg, "LlamaForCausalLM", v41))
     with pytest.raises(ValueError, match="hc_pre_from_prev_sublayer is false"):
-        hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", SimpleNamespace())
+        hcf.validate_hc_fused_stats(
+            with_model(cfg, "DeepseekV4ForCausalLM", SimpleNamespace())
+        )
     with pytest.raises(ValueError, match="--device cuda"):
         hcf.validate_hc_fused_stats(
-            SimpleNamespace(dsv4_hc_fused_stats="9", device="cpu"),
-            "DeepseekV4ForCausalLM",
-            v41,
+            with_model(
+                SimpleNamespace(dsv4_hc_fused_stats="9", device="cpu"),
+                "DeepseekV4ForCausalLM",
+                v41,
+            )
         )
     monkeypatch.setattr(torch.version, "hip", "6.4")
     with pytest.raises(ValueError, match="ROCm"):
-        hcf.validate_hc_fused_stats(cfg, "DeepseekV4ForCausalLM", v41)
+        hcf.validate_hc_fused_stats(with_model(cfg, "DeepseekV4ForCausalLM", v41))
 
 
 def test_threshold_is_measured_or_given_never_guessed(monkeypatch):

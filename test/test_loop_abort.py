@@ -130,7 +130,9 @@ def make_req(cfg=None, max_new_tokens=1000, min_new_tokens=0, **sampling):
     sp.normalize(None)
     sp.min_new_tokens = min_new_tokens  # normalize() wants a tokenizer for it
     req = Req("r", "", array("q", [1, 2, 3]), sp, vocab_size=100, eos_token_ids={2})
-    la.attach_loop_guard(req, cfg or on())
+    loop_abort = la.build_loop_abort(cfg or on())  # as the scheduler builds it
+    if loop_abort is not None:
+        loop_abort.attach(req)
     return req
 
 
@@ -304,3 +306,46 @@ def test_flags_on_the_command_line():
         defaults.loop_abort_max_period,
         defaults.loop_abort_min_tokens,
     ) == (False, None, None)
+
+
+def test_refusals_through_server_args_resolution(llama_config):
+    """The hook's one call reads the fields by name on a real ServerArgs, through upstream's
+    own resolution: a renamed field fails here."""
+    from conftest import resolve_server_args
+
+    from sglang.srt.server_args import ServerArgs
+
+    with pytest.raises(
+        ValueError, match="without --enable-loop-abort would do nothing"
+    ):
+        resolve_server_args(llama_config, loop_abort_min_tokens=600)
+    with pytest.raises(ValueError, match="3 x --loop-abort-max-period"):
+        resolve_server_args(
+            llama_config,
+            enable_loop_abort=True,
+            loop_abort_max_period=64,
+            loop_abort_min_tokens=100,
+        )
+    with pytest.raises(ValueError, match="prefill server"):
+        la.validate_loop_abort(  # a real record (a prefill server needs more to resolve)
+            ServerArgs(
+                model_path=str(llama_config),
+                enable_loop_abort=True,
+                disaggregation_mode="prefill",
+            )
+        )
+    sa = resolve_server_args(llama_config, enable_loop_abort=True)
+    assert la.build_loop_abort(sa).limits == (128, 512)
+    assert la.build_loop_abort(resolve_server_args(llama_config)) is None
+
+
+def test_two_schedulers_hold_their_own_loop_abort():
+    """No module state: each scheduler's LoopAbort has its own limits and counter."""
+    a, b = la.LoopAbort(8, 32), la.LoopAbort(16, None)
+    assert (a.limits, b.limits) == ((8, 32), (16, 64))
+    req = make_req(cfg=OFF)
+    a.attach(req)
+    assert req.loop_guard.owner is a and req.loop_guard.max_period == 8
+    assert not [
+        name for name in vars(la) if name.startswith("_") and name.isupper()
+    ], "module-level state in loop_abort"

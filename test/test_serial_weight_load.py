@@ -16,7 +16,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import REPO
+from conftest import REPO, with_model
 
 sys.path.insert(0, str(REPO / "benchmark" / "loading"))
 import os  # noqa: E402
@@ -80,21 +80,23 @@ def cfg(**kw):
 
 
 def test_refusals():
-    swl.validate_weight_loader_disable_async_load(cfg(), "LlamaForCausalLM")
+    swl.validate_weight_loader_disable_async_load(with_model(cfg(), "LlamaForCausalLM"))
     swl.validate_weight_loader_disable_async_load(
-        cfg(weight_loader_disable_async_load=True), "DeepseekV4ForCausalLM"
+        with_model(cfg(weight_loader_disable_async_load=True), "DeepseekV4ForCausalLM")
     )
     with pytest.raises(
         ValueError,
         match="LlamaForCausalLM loader does not copy weights on a thread pool",
     ):
         swl.validate_weight_loader_disable_async_load(
-            cfg(weight_loader_disable_async_load=True), "LlamaForCausalLM"
+            with_model(cfg(weight_loader_disable_async_load=True), "LlamaForCausalLM")
         )
     with pytest.raises(ValueError, match="dummy would do nothing"):
         swl.validate_weight_loader_disable_async_load(
-            cfg(weight_loader_disable_async_load=True, load_format="dummy"),
-            "DeepseekV4ForCausalLM",
+            with_model(
+                cfg(weight_loader_disable_async_load=True, load_format="dummy"),
+                "DeepseekV4ForCausalLM",
+            )
         )
 
 

@@ -726,6 +726,9 @@ TOOL_TESTS = {
     "test/test_reachable.py",
     "test/test_docs_tables.py",
     "test/test_cost_model.py",
+    # every patch's validator through ServerArgs resolution (a case per patch present)
+    "test/test_validators_resolution.py",
+    "test/test_docstring_share.py",
     # modules outside the wheel, beside their tests and benchmarks (no patch ships them)
     "test/test_pad_k.py",
     "test/test_l2_prefetch.py",

@@ -258,14 +258,7 @@ class _NoSync:
 def _install(live: torch.Tensor):
     cap = vc.VerifyCap(spec=vc.VerifyCapSpec(fixed=GAMMA), gamma=GAMMA, device="cpu")
     cap.live[: live.numel()].copy_(live)
-    vc.configure(cap)
     return cap
-
-
-@pytest.fixture(autouse=True)
-def _cap_off_after():
-    yield
-    vc.configure(None)
 
 
 def _greedy_case(bs, vocab=11, seed=0):
@@ -322,7 +315,7 @@ def test_greedy_eager_accept_equals_a_k_draft_verify(seed):
     live = torch.tensor([2, 3, 4, 5, 6, 1 + 1, 6, 3, 4, 5, 2, 6])[
         :bs
     ]  # ragged, k = 1..5
-    _install(live)
+    cap = _install(live)
     correct_len, bonus, _trim = accept_draft_tokens(
         candidates=cand,
         target_logits=logits,
@@ -331,12 +324,13 @@ def test_greedy_eager_accept_equals_a_k_draft_verify(seed):
         draft_input=None,
         gamma=GAMMA,
         verify_num_draft_tokens=GAMMA + 1,
+        verify_cap=cap,
     )
     ref_len, ref_bonus = _reference_k_drafts(cand, logits, live)
     assert torch.equal(correct_len.long(), ref_len) and torch.equal(
         bonus.long(), ref_bonus
     )
-    vc.configure(None)  # flags off: upstream's result (no cap)
+    # flags off: upstream's result (no cap)
     full_len, _, _ = accept_draft_tokens(
         candidates=cand,
         target_logits=logits,
@@ -359,13 +353,13 @@ def test_greedy_static_graph_accept_is_capped():
     bs = 8
     cand, logits = _greedy_case(bs, seed=5)
     live = torch.tensor([2, 3, 4, 5, 6, 2, 4, 6])
-    _install(live)
     ep = DsparkVerifyEpilogue(
         max_bs=16,
         verify_num_draft_tokens=GAMMA + 1,
         device="cpu",
         tp_sync=_NoSync(),
         fused_accept_tail=True,
+        verify_cap=_install(live),
     )
     assert not ep._serves_accept_tail(bs)  # the fused tail never trims: it steps aside
     seq_lens = torch.arange(bs, dtype=torch.int64) + 100
@@ -386,8 +380,14 @@ def test_greedy_static_graph_accept_is_capped():
         n = int(ref_len[r])
         assert out.out_tokens[r, :n].tolist() == cand[r, 1 : n + 1].tolist()
         assert int(out.out_tokens[r, n]) == int(ref_bonus[r])
-    vc.configure(None)
-    assert ep._serves_accept_tail(bs)  # flags off: upstream's choice
+    stock = DsparkVerifyEpilogue(
+        max_bs=16,
+        verify_num_draft_tokens=GAMMA + 1,
+        device="cpu",
+        tp_sync=_NoSync(),
+        fused_accept_tail=True,
+    )
+    assert stock._serves_accept_tail(bs)  # flags off: upstream's choice
 
 
 # ---------------------------------------------------------------- sampling exactness
@@ -681,3 +681,33 @@ def test_our_modules_call_no_getter_upstream_deprecates(series):
         if isinstance(node, ast.Name) and node.id in deprecated
     ]
     assert calls == []
+
+
+def test_the_cap_is_built_once_and_held_by_the_target_model():
+    """No process-wide cap: ``build_verify_cap`` hands it to the model that declares
+    ``verify_cap``, refuses a model that does not, and is None with the flag off."""
+    spec = types.SimpleNamespace(
+        speculative_dspark_verify_cap="conf:0.4",
+        speculative_num_draft_tokens=GAMMA + 1,
+        speculative_dspark_verify_cap_min=2,
+        speculative_dspark_verify_cap_log=None,
+    )
+    model = types.SimpleNamespace(verify_cap=None)
+    cap = vc.build_verify_cap(spec, device="cpu", target_model=model)
+    assert model.verify_cap is cap and cap.gamma == GAMMA and cap.k_min == 2
+    assert cap.needs_confidence and vc.verify_cap_needs_confidence("conf:0.4")
+    assert not vc.verify_cap_needs_confidence("2")
+    assert not vc.verify_cap_needs_confidence(None)
+    other = vc.build_verify_cap(spec, device="cpu")
+    assert other is not cap  # two workers in one process do not share a cap
+    with pytest.raises(ValueError, match="--speculative-dspark-verify-cap.*Namespace"):
+        vc.build_verify_cap(spec, device="cpu", target_model=types.SimpleNamespace())
+    off = types.SimpleNamespace(**{**vars(spec), "speculative_dspark_verify_cap": None})
+    assert vc.build_verify_cap(off, device="cpu", target_model=model) is None
+    assert not [
+        name
+        for name, value in vars(vc).items()
+        if isinstance(value, vc.VerifyCap) or name in ("_CAP", "get_verify_cap")
+    ]
+    assert vc.verify_cap_cutoff(None, 3) is None
+    assert torch.equal(vc.verify_cap_cutoff(cap, 3), cap.live[:3])

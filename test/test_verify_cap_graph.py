@@ -22,12 +22,6 @@ from sglang.srt.speculative.dspark_components import dspark_verify_cap as vc
 GAMMA, STRIDE = 5, 6
 
 
-@pytest.fixture(autouse=True)
-def _cap_off_after():
-    yield
-    vc.configure(None)
-
-
 def _batch(verify: bool):
     mode = types.SimpleNamespace(is_target_verify=lambda: verify)
     return types.SimpleNamespace(forward_mode=mode)
@@ -57,7 +51,6 @@ def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: in
     cap = vc.VerifyCap(
         spec=vc.verify_cap_spec("conf:0.3"), gamma=GAMMA, k_min=1, device=device
     )  # before capture, as the worker builds it
-    vc.configure(cap)
     m = bs * STRIDE
     bias = (0.1 * torch.randn((n_experts,), generator=g)).to(torch.bfloat16).to(device)
     scores = torch.zeros((m, n_experts), device=device)
@@ -74,7 +67,7 @@ def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: in
 
     def step():
         cap.begin_step(bs, conf)
-        with vc.verify_cap_router_scope(_batch(True)):
+        with vc.verify_cap_router_scope(cap, _batch(True)):
             w, i = biased_topk_jit_kernel_impl(
                 scores,
                 scores,
@@ -120,7 +113,7 @@ def _run(device: str, bs: int, n_experts: int, topk: int, graph: bool, steps: in
             assert bool((out["i"][non_padded.item() :] == -1).all())
     assert seen_dead
     # A decode forward in the same process: no live lengths, the stock call.
-    with vc.verify_cap_router_scope(_batch(False)):
+    with vc.verify_cap_router_scope(cap, _batch(False)):
         w, i = biased_topk_jit_kernel_impl(
             scores,
             scores,
@@ -159,7 +152,6 @@ def _hash_route(logits, input_ids, tid2eid):
 def _run_hash(device: str, bs: int, graph: bool):
     g = torch.Generator(device="cpu").manual_seed(100 + bs)
     cap = vc.VerifyCap(spec=vc.verify_cap_spec("conf:0.3"), gamma=GAMMA, device=device)
-    vc.configure(cap)
     m, n_experts, vocab = bs * STRIDE, 64, 50
     tid2eid = torch.randint(
         0, n_experts, (vocab, 6), generator=g, dtype=torch.int32
@@ -171,7 +163,7 @@ def _run_hash(device: str, bs: int, graph: bool):
 
     def step():
         cap.begin_step(bs, conf)
-        with vc.verify_cap_router_scope(_batch(True)):
+        with vc.verify_cap_router_scope(cap, _batch(True)):
             w, i = _hash_route(logits, ids_in, tid2eid)
             lr.anchor_dead_rows_(w, i)  # the hash_topk.py call site
         out["w"], out["i"] = w, i
@@ -215,7 +207,7 @@ def test_hash_layer_anchor_rows_in_a_cuda_graph(bs):
 def test_routes_without_the_live_length_refuse_a_capped_verify():
     from sglang.srt.layers.moe.topk import TopKConfig, select_experts
 
-    vc.configure(vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu"))
+    cap = vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu")
     logits = torch.randn((STRIDE, 16))
     config = TopKConfig(
         top_k=2,
@@ -224,18 +216,17 @@ def test_routes_without_the_live_length_refuse_a_capped_verify():
         correction_bias=torch.zeros(16),
     )
     # Outside a target verify (decode, prefill) every route runs as upstream's.
-    with vc.verify_cap_router_scope(_batch(False)):
+    with vc.verify_cap_router_scope(cap, _batch(False)):
         select_experts(logits, logits, config)
         lr.refuse_dead_rows("x", 3)
-    with vc.verify_cap_router_scope(_batch(True)):
+    with vc.verify_cap_router_scope(cap, _batch(True)):
         with pytest.raises(RuntimeError, match="cannot take the live length"):
             select_experts(logits, logits, config)
         with pytest.raises(
             RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"
         ):
             lr.refuse_dead_rows("the DeepGEMM mega gate", 3)
-    vc.configure(None)  # cap off: nothing refused
-    with vc.verify_cap_router_scope(_batch(True)):
+    with vc.verify_cap_router_scope(None, _batch(True)):  # cap off: nothing refused
         select_experts(logits, logits, config)
 
 
@@ -255,13 +246,10 @@ def test_mega_gate_predicate_answers_and_the_gate_itself_refuses(monkeypatch):
         mega_gate_supported=True, layer_id=3, is_hash=False, topk=topk
     )
     hidden = torch.zeros((4, 8), dtype=torch.bfloat16)
-    vc.configure(vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu"))
-    try:
-        with vc.verify_cap_router_scope(batch):
-            assert mg.should_use_mega_gate(moe, hidden, batch) is True
-            with pytest.raises(
-                RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"
-            ):
-                mg.run_mega_gate(moe, hidden, None, forward_batch=batch)
-    finally:
-        vc.configure(None)
+    cap = vc.VerifyCap(spec=vc.verify_cap_spec("2"), gamma=GAMMA, device="cpu")
+    with vc.verify_cap_router_scope(cap, batch):
+        assert mg.should_use_mega_gate(moe, hidden, batch) is True
+        with pytest.raises(
+            RuntimeError, match="MoE layer 3 runs the DeepGEMM mega gate"
+        ):
+            mg.run_mega_gate(moe, hidden, None, forward_batch=batch)

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, with_model
 
 from sglang.kernels.ops.gemm import dsv4_wo_a_fp8 as k
 from sglang.srt.models import deepseek_v4_wo_a_twin as twin_mod
@@ -258,39 +258,43 @@ def test_validate_refuses_what_the_twin_cannot_serve_under():
 
     assert (
         twin_mod.validate_wo_a_fp8_twin(
-            cfg("off", enable_deterministic_inference=1), V4
+            with_model(cfg("off", enable_deterministic_inference=1), V4)
         )
         == "off"
     )
     assert (
-        twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_cp_decode_attn_tp=1), V4)
+        twin_mod.validate_wo_a_fp8_twin(
+            with_model(cfg("mid", enable_cp_decode_attn_tp=1), V4)
+        )
         == "mid"
     )
     with pytest.raises(
         ValueError, match="small cannot be used with --enable-deterministic-inference"
     ):
         twin_mod.validate_wo_a_fp8_twin(
-            cfg("small", enable_deterministic_inference=1), V4
+            with_model(cfg("small", enable_deterministic_inference=1), V4)
         )
     for a, flag, _ in twin_mod._DROP_REFUSED_WITH:
         with pytest.raises(ValueError, match=f"drop cannot be used with {flag}"):
-            twin_mod.validate_wo_a_fp8_twin(cfg("drop", **{a: 1}), V4)
+            twin_mod.validate_wo_a_fp8_twin(with_model(cfg("drop", **{a: 1}), V4))
     with pytest.raises(
         argparse.ArgumentTypeError, match="accepted"
     ):  # Engine(...) skips argparse
-        twin_mod.validate_wo_a_fp8_twin(cfg("yes"), V4)
+        twin_mod.validate_wo_a_fp8_twin(with_model(cfg("yes"), V4))
     with pytest.raises(
         ValueError, match="mid cannot be used with --enable-torch-compile: a traced"
     ):
-        twin_mod.validate_wo_a_fp8_twin(cfg("mid", enable_torch_compile=1), V4)
+        twin_mod.validate_wo_a_fp8_twin(
+            with_model(cfg("mid", enable_torch_compile=1), V4)
+        )
     with pytest.MonkeyPatch.context() as m:
         m.setattr(torch.version, "hip", "6.3")
         with pytest.raises(
             ValueError,
             match="small: this torch is a ROCm build .6.3.; the twin's kernels",
         ):
-            twin_mod.validate_wo_a_fp8_twin(cfg("small"), V4)
-        assert twin_mod.validate_wo_a_fp8_twin(cfg("off"), V4) == "off"
+            twin_mod.validate_wo_a_fp8_twin(with_model(cfg("small"), V4))
+        assert twin_mod.validate_wo_a_fp8_twin(with_model(cfg("off"), V4)) == "off"
 
 
 def test_bad_layout_raises_naming_the_layer(monkeypatch):
@@ -1348,6 +1352,6 @@ def test_drop_is_refused_where_weight_export_would_send_the_stand_in(monkeypatch
         ValueError,
         match="drop: this sglang's weight export .* stand-in; use --dsv4-wo-a-fp8-twin mid",
     ):
-        twin_mod.validate_wo_a_fp8_twin(cfg, V4)
+        twin_mod.validate_wo_a_fp8_twin(with_model(cfg, V4))
     cfg.dsv4_wo_a_fp8_twin = "mid"
-    assert twin_mod.validate_wo_a_fp8_twin(cfg, V4) == "mid"
+    assert twin_mod.validate_wo_a_fp8_twin(with_model(cfg, V4)) == "mid"

@@ -371,7 +371,8 @@ def main() -> None:
     d.insert(
         sched,
         "        if recv_req.pp_prefetch_ticketed is True:",
-        "        attach_loop_guard(req, get_schedule())\n\n",
+        "        if self.loop_abort is not None:  # --enable-loop-abort\n"
+        "            self.loop_abort.attach(req)\n\n",
     )
     d.run(f"git -C build/rebase/repo add {sched}")
 

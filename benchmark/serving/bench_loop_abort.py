@@ -19,7 +19,6 @@ import sys
 import time
 from array import array
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -37,7 +36,7 @@ def corpus_ids(n: int) -> list[int]:
 
 
 def make_req(tokens: int, limits):
-    from sglang.srt.managers.loop_abort import attach_loop_guard
+    from sglang.srt.managers.loop_abort import LoopAbort
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -47,13 +46,7 @@ def make_req(tokens: int, limits):
         "bench", "", array("q", [1, 2, 3]), sp, vocab_size=1 << 20, eos_token_ids={2}
     )
     if limits is not None:
-        p, n = limits
-        attach_loop_guard(
-            req,
-            SimpleNamespace(
-                enable_loop_abort=True, loop_abort_max_period=p, loop_abort_min_tokens=n
-            ),
-        )
+        LoopAbort(*limits).attach(req)
     return req
 
 

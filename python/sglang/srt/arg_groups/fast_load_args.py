@@ -39,9 +39,12 @@ def parse_fast_load_slab_mb(value) -> int:
     return _int_in(value, 1, 4096, "--weight-loader-fast-load-slab-mb", "slab size")
 
 
-def validate_fast_load(cfg) -> None:
+def validate_fast_load(server_args) -> None:
     """The model namespace's check (Engine(...) bypasses argparse): refuses every
     combination where a fast-load flag would do nothing or read the checkpoint twice."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
     threads, slab = (
         cfg.weight_loader_fast_load_num_threads,
         cfg.weight_loader_fast_load_slab_mb,

@@ -1,43 +1,22 @@
 """--engram-fused-all-reduce: at TP > 1, the lookups of every Engram layer of a decode /
 target-verify forward reduced with ONE TP all-reduce instead of one per layer; the same bits.
 
-Upstream shards each Engram table's rows over the TP ranks: a rank gathers the rows it owns,
-writes zeros for the rest, and each layer all-reduces its [T, hash columns, head_dim] rows
-(``EngramEmbedding._lookup``): one latency-bound all-reduce per Engram layer and step.
-``--engram-prefetch`` already gathers every layer's owned rows right after the hasher on a side
-stream; with this flag those rows are copied (on the side stream) into one buffer, the first
-Engram layer of the forward joins the side stream and all-reduces the buffer once, and every
-layer reads its slice. It needs ``--engram-prefetch`` (on or check): without the hoist the
-later layers' rows do not exist when the first layer's all-reduce runs.
+``--engram-prefetch`` (required) gathers every layer's owned rows right after the hasher on a
+side stream; with this flag those rows are copied there into one buffer, the first Engram
+layer of the forward joins the side stream and all-reduces the buffer once with upstream's own
+call (``EngramEmbedding._reduce_owned_rows``), and every layer reads its slice.
 
-WHY THE BITS ARE THE SAME. Every table row is owned by exactly one rank (``shard_range``: the
-ranks' [start, end) ranges partition the table, on hash-column bounds or equal rows; checked at
-startup for every layer at the configured TP, so a release whose sharding overlaps is refused)
-and every other rank contributes an exact +0.0 (masked fill / zeroed gather). So each element is
-v + 0 + ... + 0 in some order, and every order gives one result: v itself, except that -0.0
-becomes +0.0 (IEEE: -0 + +0 = +0), as it does per layer. On ROCm upstream sums the int32 view
-(v's bits + 0): exact in any order too. Concatenating layers only changes the buffer size and
-so, perhaps, the communicator's algorithm or chunking (custom all-reduce, NCCL ring / tree,
-symmetric memory), i.e. the summation order, which cannot matter here. The buffer is reduced by
-upstream's own call (``EngramEmbedding._reduce_owned_rows``), so whatever that does per layer
-(bf16, or int32 on ROCm) it does to the concatenation. NaN table codes (none in a checkpoint)
-stay NaN, their payload whatever the communicator makes of it. ``--engram-prefetch check``
-compares each layer's slice with upstream's per-layer lookup, bit for bit, while serving.
+INVARIANTS.
+- The same bits: every table row is owned by exactly one rank (``check_rows_partition``, at
+  startup for every Engram layer at the configured TP) and every other rank adds an exact
+  +0.0, so no summation order (which the larger buffer may change) changes a value.
+- One collective order on every rank: the all-reduce runs on the main stream, where
+  upstream's first Engram all-reduce runs, and every TP rank takes the fused or the per-layer
+  path for the same batches (decode / verify, non-empty, no staged rows).
+- CUDA graphs: the buffer is allocated in the forward (from the graph's pool under capture,
+  ``record_stream``-ed onto the main stream); the all-reduce is captured as upstream's is.
 
-WHY THE ALL-REDUCE STAYS ON THE MAIN STREAM. A collective on the side stream could run beside
-the main stream's TP collectives of the first layers: NCCL needs one order on every rank, and
-custom all-reduce shares one set of buffers per communicator. So the one all-reduce runs where
-upstream's first Engram all-reduce runs (the first Engram layer, main stream) and the later
-Engram layers run none. Every TP rank takes the fused path or the per-layer one for the same
-batches (decode / verify, non-empty, no staged rows: identical across TP ranks without DP
-attention, which --engram-prefetch refuses), so the ranks issue the same collectives.
-
-CUDA GRAPHS. The buffer is allocated in the forward (one ``torch.empty`` on the side stream,
-``record_stream``-ed onto the main stream), like upstream's per-layer lookup outputs: under
-capture it comes from the graph's pool and every replay uses the same address. The all-reduce
-is upstream's call on the main stream inside the model runner's ``graph_capture`` context, so it
-is captured exactly as upstream's per-layer all-reduce is (custom all-reduce registers the
-buffer). The side stream is joined by the main stream in the same forward.
+The arguments in full: docs/engram-fused-all-reduce.md.
 """
 
 from __future__ import annotations
@@ -53,23 +32,31 @@ logger = logging.getLogger(__name__)
 FLAG = "--engram-fused-all-reduce"
 
 
-def validate_engram_fused_all_reduce(cfg, model_arch: str, hf_config) -> bool:
+def validate_engram_fused_all_reduce(server_args) -> bool:
     """Resolution-hook check: refuses every configuration where the flag would do nothing or
     could not give upstream's bits."""
-    if not getattr(cfg, "engram_fused_all_reduce", False):
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
+    if not cfg.engram_fused_all_reduce:
         return False
     if cfg.tp_size <= 1:
         raise ValueError(
             f"{FLAG} does nothing at --tp-size {cfg.tp_size}: the Engram lookup has no "
             "all-reduce on one rank"
         )
+    hf_config = model_config_of(server_args).hf_config
+    model_arch = hf_config.architectures[0]
     layer_ids = tuple(getattr(hf_config, "engram_layer_ids", None) or ())
     if model_arch != "DeepseekV4ForCausalLM" or not layer_ids:
         raise ValueError(
             f"{FLAG}: this model ({model_arch}) has no Engram layers (DeepSeek-V4.1 "
             "checkpoints list them in engram_layer_ids)"
         )
-    prefetch = getattr(cfg, "engram_prefetch", "off")
+    prefetch = cfg.engram_prefetch  # --engram-prefetch (patch 0015, in Depends:)
     if prefetch not in ("on", "check"):
         raise ValueError(
             f"{FLAG} needs --engram-prefetch on (or check), got --engram-prefetch={prefetch}: "

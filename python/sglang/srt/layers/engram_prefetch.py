@@ -66,11 +66,19 @@ def parse_engram_prefetch(value) -> str:
     return v
 
 
-def validate_engram_prefetch(cfg, model_arch: str, hf_config) -> str:
+def validate_engram_prefetch(server_args) -> str:
     """Resolution-hook check: the value, and every configuration where it would do nothing."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     mode = parse_engram_prefetch(cfg.engram_prefetch)
     if mode == "off":
         return mode
+    hf_config = model_config_of(server_args).hf_config
+    model_arch = hf_config.architectures[0]
     layers = tuple(getattr(hf_config, "engram_layer_ids", None) or ())
     if model_arch != "DeepseekV4ForCausalLM" or not layers:
         raise ValueError(

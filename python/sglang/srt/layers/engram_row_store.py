@@ -49,9 +49,15 @@ _WRITE_CHUNK_ROWS = 1 << 18
 FLAG = "--engram-row-store-dir"
 
 
-def validate_engram_row_store(cfg, *, has_engram=None) -> None:
-    """Resolution-hook check (``Engine(...)`` bypasses argparse). ``has_engram``: a callable
-    telling whether the model has Engram tables, asked only when the flag is on."""
+def validate_engram_row_store(server_args) -> None:
+    """Resolution-hook check (``Engine(...)`` bypasses argparse); the model is read only when
+    the flag is on."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     directory, gib = cfg.engram_row_store_dir, cfg.engram_row_store_cache_gib
     if directory is None:
         if gib is not None:
@@ -86,7 +92,8 @@ def validate_engram_row_store(cfg, *, has_engram=None) -> None:
         raise ValueError(
             f"{FLAG} cannot be used with --enable-torch-compile: the lookup reads storage on the host"
         )
-    if has_engram is not None and not has_engram():
+    hf_config = model_config_of(server_args).hf_config
+    if not getattr(hf_config, "engram_layer_ids", None):
         raise ValueError(f"{FLAG} does nothing here: the model has no Engram tables")
 
 
@@ -107,10 +114,13 @@ def parse_engram_row_store_cache_gib(value) -> float:
 
 DEFAULT_CACHE_GIB = 16.0
 
-# Stores of this process in construction order; a store's cache share is fixed at its finish_load,
-# when every table of the model has been constructed (before the memory profile: on unified-memory
-# machines the cache comes out of the same pool as the KV cache).
 _STORES: list["EngramRowStore"] = []
+"""The row stores of this process in construction order. The RAM cache budget is one figure
+for the process (``--engram-row-store-cache-gib``), split over every table shard; a store's
+share is fixed at its ``finish_load``, when every table has been constructed (before the
+memory profile: on unified-memory machines the cache comes out of the KV cache's pool). The
+Engram layers are built one by one with no object of the model's they could share, so the
+list is the module's; only this module reads it (an Engram layer holds its own store)."""
 
 
 def maybe_engram_row_store(
@@ -473,6 +483,8 @@ def _make_graph_break():
 
 
 _graph_break = None
+"""The eager host lookup wrapped for breakable CUDA graphs, built at the first use (its
+import is heavy); stateless, read only by ``_lookup_at_graph_break``."""
 
 
 def _lookup_at_graph_break(store, indices, out) -> None:

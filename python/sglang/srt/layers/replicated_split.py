@@ -100,9 +100,12 @@ def _canonical(parsed) -> str:
     return "off" if parsed is None else f"{','.join(parsed[0])}:{parsed[1]}"
 
 
-def validate_replicated_linear_split(cfg) -> None:
+def validate_replicated_linear_split(server_args) -> None:
     """Resolution-hook check (``Engine(...)`` bypasses argparse): refused where it does nothing
     or where the ranks could disagree on the row count."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
     parsed = replicated_linear_split_rule(
         cfg.replicated_linear_split
     )  # Engine(...) skips argparse

@@ -96,8 +96,13 @@ def resolve_limits(
     return p, n
 
 
-def validate_loop_abort(cfg: Any) -> None:
-    """Resolution-hook check (``Engine(...)`` bypasses argparse)."""
+def validate_loop_abort(server_args: Any) -> None:
+    """The resolution hook's check (``handle_other_validations``): the limits parsed once
+    (``Engine(...)`` bypasses argparse) and the flags refused where they would do nothing.
+    """
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
     tuning = [
         flag
         for flag, value in (
@@ -132,40 +137,99 @@ def validate_loop_abort(cfg: Any) -> None:
 # ---------------------------------------------------------------- per request
 
 
-def attach_loop_guard(req: Any, cfg: Any) -> None:
-    """Give a new request its ``LoopGuard`` (``cfg``: the resolved ``schedule`` namespace).
+class LoopAbort:
+    """The scheduler's loop abort, built once from the resolved flags by ``build_loop_abort``
+    and held by the scheduler: the server's limits and the finish counter. It gives each new
+    request its ``LoopGuard`` (``attach``); the guard reports a finish back to it."""
 
-    Off (the default): nothing. Exempt: ``ignore_eos`` requests (they ask for exactly
-    ``max_new_tokens``, e.g. benchmarks) and ``custom_params: {"loop_abort": false}``.
-    ``{"loop_abort": {"max_period": P, "min_tokens": N}}`` sets the request's own limits;
-    an invalid value finishes the request with a 400 before it runs.
-    """
-    if not cfg.enable_loop_abort:
-        return
-    params = req.sampling_params
-    custom = params.custom_params if isinstance(params.custom_params, dict) else {}
-    override = custom.get(CUSTOM_PARAMS_KEY)
-    max_period, min_tokens = cfg.loop_abort_max_period, cfg.loop_abort_min_tokens
-    if override is None:
-        if params.ignore_eos:
+    def __init__(
+        self, max_period: Optional[int] = None, min_tokens: Optional[int] = None
+    ):
+        self.max_period, self.min_tokens = max_period, min_tokens  # the flags, or None
+        self.limits = resolve_limits(max_period, min_tokens)  # (P, N), defaults filled
+        self._counter = None  # created at the first finish a metrics collector counts
+
+    def attach(self, req: Any) -> None:
+        """Give a new request its ``LoopGuard``.
+
+        Exempt: ``ignore_eos`` requests (they ask for exactly ``max_new_tokens``, e.g.
+        benchmarks) and ``custom_params: {"loop_abort": false}``.
+        ``{"loop_abort": {"max_period": P, "min_tokens": N}}`` sets the request's own limits;
+        an invalid value finishes the request with a 400 before it runs.
+        """
+        params = req.sampling_params
+        custom = params.custom_params if isinstance(params.custom_params, dict) else {}
+        override = custom.get(CUSTOM_PARAMS_KEY)
+        if override is None:
+            if params.ignore_eos:
+                return
+            p, n = self.limits
+        elif override is False:
             return
-    elif override is False:
-        return
-    elif isinstance(override, dict) and set(override) <= {"max_period", "min_tokens"}:
-        max_period = override.get("max_period", max_period)
-        min_tokens = override.get("min_tokens", min_tokens)
-    elif override is not True:
-        req.set_finish_with_abort(
-            f'custom_params["{CUSTOM_PARAMS_KEY}"] = {override!r} is not accepted: use false, '
-            'true, or {"max_period": P, "min_tokens": N}'
+        elif override is True:
+            p, n = self.limits
+        elif isinstance(override, dict) and set(override) <= {
+            "max_period",
+            "min_tokens",
+        }:
+            try:
+                p, n = resolve_limits(
+                    override.get("max_period", self.max_period),
+                    override.get("min_tokens", self.min_tokens),
+                    REQUEST_NAMES,
+                )
+            except ValueError as e:
+                req.set_finish_with_abort(str(e))
+                return
+        else:
+            req.set_finish_with_abort(
+                f'custom_params["{CUSTOM_PARAMS_KEY}"] = {override!r} is not accepted: use '
+                'false, true, or {"max_period": P, "min_tokens": N}'
+            )
+            return
+        req.loop_guard = LoopGuard(p, n, self)
+
+    def report(self, req: Any, period: int, length: int) -> None:
+        """A request finished by its guard: one log line (TP rank 0) and the counter."""
+        from sglang.srt.runtime_context import get_context, get_parallel
+
+        if (
+            get_context().is_config_namespace_published("parallel")
+            and get_parallel().tp_rank != 0
+        ):
+            return
+        logger.info(
+            "loop abort: request %s finished at %d output tokens: the last %d repeat a "
+            "%d-token pattern",
+            req.rid,
+            req.finished_len,
+            length,
+            period,
         )
-        return
-    try:
-        p, n = resolve_limits(max_period, min_tokens, REQUEST_NAMES)
-    except ValueError as e:
-        req.set_finish_with_abort(str(e))
-        return
-    req.loop_guard = LoopGuard(p, n)
+        collector = getattr(req, "metrics_collector", None)
+        if collector is not None:
+            if self._counter is None:
+                from prometheus_client import Counter
+
+                self._counter = Counter(
+                    name="sglang:num_loop_aborted_requests_total",
+                    documentation="Requests finished by --enable-loop-abort "
+                    "(finish_reason loop).",
+                    labelnames=list(collector.labels),
+                )
+            self._counter.labels(**collector.labels).inc()
+
+
+def build_loop_abort(cfg: Any) -> Optional[LoopAbort]:
+    """The scheduler's ``LoopAbort`` from the resolved ``schedule`` namespace
+    (``get_schedule()``), or None with ``--enable-loop-abort`` off (upstream's path)."""
+    if not cfg.enable_loop_abort:
+        return None
+    max_period, min_tokens = cfg.loop_abort_max_period, cfg.loop_abort_min_tokens
+    return LoopAbort(
+        None if max_period is None else parse_loop_abort_max_period(max_period),
+        None if min_tokens is None else parse_loop_abort_min_tokens(min_tokens),
+    )
 
 
 def smallest_period(tokens) -> int:
@@ -186,11 +250,22 @@ def smallest_period(tokens) -> int:
 class LoopGuard:
     """One request's detector; ``check`` runs in ``Req.update_finish_state`` on every rank."""
 
-    __slots__ = ("max_period", "min_tokens", "seen", "period", "run", "next_probe")
+    __slots__ = (
+        "max_period",
+        "min_tokens",
+        "owner",
+        "seen",
+        "period",
+        "run",
+        "next_probe",
+    )
 
-    def __init__(self, max_period: int, min_tokens: int):
+    def __init__(
+        self, max_period: int, min_tokens: int, owner: Optional[LoopAbort] = None
+    ):
         self.max_period = max_period
         self.min_tokens = min_tokens
+        self.owner = owner  # the LoopAbort that reports a finish, or None
         self.seen = 0  # output tokens consumed
         self.period = 0  # live candidate period, 0 = none
         self.run = 0  # tokens i (ending at the last) with t[i] == t[i - period]
@@ -237,41 +312,6 @@ class LoopGuard:
         length = self.run + self.period
         req.finished_reason = FINISH_LOOP(period=self.period, length=length)
         req.finished_len = found + 1
-        _report(req, self.period, length)
+        if self.owner is not None:
+            self.owner.report(req, self.period, length)
         return True
-
-
-def _report(req: Any, period: int, length: int) -> None:
-    from sglang.srt.runtime_context import get_context, get_parallel
-
-    if (
-        get_context().is_config_namespace_published("parallel")
-        and get_parallel().tp_rank != 0
-    ):
-        return
-    logger.info(
-        "loop abort: request %s finished at %d output tokens: the last %d repeat a %d-token pattern",
-        req.rid,
-        req.finished_len,
-        length,
-        period,
-    )
-    collector = getattr(req, "metrics_collector", None)
-    if collector is not None:
-        _loop_counter(tuple(collector.labels)).labels(**collector.labels).inc()
-
-
-_COUNTER = None
-
-
-def _loop_counter(labelnames: tuple):
-    global _COUNTER
-    if _COUNTER is None:
-        from prometheus_client import Counter
-
-        _COUNTER = Counter(
-            name="sglang:num_loop_aborted_requests_total",
-            documentation="Requests finished by --enable-loop-abort (finish_reason loop).",
-            labelnames=list(labelnames),
-        )
-    return _COUNTER

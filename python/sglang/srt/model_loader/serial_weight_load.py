@@ -37,10 +37,17 @@ def async_weight_load_enabled() -> bool:
     return False
 
 
-def validate_weight_loader_disable_async_load(cfg: Any, model_arch: str) -> None:
+def validate_weight_loader_disable_async_load(server_args: Any) -> None:
     """Resolution-hook check: refused where the flag would do nothing."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     if not cfg.weight_loader_disable_async_load:
         return
+    model_arch = model_config_of(server_args).hf_config.architectures[0]
     if model_arch not in ARCHITECTURES:
         raise ValueError(
             f"--weight-loader-disable-async-load: the {model_arch} loader does not copy weights "

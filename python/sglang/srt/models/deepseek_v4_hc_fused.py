@@ -60,12 +60,20 @@ def parse_hc_fused_stats(value) -> str:
     raise argparse.ArgumentTypeError(f"--dsv4-hc-fused-stats={value!r}: {_USAGE}")
 
 
-def validate_hc_fused_stats(cfg, model_arch: str, hf_config) -> str:
+def validate_hc_fused_stats(server_args) -> str:
     """Resolution-hook check (Engine(...) bypasses argparse): the value, and every configuration
     where the flag would do nothing, refused with the reason."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     mode = parse_hc_fused_stats(cfg.dsv4_hc_fused_stats)
     if mode == "off":
         return mode
+    hf_config = model_config_of(server_args).hf_config
+    model_arch = hf_config.architectures[0]
     if model_arch != "DeepseekV4ForCausalLM":
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: only DeepSeek-V4.1 computes hyper-connection mix "
@@ -189,6 +197,12 @@ def _differing_bits(a, b) -> tuple[int, int]:
 
 
 _ACTIVE: Optional[HcFusedStats] = None
+"""The feature of this process (``configure_hc_fused_stats``, at model load), or None. Upstream's
+mix-statistics functions in ``kernels/ops/layernorm/mhc.py`` are free functions called from
+``deepseek_v4_mhc``'s layer code with tensors only, so their one-line hooks (``mix_stats`` and
+its two siblings) read it here. Every DeepSeek-V4 model of the process configures it from the
+same flag, so they share one (a second configure with the same mode keeps the first, its
+checks included); with the flag off it is None and every hook returns None at once."""
 
 
 def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:

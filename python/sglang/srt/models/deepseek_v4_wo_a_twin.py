@@ -27,13 +27,10 @@ would race between the target's and the draft's streams). Layers whose wo_a anot
 takes (the fused rope + wo_a kernel, mega attention, the NPU MXFP8 and bf16 paths, the DSpark
 draft's einsum) refuse to boot under drop, naming it, and writing into the stand-in raises.
 
-REFUSED. Every level refuses --enable-deterministic-inference (the kernel follows the row
-count), --enable-torch-compile (the twin serves only the address of the weight it was built
-from, which a traced ``data_ptr()`` is not: under drop the stand-in would be multiplied) and
-ROCm builds of torch. Layers with a twin refuse online weight updates through upstream's
-``_derived_weight_cache_error`` (captured CUDA graphs read the twin's buffers); twins are built
-at the first load only, so a layer that had none then (e.g. ``--load-format dummy``) stays stock
-through later updates. Under drop a released layer refuses weight export (upstream's ``_weight_export_error``).
+REFUSED (the reasons: docs/wo-a-fp8-twin.md): --enable-deterministic-inference,
+--enable-torch-compile and ROCm builds of torch at every level; online weight updates of a
+layer with a twin (upstream's ``_derived_weight_cache_error``) and, under drop, weight export
+of a released layer (upstream's ``_weight_export_error``).
 """
 
 from __future__ import annotations
@@ -112,13 +109,20 @@ _DROP_REFUSED_WITH = (
 )
 
 
-def validate_wo_a_fp8_twin(cfg, model_arch: str) -> str:
+def validate_wo_a_fp8_twin(server_args) -> str:
     """Resolution-hook check for every target (Engine(...) bypasses argparse): the flag's value,
     refused where no twin would be built (another architecture) and with the server arguments
     the twin cannot serve under, each with the reason."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     mode = parse_wo_a_fp8_twin(cfg.dsv4_wo_a_fp8_twin)
     if mode == "off":
         return mode
+    model_arch = model_config_of(server_args).hf_config.architectures[0]
     if model_arch not in TWIN_TARGETS:
         raise ValueError(
             f"--dsv4-wo-a-fp8-twin={mode}: the target is {model_arch}; only {', '.join(TWIN_TARGETS)} "

@@ -34,8 +34,11 @@ FLAG = "--enable-b12x-roce-all-gather"
 GROUP = "tp"
 
 
-def validate_b12x_roce_all_gather(cfg) -> None:
+def validate_b12x_roce_all_gather(server_args) -> None:
     """Resolution-hook check (``Engine(...)`` bypasses argparse)."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
     if not cfg.enable_b12x_roce_all_gather:
         return
     tp, nnodes = cfg.tp_size, cfg.nnodes

@@ -49,8 +49,11 @@ def explicit_thinking_parsers() -> list[str]:
     return sorted(names)
 
 
-def validate_thinking_aliases(cfg: Any) -> None:
+def validate_thinking_aliases(server_args) -> None:
     """Resolution-hook check: the aliases need a parser whose model reads ``thinking``."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
     if not cfg.enable_thinking_aliases:
         return
     parsers = explicit_thinking_parsers()

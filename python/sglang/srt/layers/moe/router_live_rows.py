@@ -36,6 +36,17 @@ class LiveRows:
 
 
 _ACTIVE: Optional[LiveRows] = None
+"""The open scope's live rows, or None: the one module-level value of this module, on purpose.
+
+The routers sit at the bottom of upstream's call chain (model, decoder layer, MoE, TopK,
+``select_experts``, ``biased_topk_jit_kernel_impl``; the hash and vision routers beside it),
+and no call on that chain carries a per-forward argument a feature could fill: handing the
+live rows down as an object would edit every signature on it, in upstream files. A scope is
+the narrow alternative: the target model, which holds its verify cap, opens it around one
+forward (``live_rows_scope``) and it is restored on exit, so a decode, a prefill, a draft
+forward or another model in the process sees None and upstream's routing. The model runner
+runs one forward at a time per process; a CUDA graph captured inside a scope reads the
+tensor it names by address at every replay, so the value need not outlive the capture."""
 
 
 @contextlib.contextmanager

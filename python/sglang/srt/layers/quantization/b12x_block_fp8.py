@@ -45,22 +45,27 @@ def serves_block_fp8_as_mxfp8(block_size, scale_fmt) -> bool:
     )
 
 
-def validate_block_fp8_mxfp8_backend(cfg, *, quant_config=None) -> None:
-    """Resolution-hook check (``Engine(...)`` bypasses argparse). ``quant_config``: a callable
-    returning the checkpoint's quantization_config (dict or None), asked only when set.
-    """
+def validate_block_fp8_mxfp8_backend(server_args) -> None:
+    """Resolution-hook check (``Engine(...)`` bypasses argparse); the checkpoint's
+    quantization_config is read only when the flag is set."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
     value = cfg.block_fp8_mxfp8_backend
     if value is None:
         return
     parse_block_fp8_mxfp8_backend(value)  # Engine(...) bypasses argparse
-    if quant_config is not None:
-        q = quant_config() or {}
-        block, fmt = q.get("weight_block_size"), q.get("scale_fmt")
-        if not serves_block_fp8_as_mxfp8(block, fmt):
-            raise ValueError(
-                f"{FLAG} b12x does nothing here: the checkpoint's linears are not 32x32 ue8m0 "
-                f"block-fp8 (found weight_block_size={block}, scale_fmt={fmt})"
-            )
+    hf_config = model_config_of(server_args).hf_config
+    q = getattr(hf_config, "quantization_config", None) or {}
+    block, fmt = q.get("weight_block_size"), q.get("scale_fmt")
+    if not serves_block_fp8_as_mxfp8(block, fmt):
+        raise ValueError(
+            f"{FLAG} b12x does nothing here: the checkpoint's linears are not 32x32 ue8m0 "
+            f"block-fp8 (found weight_block_size={block}, scale_fmt={fmt})"
+        )
     require_b12x(f"{FLAG} b12x", "gemm.block_fp8_linear", "plan")
 
 
@@ -96,6 +101,10 @@ def maybe_b12x_block_fp8(
 
 
 _SESSIONS: dict[int, object] = {}
+"""b12x's preparation session per CUDA device, opened at the first prepared layer and kept
+for the process: closing it would release the plans every prepared layer holds. It is a
+cache of b12x's own runtime, read only here (no upstream code reads it); the per-layer state
+(packed weight, plans) lives on the layer."""
 
 
 class B12xBlockFp8Linear:

@@ -44,8 +44,11 @@ MICRO_PIN_MAX_ROWS = (
 LADDER_MIN = 16  # first prefill rung
 
 
-def validate_b12x_moe(cfg) -> None:
+def validate_b12x_moe(server_args) -> None:
     """Resolution-hook check (``Engine(...)`` bypasses argparse), when the backend is b12x."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
     if cfg.moe_runner_backend != "b12x":
         return
     a2a = getattr(cfg, "moe_a2a_backend", "none")
@@ -148,10 +151,14 @@ def settings_from_runtime() -> dict:
     return {"counts": plan_token_counts(decode_bs, rows, max(chunk, LADDER_MIN))}
 
 
-# Scratch shared by the layers of one model (they run one after another on its stream), per
-# (model root, geometry, count).
 _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
+"""Scratch shared by the MoE layers of one model, per (model root prefix, geometry, token
+count): the layers run one after another on the model's stream, so one set serves them all.
+Read only by this module's ``apply`` (no upstream code reads it). Invariant: two models whose
+MoE layers could run concurrently on different streams have different root prefixes."""
 _SESSIONS: dict[int, object] = {}
+"""b12x's preparation session per CUDA device, kept for the process: closing it would release
+the plans every prepared layer holds; read only by ``_prepare_plans``."""
 
 
 class Mxfp4B12xMoEMethod:

@@ -175,8 +175,11 @@ def _log_rank0(group: Any, message: str) -> None:
         logger.info(message)
 
 
-def validate_flashinfer_autotune_keep(cfg: Any) -> None:
+def validate_flashinfer_autotune_keep(server_args) -> None:
     """Resolution-hook check: refused where no cross-rank cache gate runs."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
     if not cfg.flashinfer_autotune_keep_cache:
         return
     from sglang.srt.environ import envs

@@ -153,12 +153,19 @@ def check_draft_head_fp8_applies(model, lm_head) -> None:
 FP8_HEAD_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
-def validate_draft_head_fp8(
-    server_args, enabled: bool, algorithm, deterministic: bool = False
-) -> None:
+def validate_draft_head_fp8(server_args) -> None:
     """Resolution-hook check: where no draft would build the copy, the flag is refused, not
     ignored (the dense DSpark draft and the other algorithms keep the bf16 head); so is
     deterministic inference, which the copy would break."""
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
+
+    cfg = resolving_view(server_args)
+    enabled = cfg.speculative_dspark_draft_head_fp8
+    algorithm = cfg.speculative_algorithm
+    deterministic = cfg.enable_deterministic_inference
     if not enabled:
         return
     what = "--speculative-dspark-draft-head-fp8"
@@ -172,8 +179,6 @@ def validate_draft_head_fp8(
         raise ValueError(
             f"{what} applies to --speculative-algorithm DSPARK only (got {algorithm!r})"
         )
-    from sglang.srt.arg_groups.model_override_base import model_config_of
-
     arch = model_config_of(server_args).hf_config.architectures[0]
     if arch not in FP8_HEAD_TARGETS:
         raise ValueError(

@@ -45,9 +45,13 @@ def parse_draft_temperature_scale(value) -> float:
     return tau
 
 
-def validate_draft_temperature_scale(tau, speculative_algorithm) -> None:
+def validate_draft_temperature_scale(server_args) -> None:
     """The resolution hook's check (Engine(...) bypasses argparse: the value is parsed here)."""
-    tau = parse_draft_temperature_scale(tau)
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
+    speculative_algorithm = cfg.speculative_algorithm
+    tau = parse_draft_temperature_scale(cfg.speculative_dspark_draft_temperature_scale)
     if tau != 1.0 and (speculative_algorithm or "").upper() != "DSPARK":
         raise ValueError(
             "--speculative-dspark-draft-temperature-scale applies to "

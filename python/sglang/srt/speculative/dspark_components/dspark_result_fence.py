@@ -1,68 +1,28 @@
 """Fence the folded DSpark accept results from the next graph replay
 (--speculative-dspark-fence-accept-results): an in-graph copy into a two-slot ring.
 
-DIAGNOSIS. On the folded paths (the static/compact verify graph's epilogue and the
-sampling-accept region) ``DsparkVerifyEpilogue.read_accept`` hands ``[:bs]`` views of
-persistent graph buffers to ``GenerationBatchResult``. The scheduler's
-``_copy_result_to_cpu`` queues their device-to-host copies on ``copy_stream`` behind
-this step's forward, but the next step's replay, on the forward stream, never waits for
-that copy. When the copy stream has work queued ahead, the host reads the *next* step's
-tokens and lengths (the GPU test reproduces it with the real epilogue and the scheduler's
-own copy path).
+On the folded paths (the verify graph's epilogue, the sampling-accept region)
+``DsparkVerifyEpilogue.read_accept`` hands views of persistent graph buffers to the
+scheduler, whose device-to-host copy on ``copy_stream`` the next replay does not wait for.
+At construction the epilogue's accept buffers are re-bound to views of one byte arena,
+before any capture, so every in-graph writer writes into it unchanged. Right after the
+accept, on the forward stream and inside the graph, ``copy_in(gate)`` copies the arena into
+ring slot ``counter % 2`` (a device counter it advances); the host returns cached ``[:bs]``
+views of slot ``count % 2`` (no allocation, no launch).
 
-WHAT IT DOES. At construction the epilogue's accept buffers (correct_len, bonus,
-cap_trim_lens, commit_lens, new_seq_lens, out_tokens and block_accept_lens when kept) are
-re-bound to views of one byte arena, before any graph is captured, so every in-graph
-writer writes into it unchanged. Right after the accept, on the forward stream and inside
-the captured graph, ``copy_in(gate)`` launches one single-program kernel that reads a
-device slot counter, copies the arena into ring slot ``counter % 2`` and advances the
-counter, so one captured graph serves both slots. The host counts the folded steps it
-consumes and returns cached ``[:bs]`` views of slot ``count % 2``: no allocation, no
-launch, no host work per step beyond a dict lookup. The same kernel runs eagerly where
-the region runs eagerly (its first step per key, a failed capture).
+INVARIANTS.
+- Two slots suffice: folded step N's slot is rewritten by step N + 2 at the earliest, and
+  every scheduler loop that folds synchronizes step N's ``copy_done`` before it launches
+  step N + 2 (the argument, loop by loop, in docs/result-fence.md).
+- One copy per consumed step: the copy is gated exactly like the fold (the verify graph's
+  ``inject_gate_buf``, the sampling-accept region's all-ones gate). A capture's eager
+  warm-ups copy with no consumer, so ``copy_in`` notes a capture and the next consumption
+  counts from the device counter (one sync per capture). Any other drift would hand the
+  host the other slot: the device counter is read back without a sync at the first
+  consumption and every ``CHECK_EVERY`` after, and a mismatch raises.
+- Lossless: the slot holds the bytes the graph wrote (tested bitwise).
 
-WHY TWO SLOTS ARE ENOUGH (upstream 0.5.23, checked). Folded step N's slot is rewritten
-by folded step N+2 at the earliest, and the host synchronizes step N's ``copy_done``
-before it launches scheduler step N+2:
-- ``Scheduler.event_loop_overlap`` / ``event_loop_overlap_disagg_decode``
-  (disaggregation/decode.py): ``run_batch(N+1)`` then ``pop_and_process()`` ->
-  ``process_batch_result(N)`` -> ``BatchResultProcessor.process_batch_result_decode``
-  (and ``_idle``), whose first line is ``result.copy_done.synchronize()``, all before
-  the loop's next ``run_batch(N+2)``; ``Scheduler._reqs_finishing_inflight`` asserts the
-  same invariant (at scheduling time at most one result is unprocessed).
-- ``Scheduler._copy_result_to_cpu``: for DSpark the copies are issued synchronously on
-  ``copy_stream`` (never the async D2H worker) after ``copy_stream.wait_stream
-  (forward_stream)``, and ``copy_done`` is recorded behind them in ``copy_to_cpu``.
-- ``event_loop_normal`` / ``event_loop_normal_disagg_decode`` / ``event_loop_pdmux``:
-  ``run_batch`` copies on the forward stream and ``process_batch_result`` synchronizes
-  before the next ``run_batch``.
-- Pipeline parallelism never folds (the static epilogue requires pp_size 1; DSPARK with
-  PP is disaggregated prefill only, ``check_pipeline_parallel_compat``).
-- Observability (``DsparkStepObservers``: the info dumper and the block-accept recorder
-  through ``FutureTensors.device_to_host``) clones the views on the current stream
-  before its side-stream D2H, so it reads in stream order, before any later replay.
-Every other consumer (next draft input, future-map publish, mamba commit) reads on the
-forward stream before step N+2; stock already rewrites the buffers at step N+1. So the
-ring serves every folded path.
-
-ONE COPY PER CONSUMED STEP. The host's count and the device counter stay equal because the
-copy is gated exactly like the fold: the verify graph copies under the epilogue's
-``inject_gate_buf`` (armed iff the host takes the folded accept of that replay;
-``run_idle_participation`` disarms it), the sampling-accept region (taken only when the
-verify graph did not fold) under its all-ones gate. One legitimate exception: a CUDA-graph
-capture first runs the code it captures eagerly (upstream's warm-ups, two per shape), under
-whatever the gate holds, and no host takes those copies. At startup the gate is disarmed,
-but a capture mid-serving (``update_weights_from_disk(recapture_cuda_graph=True)``, elastic
-EP scale-up) finds it armed by the last served step. So ``copy_in`` notes a capture, and the
-next consumption counts from the device counter (one sync per capture; logged when the
-warm-ups had copied). Any other drift would hand the host the other slot, so the device
-counter is read back without a sync at the first consumption and every ``CHECK_EVERY``
-after, and a mismatch raises.
-
-COST: one small kernel inside the graph and no host time beyond stock's
-(benchmark/results/folded_result_fence-NVIDIA_H200.json, docs/result-fence.md).
-
-LOSSLESS: the slot holds the bytes the graph wrote (tested bitwise).
+Cost and measurements: docs/result-fence.md.
 """
 
 from __future__ import annotations
@@ -265,9 +225,14 @@ def _view(arena: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.
     return arena[offset : offset + size].view(dtype).view(shape)
 
 
-def validate_fence_accept_results(enabled: bool, algorithm: Optional[str]) -> None:
+def validate_fence_accept_results(server_args) -> None:
     """Resolution-hook check: only DSpark folds its accept results into graph buffers, so the
     flag would do nothing with another algorithm (or none): refused, not ignored."""
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+
+    cfg = resolving_view(server_args)
+    enabled = cfg.speculative_dspark_fence_accept_results
+    algorithm = cfg.speculative_algorithm
     if enabled and (algorithm or "").upper() != "DSPARK":
         raise ValueError(
             "--speculative-dspark-fence-accept-results applies to --speculative-algorithm DSPARK "

@@ -13,15 +13,10 @@ With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 +
   k drafts (upstream's trim after acceptance is not, for block verification);
 * in target-verify forwards the router takes the anchor row's experts for rows >= L
   (``moe_fused_gate(live_lens=...)``, through the scope of ``layers/moe/router_live_rows.py``
-  this cap opens around the target's forward), so dead rows add no experts to a layer's set.
-  Dead rows are never committed and live rows attend to earlier rows only. Every router a
-  DeepSeek-V4 / V4.1 target verify can take follows or refuses: select_experts' JIT route
-  and V4.1's vision routing pass the live buffer to moe_fused_gate; the hash-routed layers
-  copy the anchor's routing over dead rows after their router (``anchor_dead_rows_``, one launch
-  on 3 of 43 layers); a route that cannot take it (routing inside a FlashInfer TRT-LLM /
-  triton_kernels MoE, the DeepGEMM mega gate, aiter, XPU, the torch-native, grouped or
-  custom routers) raises at the first capped target verify, i.e. at graph capture.
-  What it saves: docs/verify-cap.md, benchmark/results/verify_cap_moe-NVIDIA_H200.json.
+  the target model opens with the cap it holds), so dead rows add no experts to a layer's set;
+  dead rows are never committed and live rows attend to earlier rows only. A router that
+  cannot take the live length raises at the first capped target verify (graph capture, i.e.
+  startup), naming the layer; the routers that follow or refuse: docs/verify-cap.md.
 
 k is fixed (``K``) or a stopping rule on the draft confidence head (``conf:T`` or
 ``conf:t2,...,tgamma``): the number of leading drafts whose running product of per-position
@@ -29,11 +24,8 @@ survival stays >= the threshold, at least ``--speculative-dspark-verify-cap-min`
 value for draft i is computed from drafts before i only, so the cut never looks at the token
 it drops. The live length is decided on TP rank 0 and broadcast (rank-invariant).
 
-Refused at startup (``validate_verify_cap``), where a router would not see request-major rows
-or would not take the live length: other algorithms, targets other than DeepSeek-V4 (only its
-forward enters the router scope: elsewhere the cap would only shorten acceptance), a ragged
-verify mode other than static, dp attention, an a2a MoE backend at tp > 1 (it scatters the
-verify rows over the attention-TP ranks before the router), NPU, more than MAX_REQUESTS requests.
+Refused at startup (``validate_verify_cap``) wherever a router would not see request-major
+rows or would not take the live length; the list and the reasons: docs/verify-cap.md.
 """
 
 from __future__ import annotations
@@ -230,8 +222,9 @@ def _capturing() -> bool:
 
 
 class VerifyCap:
-    """The per-process cap state: the live-length buffer [MAX_REQUESTS] (int64, L = 1 + k)
-    that the router, the accepts and the graphs read by address."""
+    """The cap's state, built once by ``build_verify_cap`` and held by the DSpark worker, the
+    target model, the verify epilogue and the executor: the live-length buffer [MAX_REQUESTS]
+    (int64, L = 1 + k) that the router, the accepts and the graphs read by address."""
 
     def __init__(
         self,
@@ -346,38 +339,27 @@ class VerifyCap:
         self._log.flush()
 
 
-_CAP: Optional[VerifyCap] = None
-_RESOLVED = False
-
-
-def configure(cap: Optional[VerifyCap]) -> None:
-    """Install (or clear) the process's cap; tests and the first get_verify_cap() call."""
-    global _CAP, _RESOLVED
-    _CAP, _RESOLVED = cap, True
-
-
-def get_verify_cap() -> Optional[VerifyCap]:
-    """The cap from the server arguments, built at the first call; None when off."""
-    if _RESOLVED:
-        return _CAP
-    from sglang.srt.runtime_context import get_spec
-
-    try:
-        spec_ns = get_spec()
-    except ValueError:  # server arguments not published in this process (yet)
-        return None
-    value = getattr(spec_ns, "speculative_dspark_verify_cap", None)
+def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[VerifyCap]:
+    """The cap built once from the resolved spec arguments (``get_spec()``) where the DSpark
+    worker is built; None when off. It is handed to ``target_model`` (whose forward opens the
+    router scope with it) here, and by the worker to the verify epilogue and executor.
+    """
+    value = spec.speculative_dspark_verify_cap
     if value is None:
-        configure(None)
         return None
-    gamma = int(spec_ns.speculative_num_draft_tokens) - 1
+    if target_model is not None and not hasattr(target_model, "verify_cap"):
+        raise ValueError(
+            f"{FLAG}: the target model {type(target_model).__name__} does not hold a "
+            f"verify cap (only {', '.join(CAP_TARGETS)} routes its verify rows by live length)."
+        )
+    gamma = int(spec.speculative_num_draft_tokens) - 1
     cap = VerifyCap(
         spec=verify_cap_spec(value),
         gamma=gamma,
-        k_min=int(spec_ns.speculative_dspark_verify_cap_min or 1),
-        log_path=spec_ns.speculative_dspark_verify_cap_log,
+        k_min=int(spec.speculative_dspark_verify_cap_min or 1),
+        log_path=spec.speculative_dspark_verify_cap_log,
+        device=device,
     )
-    configure(cap)
     logger.info(
         "DSpark verify cap on (%s, min %d, gamma %d): acceptance capped per request, "
         "dead verify rows route to the anchor's experts%s",
@@ -386,20 +368,29 @@ def get_verify_cap() -> Optional[VerifyCap]:
         gamma,
         f", per-step log {cap._log_path}" if cap._log_path else "",
     )
+    if target_model is not None:
+        target_model.verify_cap = cap
     return cap
 
 
-def verify_cap_cutoff(bs: int) -> Optional[torch.Tensor]:
-    cap = get_verify_cap()
-    return None if cap is None else cap.cutoff(bs)
+def verify_cap_needs_confidence(value) -> bool:
+    """Whether the flag's value (``get_spec().speculative_dspark_verify_cap``, where the draft
+    model is built) is a conf: stopping rule, which needs the draft's confidence head.
+    """
+    return value is not None and verify_cap_spec(value).thresholds is not None
 
 
-def verify_cap_needs_confidence() -> bool:
-    cap = get_verify_cap()
-    return cap is not None and cap.needs_confidence
+def verify_cap_cutoff(
+    cap: Optional[VerifyCap], bs: int, cutoff: Optional[torch.Tensor] = None
+) -> Optional[torch.Tensor]:
+    """The accept's cutoff lengths: ``cutoff`` when given (a ragged layout's), else the
+    cap's live lengths, else None (upstream's accept)."""
+    if cutoff is not None or cap is None:
+        return cutoff
+    return cap.cutoff(bs)
 
 
-def verify_cap_router_scope(forward_batch):
-    """The target model's forward runs in this scope (DeepSeek-V4's ``forward``)."""
-    cap = get_verify_cap()
+def verify_cap_router_scope(cap: Optional[VerifyCap], forward_batch):
+    """The target model's forward runs in this scope (DeepSeek-V4's ``forward``, with the
+    cap the model holds)."""
     return contextlib.nullcontext() if cap is None else cap.router_scope(forward_batch)

@@ -1,0 +1,167 @@
+"""Every validator of the series refuses through upstream's real argument resolution.
+
+Each feature's ``validate_<feature>`` reads its own fields and upstream's by name. A table test
+with a ``SimpleNamespace`` keeps passing when upstream renames a field the validator reads (the
+stand-in still has the old name), so here each validator is reached the way a server reaches
+it: a real ``ServerArgs`` resolved by ``resolve_once`` (``check_server_args`` after it, as
+``Engine`` calls it, for the checks that live there), on a small Llama config where every
+flag below must be refused, by that validator (its frame is on the traceback). A renamed
+upstream field then raises ``AttributeError`` instead of the expected refusal, and fails.
+
+The validators are found by reading our modules (every ``def validate_*`` in a file the series
+owns): one that has no case here fails ``test_every_validator_has_a_resolution_case``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import traceback
+
+import pytest
+from conftest import REPO
+
+# validator -> (server arguments that it must refuse on a Llama target, message, stage)
+CASES = {
+    "validate_verify_cap": (
+        {"speculative_dspark_verify_cap": "3"},
+        "needs --speculative-algorithm DSPARK",
+        "resolve",
+    ),
+    "validate_fence_accept_results": (
+        {"speculative_dspark_fence_accept_results": True},
+        "applies to --speculative-algorithm DSPARK only",
+        "resolve",
+    ),
+    "validate_draft_temperature_scale": (
+        {"speculative_dspark_draft_temperature_scale": 0.8},
+        "DSPARK only",
+        "resolve",
+    ),
+    "validate_draft_head_fp8": (
+        {"speculative_dspark_draft_head_fp8": True},
+        "applies to --speculative-algorithm DSPARK only",
+        "resolve",
+    ),
+    "validate_loop_abort": (
+        {"loop_abort_min_tokens": 600},
+        "without --enable-loop-abort would do nothing",
+        "resolve",
+    ),
+    "validate_thinking_aliases": (
+        {"enable_thinking_aliases": True},
+        "--reasoning-parser",
+        "resolve",
+    ),
+    "validate_weight_loader_disable_async_load": (
+        {"weight_loader_disable_async_load": True},
+        "the LlamaForCausalLM loader does not copy weights",
+        "resolve",
+    ),
+    "validate_flashinfer_autotune_keep": (
+        {"flashinfer_autotune_keep_cache": True},
+        "--flashinfer-autotune-keep-cache would do nothing",
+        "check",
+    ),
+    "validate_fast_load": (
+        {"weight_loader_fast_load_num_threads": 4},
+        "does nothing without --weight-loader-fast-load",
+        "resolve",
+    ),
+    "validate_hc_fused_stats": (
+        {"dsv4_hc_fused_stats": "auto"},
+        "this model is LlamaForCausalLM",
+        "resolve",
+    ),
+    "validate_engram_prefetch": (
+        {"engram_prefetch": "on"},
+        r"this model \(LlamaForCausalLM\) has no Engram layers",
+        "resolve",
+    ),
+    "validate_engram_row_store": (
+        {"engram_row_store_cache_gib": 4.0},
+        "does nothing without --engram-row-store-dir",
+        "resolve",
+    ),
+    "validate_b12x_moe": (
+        {"moe_runner_backend": "b12x"},
+        "--moe-runner-backend b12x refused",
+        "resolve",
+    ),
+    "validate_block_fp8_mxfp8_backend": (
+        {"block_fp8_mxfp8_backend": "b12x"},
+        "not 32x32 ue8m0 block-fp8",
+        "resolve",
+    ),
+    "validate_b12x_roce_all_gather": (
+        {"enable_b12x_roce_all_gather": True},
+        "does nothing with --tp 1",
+        "resolve",
+    ),
+    "validate_engram_fused_all_reduce": (
+        {"engram_fused_all_reduce": True},
+        "does nothing at --tp-size 1",
+        "resolve",
+    ),
+    "validate_replicated_linear_split": (
+        {"replicated_linear_split": "wq_a"},
+        "does nothing with --tp 1",
+        "resolve",
+    ),
+    "validate_wo_a_fp8_twin": (
+        {"dsv4_wo_a_fp8_twin": "small"},
+        "the target is LlamaForCausalLM",
+        "resolve",
+    ),
+}
+
+
+def _validators() -> dict[str, str]:
+    """validator name -> the module of ours that defines it (every series patch's files)."""
+    from forklib.series import load_series
+
+    found = {}
+    for patch in load_series():
+        for own in patch.owns:
+            if not own.endswith(".py"):
+                continue
+            tree = ast.parse((REPO / own).read_text())
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name.startswith(
+                    "validate_"
+                ):
+                    module = own[len("python/") : -len(".py")].replace("/", ".")
+                    found[node.name] = module
+    return found
+
+
+def test_every_validator_has_a_resolution_case():
+    assert sorted(set(_validators()) - set(CASES)) == []
+
+
+def test_validators_take_the_server_arguments():
+    """One shape: ``validate_<feature>(server_args)``, the fields read by name inside."""
+    import importlib
+
+    shapes = {}
+    for name, module in _validators().items():
+        params = list(
+            inspect.signature(getattr(importlib.import_module(module), name)).parameters
+        )
+        shapes[name] = params
+    assert {n: p for n, p in shapes.items() if p != ["server_args"]} == {}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_refused_through_real_resolution(name, llama_config):
+    from conftest import resolve_server_args
+
+    if name not in _validators():
+        pytest.skip(f"{name}: its patch is not in the series")
+    kwargs, message, stage = CASES[name]
+    with pytest.raises(ValueError, match=message) as info:
+        sa = resolve_server_args(llama_config, **kwargs)
+        if stage == "check":
+            sa.check_server_args()
+    frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
+    assert name in frames, f"refused, but not by {name}: {frames}"
