@@ -165,6 +165,29 @@ def test_rows_hold_their_promises():
     ):
         assert named[name].same_as == ("random_up_off",), name
     assert named["random_nospec"].same_as == ("random_up_nospec",)
+    # DeepSeek-V4.1: flags off and every V4.1 feature identical to upstream's V4.1 rows, each
+    # engaged; the V4 checkpoints' refusals of the same flags stay
+    for name in (
+        "v41_off",
+        "v41_engram_prefetch",
+        "v41_engram_prefetch_check",
+        "v41_hc_fused_stats",
+    ):
+        assert named[name].model == "v41" and named[name].same_as == ("v41_up_off",)
+    assert named["v41_nospec"].same_as == ("v41_up_nospec",)
+    store = named["v41_row_store"]
+    assert store.same_as == ("v41_up_off_eager",) and "disabled" in store.args
+    assert all(
+        named[f"v41_up_{n}"].tree == "upstream" for n in ("off", "nospec", "off_eager")
+    )
+    for flag in (
+        "--engram-prefetch",
+        "--dsv4-hc-fused-stats",
+        "--engram-row-store-dir",
+    ):
+        served = [r for r in rows() if flag in r.args and not r.refused_with]
+        assert served and all(r.model == "v41" and r.engaged for r in served), flag
+        assert any(flag in r.args and r.refused_with for r in rows()), flag
     # the harness's own control: upstream twice, the same bits
     again = named["random_up_nospec_again"]
     assert again.tree == "upstream" and again.same_as == ("random_up_nospec",)
@@ -508,7 +531,9 @@ def test_raw_files_of_two_sittings_are_judged_as_one_matrix(tmp_path):
         read_raws([a, other / "e2e-raw-D.json.gz"])
 
 
-def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(tmp_path, monkeypatch):
+def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
+    tmp_path, monkeypatch
+):
     """The tiny DeepSeek-V4.1 checkpoint through upstream's own code: its config loads as
     ``DeepseekV41Config`` (hc_pre_from_prev_sublayer, Engram fields), ``EngramLayout`` and
     ``EngramHasher`` build from it, every Engram layer's tensors map (upstream's name remap) onto
@@ -518,14 +543,15 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(tmp_path, monk
     import json
     from types import SimpleNamespace
 
-    import sglang.srt.layers.engram as eg
     import torch
     from e2e.checkpoints import TINY_DSV4, TINY_ENGRAM, write_dsv4
     from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    import sglang.srt.layers.engram as eg
     from sglang.srt.model_loader.weight_utils import default_weight_loader
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
     from sglang.srt.utils.hf_transformers.config import get_config
-    from transformers import AutoTokenizer
 
     path = write_dsv4(tmp_path / "v41", agree=False, seed=4, engram=TINY_ENGRAM)
     hf = get_config(str(path), trust_remote_code=False)
@@ -583,7 +609,9 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(tmp_path, monk
         assert int(hash_ids[:, i].max()) < hf.engram_num_embeddings[i]
         prefix = f"layers.{layer}.engram."
         default = torch.get_default_dtype()
-        torch.set_default_dtype(torch.bfloat16)  # as the loader builds the model (bf16 config)
+        torch.set_default_dtype(
+            torch.bfloat16
+        )  # as the loader builds the model (bf16 config)
         try:
             engram = eg.Engram(hf, layer, layout, prefix=f"model.{prefix}")
         finally:

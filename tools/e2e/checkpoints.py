@@ -345,9 +345,11 @@ def engram_layout(engram: dict):
 
 def compressed_vocab_size(path: Path) -> int:
     """The number of distinct tokens upstream's Engram hasher normalizes the tokenizer in ``path``
-    to (``build_compressed_token_map``); the config must state it (the hasher asserts it)."""
-    from sglang.srt.layers.engram import build_compressed_token_map
+    to (``build_compressed_token_map``); the config must state it (the hasher asserts it).
+    """
     from transformers import AutoTokenizer
+
+    from sglang.srt.layers.engram import build_compressed_token_map
 
     return build_compressed_token_map(AutoTokenizer.from_pretrained(path))[1]
 
@@ -464,9 +466,9 @@ class _Weights:
         table = self.randn(rows, head_dim, dtype=torch.float32)
         tiles = table.view(rows, head_dim // 32, 32)
         scale = torch.exp2(torch.ceil(torch.log2(tiles.abs().amax(-1) / 448.0)))
-        self.tensors[prefix + "embed.weight"] = (tiles / scale[..., None]).to(
-            torch.float8_e4m3fn
-        ).view(rows, head_dim)
+        self.tensors[prefix + "embed.weight"] = (
+            (tiles / scale[..., None]).to(torch.float8_e4m3fn).view(rows, head_dim)
+        )
         self.tensors[prefix + "embed.scale"] = scale.to(torch.float8_e8m0fnu)
         self.linear(prefix + "wkv", dim * (hc + 1), cols * head_dim, out_proj=True)
         for name in ("q_weight", "k_weight"):
