@@ -562,6 +562,26 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
     assert hf.vision_n_layers == 0  # no image token: Engram gates every row
     assert json.loads((path / "config.json").read_text())["dspark_block_size"] == 5
 
+    # the three features' startup checks accept this config (on the V4 checkpoints they refuse)
+    from sglang.srt.layers.engram_prefetch import validate_engram_prefetch
+    from sglang.srt.layers.engram_row_store import validate_engram_row_store
+    from sglang.srt.models.deepseek_v4_hc_fused import validate_hc_fused_stats
+
+    arch = hf.architectures[0]
+    cfg = SimpleNamespace(
+        engram_prefetch="on",
+        dsv4_hc_fused_stats="1",
+        device="cuda",
+        tp_size=1,
+        engram_row_store_dir=str(tmp_path),
+        engram_row_store_cache_gib="0.0001",
+        enable_torch_compile=False,
+    )
+    assert validate_engram_prefetch(cfg, arch, hf) == "on"
+    assert validate_hc_fused_stats(cfg, arch, hf) == "1"
+    cfg.engram_prefetch = "off"  # the row store refuses the prefetch (a row of its own)
+    validate_engram_row_store(cfg, has_engram=lambda: bool(hf.engram_layer_ids))
+
     layout = eg.EngramLayout.from_config(hf)
     for i in range(len(layout.layer_ids)):
         rows = hf.engram_num_embeddings[i]
