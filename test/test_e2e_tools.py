@@ -531,8 +531,21 @@ def test_raw_files_of_two_sittings_are_judged_as_one_matrix(tmp_path):
         read_raws([a, other / "e2e-raw-D.json.gz"])
 
 
+@pytest.fixture(scope="module")
+def v41_checkpoint(tmp_path_factory):
+    """The matrix's V4.1 checkpoint (its seed), written once for this file's tests."""
+    from e2e.checkpoints import TINY_ENGRAM, write_dsv4
+
+    return write_dsv4(
+        tmp_path_factory.mktemp("v41") / "v41",
+        agree=False,
+        seed=4,
+        engram=TINY_ENGRAM,
+    )
+
+
 def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
-    tmp_path, monkeypatch
+    v41_checkpoint, tmp_path, monkeypatch
 ):
     """The tiny DeepSeek-V4.1 checkpoint through upstream's own code: its config loads as
     ``DeepseekV41Config`` (hc_pre_from_prev_sublayer, Engram fields), ``EngramLayout`` and
@@ -544,7 +557,7 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
     from types import SimpleNamespace
 
     import torch
-    from e2e.checkpoints import TINY_DSV4, TINY_ENGRAM, write_dsv4
+    from e2e.checkpoints import TINY_DSV4, TINY_ENGRAM
     from safetensors import safe_open
     from transformers import AutoTokenizer
 
@@ -553,7 +566,7 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
     from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
     from sglang.srt.utils.hf_transformers.config import get_config
 
-    path = write_dsv4(tmp_path / "v41", agree=False, seed=4, engram=TINY_ENGRAM)
+    path = v41_checkpoint
     hf = get_config(str(path), trust_remote_code=False)
     assert type(hf).__name__ == "DeepseekV41Config" and hf.model_type == "deepseek_v41"
     assert hf.architectures == ["DeepseekV4ForCausalLM"]
@@ -652,3 +665,40 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
         out = engram(x, hash_ids[:, i], None, input_ids=tokens)
         assert out.shape == x.shape and torch.isfinite(out.float()).all()
         assert not torch.equal(out, x)  # the gated value reached the residual streams
+
+
+def test_every_v41_row_resolves_through_upstreams_pipeline(
+    v41_checkpoint, tmp_path, monkeypatch
+):
+    """Each V4.1 row's server arguments, as the matrix starts it, through upstream's resolution
+    on the V4.1 checkpoint with the platform read as CUDA (no device is touched): none is refused,
+    and decoder SWA bounded replay, which upstream turns on for V4.1 on CUDA and which the tiny
+    checkpoint cannot serve (no kv_source_layer_ids), is off on every row."""
+    from e2e import matrix
+
+    import sglang.srt.arg_groups.deepseek_v4_hook as hook
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    real = hook.get_platform()
+
+    class Cuda:
+        def __getattr__(self, name):
+            return {"is_cuda": True, "is_hip": False}.get(name, getattr(real, name))
+
+    monkeypatch.setattr(hook, "get_platform", Cuda)
+    monkeypatch.setattr(matrix, "ROW_STORE_DIR", str(tmp_path))
+
+    def resolve(model_args, row_args):
+        argv = ["--model-path", str(v41_checkpoint), "--device", "cuda"]
+        argv += matrix.SERVE_ARGS + matrix.MEM_ARGS["v41"] + matrix.GRAPH_ARGS["v41"]
+        sa = prepare_server_args(argv + model_args + row_args)
+        sa.resolve_once()
+        return resolved_view(sa)
+
+    assert resolve([], matrix.DSPARK).enable_decoder_swa_bounded_replay is True
+    v41 = [r for r in matrix.rows() if r.model == "v41"]
+    assert len(v41) == 9
+    for row in v41:
+        view = resolve(matrix.MODEL_ARGS["v41"], row.args)
+        assert view.enable_decoder_swa_bounded_replay is False, row.name
