@@ -251,7 +251,7 @@ REAL_SHAPE_DSV4 = dict(
 MASK_TOKEN_ID = len(char_vocab())  # the draft's mask token: the first <extra_i> token
 # The Engram layers of the tiny DeepSeek-V4.1 checkpoint (``write_dsv4(..., engram=TINY_ENGRAM)``):
 # two layers, n-grams of 2 to 4 tokens with 4 hash heads each (upstream's hash kernel takes powers
-# of two for both), 32-wide fp8 rows (one e8m0 scale per row), tables of ~6,000 rows.
+# of two for both), 32-wide fp8 rows (one e8m0 scale per row), tables of ~7,000 rows.
 TINY_ENGRAM = dict(
     layer_ids=[1, 2],
     max_ngram_size=4,
@@ -465,7 +465,8 @@ class _Weights:
         cols = (config["engram_max_ngram_size"] - 1) * config["engram_n_heads"]
         table = self.randn(rows, head_dim, dtype=torch.float32)
         tiles = table.view(rows, head_dim // 32, 32)
-        scale = torch.exp2(torch.ceil(torch.log2(tiles.abs().amax(-1) / 448.0)))
+        amax = tiles.abs().amax(-1).clamp_min(2.0**-60)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
         self.tensors[prefix + "embed.weight"] = (
             (tiles / scale[..., None]).to(torch.float8_e4m3fn).view(rows, head_dim)
         )
