@@ -470,7 +470,8 @@ class _Weights:
         self.tensors[prefix + "embed.weight"] = (
             (tiles / scale[..., None]).to(torch.float8_e4m3fn).view(rows, head_dim)
         )
-        self.tensors[prefix + "embed.scale"] = scale.to(torch.float8_e8m0fnu)
+        # e8m0 cast on the host: the one dtype of the checkpoint the generating device may lack
+        self.tensors[prefix + "embed.scale"] = scale.cpu().to(torch.float8_e8m0fnu)
         self.linear(prefix + "wkv", dim * (hc + 1), cols * head_dim, out_proj=True)
         for name in ("q_weight", "k_weight"):
             self.tensors[prefix + name] = (
