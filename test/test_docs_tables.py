@@ -114,3 +114,21 @@ def test_a_stale_or_invalid_example_build_is_found():
     (value,) = _expected_versions(text)
     with pytest.raises(argparse.ArgumentTypeError):
         parse_expected_version(value)
+
+
+def test_the_matrix_table_counts_the_v41_rows_apart():
+    """V4.1 rows get a line of their own (judged against upstream's V4.1 rows); a matrix served
+    before they existed renders as it did."""
+    data = json.loads((REPO / docs_tables.RESULTS / "e2e-NVIDIA_H200.json").read_text())
+    before = docs_tables.e2e_last_run(data)
+    assert "V4.1" not in before
+    same = {"tokens_identical": True, "logprobs_identical": True}
+    data["rows"]["v41_up_off"] = {"ok": True, "tree": "upstream", "checks": {}}
+    data["rows"]["v41_off"] = {"ok": True, "tree": "fork", "vs_v41_up_off": same}
+    data["rows"]["v41_row_store"] = {"ok": False, "tree": "fork", "vs_v41_up_off": {}}
+    table = docs_tables.e2e_last_run(data)
+    (line,) = [r for r in table.splitlines() if "V4.1" in r]
+    assert line.startswith(
+        "| greedy, DeepSeek-V4.1 (random weights) | 3 | 2 | 1 of 2 fork"
+    )
+    assert table.replace(line + "\n", "") == before

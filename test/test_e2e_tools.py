@@ -165,6 +165,29 @@ def test_rows_hold_their_promises():
     ):
         assert named[name].same_as == ("random_up_off",), name
     assert named["random_nospec"].same_as == ("random_up_nospec",)
+    # DeepSeek-V4.1: flags off and every V4.1 feature identical to upstream's V4.1 rows, each
+    # engaged; the V4 checkpoints' refusals of the same flags stay
+    for name in (
+        "v41_off",
+        "v41_engram_prefetch",
+        "v41_engram_prefetch_check",
+        "v41_hc_fused_stats",
+    ):
+        assert named[name].model == "v41" and named[name].same_as == ("v41_up_off",)
+    assert named["v41_nospec"].same_as == ("v41_up_nospec",)
+    store = named["v41_row_store"]
+    assert store.same_as == ("v41_up_off_eager",) and "disabled" in store.args
+    assert all(
+        named[f"v41_up_{n}"].tree == "upstream" for n in ("off", "nospec", "off_eager")
+    )
+    for flag in (
+        "--engram-prefetch",
+        "--dsv4-hc-fused-stats",
+        "--engram-row-store-dir",
+    ):
+        served = [r for r in rows() if flag in r.args and not r.refused_with]
+        assert served and all(r.model == "v41" and r.engaged for r in served), flag
+        assert any(flag in r.args and r.refused_with for r in rows()), flag
     # the harness's own control: upstream twice, the same bits
     again = named["random_up_nospec_again"]
     assert again.tree == "upstream" and again.same_as == ("random_up_nospec",)
@@ -506,3 +529,176 @@ def test_raw_files_of_two_sittings_are_judged_as_one_matrix(tmp_path):
     write_raw(other, {**meta, "fork_version": "1.0.0+fork.3.1234567"}, None, {})
     with pytest.raises(SystemExit, match="fork_version"):
         read_raws([a, other / "e2e-raw-D.json.gz"])
+
+
+@pytest.fixture(scope="module")
+def v41_checkpoint(tmp_path_factory):
+    """The matrix's V4.1 checkpoint (its seed), written once for this file's tests."""
+    from e2e.checkpoints import TINY_ENGRAM, write_dsv4
+
+    return write_dsv4(
+        tmp_path_factory.mktemp("v41") / "v41",
+        agree=False,
+        seed=4,
+        engram=TINY_ENGRAM,
+    )
+
+
+def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
+    v41_checkpoint, tmp_path, monkeypatch
+):
+    """The tiny DeepSeek-V4.1 checkpoint through upstream's own code: its config loads as
+    ``DeepseekV41Config`` (hc_pre_from_prev_sublayer, Engram fields), ``EngramLayout`` and
+    ``EngramHasher`` build from it, every Engram layer's tensors map (upstream's name remap) onto
+    the parameters of upstream's ``Engram`` module with their shapes and dtypes, load through
+    their weight loaders and serve a forward on CPU; no ``hc_head`` tensor is written (V4.1's
+    modules have none, target or draft)."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from e2e.checkpoints import TINY_DSV4, TINY_ENGRAM
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    import sglang.srt.layers.engram as eg
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    path = v41_checkpoint
+    hf = get_config(str(path), trust_remote_code=False)
+    assert type(hf).__name__ == "DeepseekV41Config" and hf.model_type == "deepseek_v41"
+    assert hf.architectures == ["DeepseekV4ForCausalLM"]
+    assert hf.hc_pre_from_prev_sublayer is True and hf.q_head_norm is False
+    assert list(hf.engram_layer_ids) == TINY_ENGRAM["layer_ids"]
+    assert hf.vision_n_layers == 0  # no image token: Engram gates every row
+    assert json.loads((path / "config.json").read_text())["dspark_block_size"] == 5
+
+    # the three features' startup checks accept this config (on the V4 checkpoints they refuse)
+    from sglang.srt.layers.engram_prefetch import validate_engram_prefetch
+    from sglang.srt.layers.engram_row_store import validate_engram_row_store
+    from sglang.srt.models.deepseek_v4_hc_fused import validate_hc_fused_stats
+
+    arch = hf.architectures[0]
+    cfg = SimpleNamespace(
+        engram_prefetch="on",
+        dsv4_hc_fused_stats="1",
+        device="cuda",
+        tp_size=1,
+        engram_row_store_dir=str(tmp_path),
+        engram_row_store_cache_gib="0.0001",
+        enable_torch_compile=False,
+    )
+    assert validate_engram_prefetch(cfg, arch, hf) == "on"
+    assert validate_hc_fused_stats(cfg, arch, hf) == "1"
+    cfg.engram_prefetch = "off"  # the row store refuses the prefetch (a row of its own)
+    validate_engram_row_store(cfg, has_engram=lambda: bool(hf.engram_layer_ids))
+
+    layout = eg.EngramLayout.from_config(hf)
+    for i in range(len(layout.layer_ids)):
+        rows = hf.engram_num_embeddings[i]
+        assert eg.shard_range(rows, layout.column_bounds(i), 0, 1) == (0, rows)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hasher = eg.EngramHasher(
+        layout, tokenizer, hf.engram_pad_token_id, hf.engram_compressed_vocab_size
+    )
+    # upstream's hash kernels take power-of-two n-gram sizes and heads, fp8 rows a power of two wide
+    n, heads = layout.max_ngram_size, layout.n_heads
+    assert n & (n - 1) == 0 and heads & (heads - 1) == 0
+    assert layout.head_dim & (layout.head_dim - 1) == 0 and layout.head_dim % 32 == 0
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    assert not [k for k in stored if "hc_head" in k]
+    assert {k.split(".engram.")[0] for k in stored if ".engram." in k} == {
+        f"layers.{i}" for i in TINY_ENGRAM["layer_ids"]
+    }
+
+    # upstream's Engram modules at TP1 outside a server (the fork's row store off)
+    monkeypatch.setattr(
+        eg,
+        "get_parallel",
+        lambda: SimpleNamespace(tp_size=1, tp_rank=0, attn_dp_size=1, tp_group=None),
+    )
+    monkeypatch.setattr(
+        eg,
+        "get_exec",
+        lambda: SimpleNamespace(
+            offload=SimpleNamespace(
+                engram_row_store_dir=None, engram_row_store_cache_gib=None
+            )
+        ),
+        raising=False,
+    )
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 100, (24,), generator=gen)
+    windows = torch.stack([tokens.roll(s) for s in range(n)], dim=-1)
+    blocked = torch.arange(24).unsqueeze(-1) < torch.arange(n)
+    hash_ids, _ = hasher.hash_windows(windows, blocked)
+    assert hash_ids.shape == (24, len(layout.layer_ids), (n - 1) * heads)
+    dim, hc = TINY_DSV4["hidden_size"], hf.hc_mult
+    for i, layer in enumerate(layout.layer_ids):
+        assert int(hash_ids[:, i].max()) < hf.engram_num_embeddings[i]
+        prefix = f"layers.{layer}.engram."
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(
+            torch.bfloat16
+        )  # as the loader builds the model (bf16 config)
+        try:
+            engram = eg.Engram(hf, layer, layout, prefix=f"model.{prefix}")
+        finally:
+            torch.set_default_dtype(default)
+        params = dict(engram.named_parameters())
+        names = {k for k in stored if k.startswith(prefix)}
+        mapped = {
+            DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format(k): k
+            for k in names
+        }
+        assert set(mapped) == {f"model.{prefix}{p}" for p in params}, layer
+        for name, key in mapped.items():
+            param, loaded = params[name.removeprefix(f"model.{prefix}")], stored[key]
+            assert loaded.shape == param.shape, (key, loaded.shape, param.shape)
+            assert loaded.dtype == param.dtype, (key, loaded.dtype, param.dtype)
+            getattr(param, "weight_loader", default_weight_loader)(param, loaded)
+        x = torch.randn(24, hc, dim, generator=gen).to(torch.bfloat16)
+        out = engram(x, hash_ids[:, i], None, input_ids=tokens)
+        assert out.shape == x.shape and torch.isfinite(out.float()).all()
+        assert not torch.equal(out, x)  # the gated value reached the residual streams
+
+
+def test_every_v41_row_resolves_through_upstreams_pipeline(
+    v41_checkpoint, tmp_path, monkeypatch
+):
+    """Each V4.1 row's server arguments, as the matrix starts it, through upstream's resolution
+    on the V4.1 checkpoint with the platform read as CUDA (no device is touched): none is refused,
+    and decoder SWA bounded replay, which upstream turns on for V4.1 on CUDA and which the tiny
+    checkpoint cannot serve (no kv_source_layer_ids), is off on every row."""
+    from e2e import matrix
+
+    import sglang.srt.arg_groups.deepseek_v4_hook as hook
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    real = hook.get_platform()
+
+    class Cuda:
+        def __getattr__(self, name):
+            return {"is_cuda": True, "is_hip": False}.get(name, getattr(real, name))
+
+    monkeypatch.setattr(hook, "get_platform", Cuda)
+    monkeypatch.setattr(matrix, "ROW_STORE_DIR", str(tmp_path))
+
+    def resolve(model_args, row_args):
+        argv = ["--model-path", str(v41_checkpoint), "--device", "cuda"]
+        argv += matrix.SERVE_ARGS + matrix.MEM_ARGS["v41"] + matrix.GRAPH_ARGS["v41"]
+        sa = prepare_server_args(argv + model_args + row_args)
+        sa.resolve_once()
+        return resolved_view(sa)
+
+    assert resolve([], matrix.DSPARK).enable_decoder_swa_bounded_replay is True
+    v41 = [r for r in matrix.rows() if r.model == "v41"]
+    assert len(v41) == 9
+    for row in v41:
+        view = resolve(matrix.MODEL_ARGS["v41"], row.args)
+        assert view.enable_decoder_swa_bounded_replay is False, row.name

@@ -113,6 +113,8 @@ def e2e_last_run(d: dict) -> str:
             return "sampled (sample checkpoint)"
         if name.startswith("random_"):
             return "greedy, random weights"
+        if name.startswith("v41_"):
+            return "greedy, DeepSeek-V4.1 (random weights)"
         return "greedy, agree checkpoint"
 
     out = [
@@ -122,10 +124,13 @@ def e2e_last_run(d: dict) -> str:
     for k in (
         "greedy, agree checkpoint",
         "greedy, random weights",
+        "greedy, DeepSeek-V4.1 (random weights)",
         "sampled (sample checkpoint)",
         "startup refusals",
     ):
         names = [n for n in rows if kind(n) == k]
+        if not names:  # a matrix served before the V4.1 rows existed
+            continue
         done = [n for n in names if rows[n].get("ok") is not None]
         passed = sum(bool(rows[n]["ok"]) for n in done)
         if k == "greedy, random weights":
@@ -151,6 +156,21 @@ def e2e_last_run(d: dict) -> str:
                 f"{len(same)} fork rows identical to upstream in tokens and logprobs; the wo_a "
                 f"rows within the first-decode logprob bound (largest {max(bound):.3g}), the "
                 f"wrong twin outside it ({wrong:.3g})"
+            )
+        elif k == "greedy, DeepSeek-V4.1 (random weights)":
+            same = [
+                n
+                for n in names
+                if rows[n].get("tree") == "fork"
+                and any(
+                    v.get("logprobs_identical") and v.get("tokens_identical")
+                    for key, v in rows[n].items()
+                    if key.startswith("vs_v41_up_")
+                )
+            ]
+            how = (
+                f"{len(same)} of {sum(rows[n].get('tree') == 'fork' for n in names)} fork rows "
+                "identical to upstream's V4.1 rows in tokens and logprobs"
             )
         elif k == "sampled (sample checkpoint)":
             ps = {

@@ -249,6 +249,17 @@ REAL_SHAPE_DSV4 = dict(
     draft_stages=3,
 )
 MASK_TOKEN_ID = len(char_vocab())  # the draft's mask token: the first <extra_i> token
+# The Engram layers of the tiny DeepSeek-V4.1 checkpoint (``write_dsv4(..., engram=TINY_ENGRAM)``):
+# two layers, n-grams of 2 to 4 tokens with 4 hash heads each (upstream's hash kernel takes powers
+# of two for both), 32-wide fp8 rows (one e8m0 scale per row), tables of ~7,000 rows.
+TINY_ENGRAM = dict(
+    layer_ids=[1, 2],
+    max_ngram_size=4,
+    n_heads=4,
+    head_dim=32,
+    vocab_size=512,
+    pad_token_id=EOS_ID,
+)
 
 
 def dsv4_config(shape: dict) -> dict:
@@ -311,6 +322,61 @@ def dsv4_config(shape: dict) -> dict:
         "dspark_n_routed_experts": shape["n_routed_experts"],
         "dspark_num_experts_per_tok": shape["num_experts_per_tok"],
     }
+
+
+def engram_layout(engram: dict):
+    """Upstream's Engram layout (``sglang.srt.layers.engram.EngramLayout``) of ``engram``'s sizes:
+    the primes, hence every table's row count, are upstream's."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.engram import EngramLayout
+
+    return EngramLayout.from_config(
+        SimpleNamespace(
+            engram_layer_ids=list(engram["layer_ids"]),
+            engram_num_embeddings=[],
+            engram_max_ngram_size=engram["max_ngram_size"],
+            engram_vocab_size=engram["vocab_size"],
+            engram_n_heads=engram["n_heads"],
+            engram_head_dim=engram["head_dim"],
+        )
+    )
+
+
+def compressed_vocab_size(path: Path) -> int:
+    """The number of distinct tokens upstream's Engram hasher normalizes the tokenizer in ``path``
+    to (``build_compressed_token_map``); the config must state it (the hasher asserts it).
+    """
+    from transformers import AutoTokenizer
+
+    from sglang.srt.layers.engram import build_compressed_token_map
+
+    return build_compressed_token_map(AutoTokenizer.from_pretrained(path))[1]
+
+
+def dsv41_config(shape: dict, engram: dict, compressed_vocab: int) -> dict:
+    """``dsv4_config`` as a DeepSeek-V4.1 config: ``model_type`` deepseek_v41 (upstream's
+    ``DeepseekV41Config``), the hyper-connection pre-mix predicted from the previous sublayer, no
+    per-head query norm, and the Engram layers' fields."""
+    layout = engram_layout(engram)
+    config = dsv4_config(shape)
+    config.update(
+        model_type="deepseek_v41",
+        hc_pre_from_prev_sublayer=True,
+        q_head_norm=False,
+        vision_n_layers=0,
+        engram_layer_ids=list(layout.layer_ids),
+        engram_num_embeddings=[
+            layout.column_bounds(i)[-1] for i in range(len(layout.layer_ids))
+        ],
+        engram_max_ngram_size=layout.max_ngram_size,
+        engram_vocab_size=engram["vocab_size"],
+        engram_n_heads=layout.n_heads,
+        engram_head_dim=layout.head_dim,
+        engram_pad_token_id=engram["pad_token_id"],
+        engram_compressed_vocab_size=compressed_vocab,
+    )
+    return config
 
 
 def _e4m3_blocks(w, block: int = 32):
@@ -389,6 +455,29 @@ class _Weights:
             1, dtype=f32, device=self.device
         )
 
+    def engram(self, prefix: str, rows: int, config: dict):
+        """One Engram layer as DeepSeek-V4.1 stores it: the hash table's e4m3 rows with one e8m0
+        (power-of-two) scale per 32 values, the ``wkv`` projection of the concatenated rows to
+        one key per hyper-connection stream plus the shared value, and the gate's two weights.
+        """
+        torch, dim, hc = self.torch, self.shape["hidden_size"], config["hc_mult"]
+        head_dim = config["engram_head_dim"]
+        cols = (config["engram_max_ngram_size"] - 1) * config["engram_n_heads"]
+        table = self.randn(rows, head_dim, dtype=torch.float32)
+        tiles = table.view(rows, head_dim // 32, 32)
+        amax = tiles.abs().amax(-1).clamp_min(2.0**-60)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+        self.tensors[prefix + "embed.weight"] = (
+            (tiles / scale[..., None]).to(torch.float8_e4m3fn).view(rows, head_dim)
+        )
+        # e8m0 cast on the host: the one dtype of the checkpoint the generating device may lack
+        self.tensors[prefix + "embed.scale"] = scale.cpu().to(torch.float8_e8m0fnu)
+        self.linear(prefix + "wkv", dim * (hc + 1), cols * head_dim, out_proj=True)
+        for name in ("q_weight", "k_weight"):
+            self.tensors[prefix + name] = (
+                1 + self.randn(hc, dim, std=0.1, dtype=torch.float32)
+            ).to(torch.bfloat16)
+
     def block(self, prefix: str, hash_vocab: int | None):
         s, dim = self.shape, self.shape["hidden_size"]
         heads, hd, groups = s["num_attention_heads"], s["head_dim"], s["o_groups"]
@@ -440,6 +529,7 @@ def write_dsv4(
     device: str = "cpu",
     target_margin: float = 6.4,
     draft_bias: float = 40.0,
+    engram: dict | None = None,
 ) -> Path:
     """A DeepSeek-V4 target with a bundled DSpark draft, from ``seed``.
 
@@ -459,6 +549,10 @@ def write_dsv4(
     draft's q puts about 0.85 on it: accepts and rejections both happen, and a wrong use of q (a
     wrong temperature, the wrong logits) moves the emitted distribution. ``succ.json`` in the
     checkpoint records the successor map (token id -> its successor) the statistics read.
+
+    ``engram`` (sizes as ``TINY_ENGRAM``) makes it a DeepSeek-V4.1 checkpoint (``dsv41_config``):
+    Engram layers (``_Weights.engram``), and no ``hc_head`` tensors, target or draft (V4.1
+    collapses the streams with the last sublayer's pre-mix; upstream's V4.1 modules have none).
     """
     import torch
     from safetensors.torch import save_file
@@ -469,7 +563,11 @@ def write_dsv4(
         extra_special_tokens=DEEPSEEK_SPECIAL_TOKENS,
     )
     assert vocab == shape["vocab_size"], (vocab, shape["vocab_size"])
-    config = dsv4_config(shape)
+    config = (
+        dsv4_config(shape)
+        if engram is None
+        else dsv41_config(shape, engram, compressed_vocab_size(path))
+    )
     (path / "config.json").write_text(json.dumps(config, indent=1))
     w = _Weights(shape, agree, seed, device)
     dim, rank = shape["hidden_size"], shape["markov_rank"]
@@ -497,12 +595,16 @@ def write_dsv4(
         (path / "succ.json").write_text(json.dumps(succ.tolist()))
     w.tensors.update({"embed.weight": embed, "head.weight": head})
     w.norm("norm", dim)
-    w.hc_head("")
+    hc_head = not config.get("hc_pre_from_prev_sublayer", False)
+    if hc_head:
+        w.hc_head("")
     for layer in range(shape["num_hidden_layers"]):
         w.block(
             f"layers.{layer}.",
             hash_vocab=vocab if layer < config["num_hash_layers"] else None,
         )
+    for i, layer in enumerate(config.get("engram_layer_ids", [])):
+        w.engram(f"layers.{layer}.engram.", config["engram_num_embeddings"][i], config)
     stages = shape["draft_stages"]
     for stage in range(stages):
         p = f"mtp.{stage}."
@@ -512,7 +614,8 @@ def write_dsv4(
             w.norm(p + "main_norm", dim)
         if stage == stages - 1:
             w.norm(p + "norm", dim)
-            w.hc_head(p)
+            if hc_head:
+                w.hc_head(p)
     w.tensors["mtp.0.markov_head.embed.weight"] = markov_in
     w.tensors["mtp.0.markov_head.head.weight"] = markov_out
     w.tensors["mtp.0.confidence_head.proj.weight"] = w.randn(

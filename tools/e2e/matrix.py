@@ -51,7 +51,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, char_vocab, write_dsv4
+from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, TINY_ENGRAM, char_vocab, write_dsv4
 from .provenance import add_overwrite_arg
 from .provenance import provenance as build_provenance
 from .provenance import write_result
@@ -92,6 +92,7 @@ SERVE_ARGS = [
 GRAPH_ARGS = {
     "agree": ["--cuda-graph-bs-decode", "1", "4", "--max-running-requests", "4"],
     "random": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
+    "v41": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
     "sample": ["--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32"]
     + ["--max-running-requests", "32"],
     "real": ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"],
@@ -105,7 +106,8 @@ PROGRESS_LOCK = threading.Lock()
 FEATURE_LINE = re.compile(
     r"--dsv4-wo-a-fp8-twin=|DSpark draft LM head in fp8|DSpark verify cap on|fence|"
     r"draft temperature|DSpark draft samples at|fast_load: read|"
-    r"--weight-loader-disable-async-load:|e2e probe:"
+    r"--weight-loader-disable-async-load:|e2e probe:|engram prefetch|dsv4 hc fused stats|"
+    r"engram row store"
 )
 # Memory per server. Several tiny servers share the GPU: a server's KV budget is the memory free
 # after its load minus (1 - fraction) of the memory free before it, so a neighbour loading in
@@ -115,10 +117,19 @@ _TINY_MEM_ARGS = ["--mem-fraction-static", "0.5", "--max-total-tokens", "262144"
 MEM_ARGS = {
     "agree": _TINY_MEM_ARGS,
     "random": _TINY_MEM_ARGS,
+    "v41": _TINY_MEM_ARGS,
     "sample": _TINY_MEM_ARGS,
     "real": ["--mem-fraction-static", "0.3"],
 }
 EAGER = ["--cuda-graph-backend-decode", "disabled"]
+# What a checkpoint needs served on every row of its own, fork and upstream alike. DeepSeek-V4.1:
+# upstream resolves decoder SWA bounded replay on for CUDA (arg_groups/deepseek_v4_hook.py,
+# validate_deepseek_v41_features), and the model then asserts kv_source_layer_ids
+# (models/deepseek_v4.py, "decoder SWA bounded replay needs kv_source_layer_ids"), which the tiny
+# checkpoint, sliding-window attention only, has none of: it serves full prefill.
+MODEL_ARGS = {"v41": ["--no-enable-decoder-swa-bounded-replay"]}
+# Where the Engram row store's rows go (created by the run; one server writes there).
+ROW_STORE_DIR = "/tmp/e2e-engram-rows"
 
 GREEDY_PROMPTS = [
     "The quick brown fox",
@@ -178,13 +189,26 @@ L_CAP = r"DSpark verify cap on"
 L_TAU = r"DSpark draft samples at 0\.7 x the request temperature"
 L_FAST = r"fast_load: read"
 L_SERIAL = r"--weight-loader-disable-async-load: each checkpoint tensor is copied"
+P_PREFETCH = (
+    "sglang.srt.layers.engram_prefetch:Prefetched.rows"  # a layer took its rows
+)
+P_ROW_STORE = "sglang.srt.layers.engram_row_store:EngramRowStore.lookup_into"
+L_PREFETCH = (
+    r"engram prefetch \(--engram-prefetch=(on|check)\): the gathers of 2 Engram layers"
+)
+L_HC_FUSED = r"dsv4 hc fused stats \(--dsv4-hc-fused-stats=1\): one pass over K"
+L_HC_VERIFIED = (
+    r"dsv4 hc fused stats: the one-pass tf32x3\S* kernel \(row tile \d+\) matched "
+    r"upstream's bit for bit"
+)
+L_ROW_STORE = r"engram row store .*: \d+ rows x 33 B in .*, cache \d+ rows"
 
 
 @dataclasses.dataclass
 class Row:
     name: str
     args: list[str]
-    model: str = "agree"  # agree | random | sample | real
+    model: str = "agree"  # agree | random | v41 | sample | real
     tree: str = "fork"  # fork | upstream (the pinned release, --upstream)
     greedy: bool = True  # agree / random: the greedy prompts with logprobs
     sampled: bool = False  # sample: SAMPLED_REQUESTS at temperature 1
@@ -252,6 +276,7 @@ def rows() -> list[Row]:
     agree_bound = agree_off
     random_off = dict(model="random", same_as=("random_up_off",))
     random_bound = dict(model="random", bound_to="random_up_off")
+    v41_off = dict(model="v41", same_as=("v41_up_off",))
     sampled = dict(model="sample", greedy=False, sampled=True)
     small = dict(extra=SMALL_BATCH)
     return [
@@ -414,6 +439,55 @@ def rows() -> list[Row]:
             engaged=(L_TWIN, L_CAP, L_TAU, L_HEAD),
             probes=(P_TWIN_SMALL, P_HEAD),
             **random_bound,
+        ),
+        # ---- DeepSeek-V4.1 (random weights, Engram layers 1 and 2, hc_pre_from_prev_sublayer):
+        # the V4.1 features served, each identical to upstream in tokens and logprobs (their
+        # patches promise upstream's bits), one request at a time
+        _row("v41_up_off", model="v41", **up),
+        _row("v41_up_nospec", model="v41", spec=False, **up),
+        _row("v41_up_off_eager", model="v41", extra=EAGER, **up),
+        _row("v41_off", **v41_off),
+        _row("v41_nospec", spec=False, model="v41", same_as=("v41_up_nospec",)),
+        _row(
+            "v41_engram_prefetch",
+            "--engram-prefetch",
+            "on",
+            engaged=(L_PREFETCH,),
+            probes=(P_PREFETCH,),
+            **v41_off,
+        ),
+        _row(
+            "v41_engram_prefetch_check",
+            "--engram-prefetch",
+            "check",
+            engaged=(L_PREFETCH,),
+            probes=(P_PREFETCH,),
+            **v41_off,
+        ),
+        # from 1 row: every mix-statistics call (auto's H200 threshold, 65536 rows, is more than
+        # one prefill of this server holds, and auto refuses to load there); each kernel variant
+        # checks itself against upstream's on its first eager call
+        _row(
+            "v41_hc_fused_stats",
+            "--dsv4-hc-fused-stats",
+            "1",
+            engaged=(L_HC_FUSED, L_HC_VERIFIED),
+            **v41_off,
+        ),
+        # the lookup reads storage on the host: no full decode graph (it refuses the capture),
+        # so it and its reference serve decode eagerly; a cache of ~3,000 of the ~14,000 rows
+        # so lookups both hit and read the file
+        _row(
+            "v41_row_store",
+            "--engram-row-store-dir",
+            ROW_STORE_DIR,
+            "--engram-row-store-cache-gib",
+            "0.0001",
+            extra=EAGER,
+            engaged=(L_ROW_STORE,),
+            probes=(P_ROW_STORE,),
+            model="v41",
+            same_as=("v41_up_off_eager",),
         ),
         # ---- sampled: target top token ~0.5, draft q ~0.85 on it; against upstream without
         # speculation (the target's own distribution)
@@ -584,12 +658,12 @@ def rows() -> list[Row]:
 
 
 def _greedy_batches(model: str) -> list[list[int]]:
-    """Which prompts go together. Random weights: one at a time (their logits have near ties and
+    """Which prompts go together. Random weights (V4 and V4.1): one at a time (their logits have near ties and
     upstream's kernels are not batch invariant, so only a fixed composition compares bit for bit).
     Agree: four alone (6-row verify, 5-row draft calls), then three batches of four (24 and 20
     rows), so the small and the mid kernels both serve."""
     n = len(GREEDY_PROMPTS)
-    if model == "random":
+    if model in ("random", "v41"):
         return [[i] for i in range(n)]
     return [[i] for i in range(4)] + [list(range(i, i + 4)) for i in range(4, n, 4)]
 
@@ -984,7 +1058,13 @@ def serve_row(
         rec["refused"] = r.returncode != 0 and row.refused_with in r.stdout
         rec["exit_code"] = r.returncode
         return rec
-    args = SERVE_ARGS + MEM_ARGS[row.model] + GRAPH_ARGS[row.model] + row.args
+    args = (
+        SERVE_ARGS
+        + MEM_ARGS[row.model]
+        + GRAPH_ARGS[row.model]
+        + MODEL_ARGS.get(row.model, [])
+        + row.args
+    )
     with Server(model, args, env=env, log_path=logs / f"{row.name}.log") as server:
         rec["startup_s"] = round(server.startup_seconds, 1)
         line = fork_flags_line(server.log())
@@ -1215,6 +1295,7 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float, meta: di
     for name, shape, seed, kw in (
         ("agree", TINY_DSV4, 0, dict(agree=True)),
         ("random", TINY_DSV4, 1, dict(agree=False)),
+        ("v41", TINY_DSV4, 4, dict(agree=False, engram=TINY_ENGRAM)),
         ("sample", TINY_DSV4, 3, dict(agree=True, target_margin=4.84, draft_bias=6.6)),
         ("real", REAL_SHAPE_DSV4, 2, dict(agree=False)),
     ):
@@ -1228,6 +1309,8 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float, meta: di
                     flush=True,
                 )
             models[name] = path
+    if any(ROW_STORE_DIR in r.args for r in selected):
+        Path(ROW_STORE_DIR).mkdir(parents=True, exist_ok=True)
     succ = (
         json.loads((models["sample"] / "succ.json").read_text())
         if "sample" in models
