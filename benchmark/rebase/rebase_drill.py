@@ -1,19 +1,22 @@
-"""A real rebase of the series onto sglang 0.5.22, resolved by following the tool's output,
-then ``make`` and the CPU tests on 0.5.22; records the transcript (issue 19, "Done when").
+"""A real rebase of the series onto an older sglang release (``--to``), resolved by following
+the tool's output, then ``make``, ``make check``, every kept patch exported alone and the CPU
+tests on that release; records the transcript (issue 36, "Done when").
 
 Runs in a fresh clone of this repository's HEAD (nothing here is touched), with the shared
 wheel cache. Each stop is settled the way the tool's printout says: a conflict region
 resolved in ``build/rebase/repo`` and ``git add``-ed, then ``tools/fork rebase --continue``,
 or the patch dropped with ``--drop``; a patch that applies but whose contract does not hold on
-0.5.22 is ported after the rebase with the patch workflow (``make tree``, a fixup, ``make refresh``).
-The resolutions are below, one per stop, with the
-reason read from the region the tool named. The transcript (every command and its output,
-machine paths removed) goes to ``benchmark/results/rebase-drill-0.5.22.log``.
+the target is ported after the rebase with the patch workflow (``make tree``, a fixup,
+``make refresh``). The resolutions are below, per release and one per stop, with the reason
+read from the region the tool named, so a drill replays unattended. The transcript (every
+command and its output, machine paths removed) goes to
+``benchmark/results/rebase-drill-<release>.log``.
 
-    python3 benchmark/rebase/rebase_drill.py [--keep DIR] [--no-test]
+    python3 benchmark/rebase/rebase_drill.py --to 0.5.22|0.5.21 [--keep DIR] [--no-test]
 
 Written for the pin 0.5.23 and the series at the time of the record; a series whose hunks
-moved needs its resolutions reviewed (the script stops where the tool's output differs).
+moved needs its resolutions reviewed (the script stops where the tool's output differs: a
+stop at another patch, or regions in other files).
 """
 
 from __future__ import annotations
@@ -30,14 +33,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-LOG = REPO / "benchmark" / "results" / "rebase-drill-0.5.22.log"
-TARGET = "0.5.22"
+RESULTS = REPO / "benchmark" / "results"
 
 
 class Drill:
-    def __init__(self, clone: Path):
+    def __init__(self, clone: Path, target: str):
         self.clone = clone
+        self.target = target
+        self.log = RESULTS / f"rebase-drill-{target}.log"
         self.lines: list[str] = []
+        self.stops: list[str] = []  # "<patch>: <decision>", in order
+        self.t0 = time.monotonic()
+        self.current: str | None = None  # the patch the tool stopped at
+        self.why_drop = ""
 
     def note(self, text: str) -> None:
         self.lines += [f"# {line}" for line in text.strip().splitlines()] + [""]
@@ -70,6 +78,18 @@ class Drill:
             "",
         ]
         print(f"$ {cmd}\n{out[-3000:]}\n(exit {r.returncode})", flush=True)
+        if "rebase --continue" in cmd and self.current:
+            self.decide(self.current, "resolved")
+        elif "rebase --drop" in cmd:
+            names = re.findall(r"--drop (\S+)", cmd)
+            refused = "fork: error:" in out
+            for name in names:
+                self.decide(
+                    name,
+                    "drop refused" if refused else f"dropped{self.why_drop}",
+                )
+        if "rebase --" in cmd:
+            self.current = None
         if expect is not None and r.returncode != expect:
             self.save()
             sys.exit(f"drill: `{cmd}` exited {r.returncode}, expected {expect}")
@@ -117,20 +137,29 @@ class Drill:
         f.write_text(text.replace(old, new))
 
     def save(self) -> None:
-        LOG.write_text("\n".join(self.lines) + "\n")
+        self.log.write_text("\n".join(self.lines) + "\n")
 
+    def stop(self, out: str, patch: str, *files: str) -> None:
+        """The tool stopped at ``patch`` naming regions in exactly these files (a file once per
+        region; line numbers are not compared: they move with the series)."""
+        if f"stopped at {patch}" not in out:
+            self.save()
+            got = re.findall(r"^stopped at (\S+)", out, re.M)
+            sys.exit(
+                f"drill: the tool did not stop at {patch} as recorded (it stopped at {got}); "
+                "review the resolutions"
+            )
+        self.current = patch
+        stop = out[out.index(f"stopped at {patch}") :]
+        named = [n.split(":")[0] for n in re.findall(r"^  - (\S+?):? ", stop, re.M)]
+        if sorted(named) != sorted(files):
+            self.save()
+            sys.exit(
+                f"drill: {patch}: the tool named regions in {named}, the drill resolves {list(files)}"
+            )
 
-def expect_stop(out: str, patch: str, *regions: str) -> None:
-    """The tool stopped at ``patch`` naming exactly these regions (file:line or file)."""
-    if f"stopped at {patch}" not in out:
-        sys.exit(
-            f"drill: the tool did not stop at {patch} as recorded; review the resolutions"
-        )
-    named = re.findall(r"^  - (\S+?):? ", out, re.M)
-    if sorted(named) != sorted(regions):
-        sys.exit(
-            f"drill: {patch}: the tool named {named}, the drill resolves {list(regions)}"
-        )
+    def decide(self, patch: str, decision: str) -> None:
+        self.stops.append(f"{patch.split('-')[0]}: {decision}")
 
 
 DISPATCHER = "python/sglang/srt/layers/moe/token_dispatcher/standard.py"
@@ -225,34 +254,13 @@ class StandardDispatcher(BaseDispatcher):
     d.run("make refresh")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--keep", type=Path, help="clone into this directory and keep it")
-    ap.add_argument("--no-test", action="store_true", help="stop after make")
-    args = ap.parse_args()
-    clone = args.keep or Path(tempfile.mkdtemp(prefix="rebase-drill-")) / "fork"
-    if clone.exists():
-        shutil.rmtree(clone)
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
-    d = Drill(clone)
-    d.note(
-        f"Real rebase onto sglang {TARGET} from a clone of {head}, resolved by following the tool's "
-        f"output (benchmark/rebase/rebase_drill.py). Machine: {os.cpu_count()} CPU(s), {platform.machine()}, "
-        f"Python {platform.python_version()}; wheel cache shared."
-    )
-
-    out = d.run(f"make rebase TO={TARGET}", expect=2)
-    expect_stop(
+def stops_0522(d: Drill) -> None:
+    """The stops of the rebase onto 0.5.22 and how each is settled."""
+    out = d.run("make rebase TO=0.5.22", expect=2)
+    d.stop(
         out,
         "0002-moe_fused_gate-optional-live-length-dead-verify",
-        "python/sglang/kernels/ops/moe/moe_fused_gate.py:455",
+        "python/sglang/kernels/ops/moe/moe_fused_gate.py",
     )
     d.note(
         "moe_fused_gate.py:455: the region's base is 0.5.23's SM120 top-22 fast path, which 0.5.22 "
@@ -265,16 +273,16 @@ def main() -> None:
     )
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(
+    d.stop(
         out,
         "0003-DSpark-per-request-verify-cap-inside",
         "python/sglang/srt/layers/moe/mega_gate.py",
-        "python/sglang/srt/layers/moe/topk.py:107",
-        "python/sglang/srt/layers/moe/topk.py:2658",
-        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:658",
-        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:1266",
-        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:70",
-        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1003",
+        "python/sglang/srt/layers/moe/topk.py",
+        "python/sglang/srt/layers/moe/topk.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py",
     )
     d.note(
         "0003's router wiring (select_experts) and accept wiring (dspark_verify.py, "
@@ -287,10 +295,10 @@ def main() -> None:
         "python3 tools/fork rebase --drop 0003-DSpark-per-request-verify-cap-inside",
         expect=1,
     )
-    expect_stop(
+    d.stop(
         out,
         "0004-dsv4-wo_a-from-an-exact-fp8",
-        "python/sglang/srt/models/deepseek_v4_dspark.py:1091",
+        "python/sglang/srt/models/deepseek_v4_dspark.py",
     )
     d.note(
         "deepseek_v4_dspark.py:1091: 0.5.22's DSpark draft has no post_load_weights (its side is "
@@ -313,16 +321,16 @@ def main() -> None:
     d.run("git -C build/rebase/repo add python/sglang/srt/models/deepseek_v4_dspark.py")
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(
+    d.stop(
         out,
         "0005-dspark-fence-the-folded-accept-results",
         "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
-        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:166",
-        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:548",
-        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:600",
-        "python/sglang/srt/speculative/dspark_components/dspark_verify.py:667",
-        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:368",
-        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py:1126",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_verify.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py",
     )
     d.note(
         "0005 fences the folded accept results of 0.5.23's verify epilogue and sampling-accept "
@@ -336,10 +344,10 @@ def main() -> None:
         "--drop 0006-dspark-scale-the-draft-s-sampling",
         expect=1,
     )
-    expect_stop(
+    d.stop(
         out,
         "0007-dspark-draft-block-logits-from-an",
-        "python/sglang/srt/arg_groups/speculative_hook.py:238",
+        "python/sglang/srt/arg_groups/speculative_hook.py",
     )
     d.note(
         "speculative_hook.py:238: 0.5.22 has its --speculative-skip-dp-mlp-sync check where our "
@@ -354,10 +362,10 @@ def main() -> None:
         "git -C build/rebase/repo add python/sglang/srt/arg_groups/speculative_hook.py"
     )
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(
+    d.stop(
         out,
         "0008-scheduler-finish-a-request-whose-output",
-        "python/sglang/srt/managers/scheduler.py:2821",
+        "python/sglang/srt/managers/scheduler.py",
     )
     d.note(
         "scheduler.py:2821: the base is 0.5.23's _create_generation_req extension point, which "
@@ -376,10 +384,10 @@ def main() -> None:
     d.run(f"git -C build/rebase/repo add {sched}")
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(
+    d.stop(
         out,
         "0009-openai-map-client-thinking-switches-onto",
-        "python/sglang/srt/entrypoints/openai/serving_chat.py:1354",
+        "python/sglang/srt/entrypoints/openai/serving_chat.py",
     )
     d.note(
         "serving_chat.py:1354: the base is 0.5.23's MiniMax-M3 normalization, which 0.5.22 does "
@@ -402,13 +410,13 @@ def main() -> None:
         "python/sglang/srt/models/deepseek_v4_dspark.py",
         "python/sglang/srt/models/deepseek_v4_nextn.py",
     ]
-    expect_stop(
+    d.stop(
         out,
         "0012-model_loader-fast-load-read-the-checkpoint",
-        "python/sglang/srt/model_loader/loader.py:45",
-        "python/sglang/srt/models/deepseek_v4.py:162",
-        "python/sglang/srt/models/deepseek_v4_dspark.py:36",
-        "python/sglang/srt/models/deepseek_v4_nextn.py:33",
+        "python/sglang/srt/model_loader/loader.py",
+        "python/sglang/srt/models/deepseek_v4.py",
+        "python/sglang/srt/models/deepseek_v4_dspark.py",
+        "python/sglang/srt/models/deepseek_v4_nextn.py",
     )
     d.note(
         "0012's four regions are its import lines, placed after imports 0.5.22 does not have "
@@ -420,11 +428,11 @@ def main() -> None:
     d.run("git -C build/rebase/repo add " + " ".join(fast_load_files))
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
-    expect_stop(
+    d.stop(
         out,
         "0015-engram-gather-every-Engram-layer-s",
-        "python/sglang/srt/layers/engram.py:1018",
-        "python/sglang/srt/models/deepseek_v4.py:100",
+        "python/sglang/srt/layers/engram.py",
+        "python/sglang/srt/models/deepseek_v4.py",
     )
     d.note(
         "engram.py:1018: 0.5.22's Engram looks its rows up in one call (`self.embed(...)`); the base "
@@ -465,13 +473,13 @@ def main() -> None:
         expect=1,
     )
     engram = "python/sglang/srt/layers/engram.py"
-    expect_stop(
+    d.stop(
         out,
         "0017-engram-rows-on-local-storage-behind",
-        "python/sglang/srt/layers/engram.py:56",
-        "python/sglang/srt/layers/engram.py:791",
-        "python/sglang/srt/layers/engram.py:893",
-        "python/sglang/srt/layers/engram.py:972",
+        "python/sglang/srt/layers/engram.py",
+        "python/sglang/srt/layers/engram.py",
+        "python/sglang/srt/layers/engram.py",
+        "python/sglang/srt/layers/engram.py",
     )
     d.note(
         "engram.py, 0017's row store in 0.5.22's EngramEmbedding, which has no peer shards and "
@@ -497,21 +505,77 @@ def main() -> None:
     d.region(engram, lambda head, ours: head + ours[2:4])
     d.region(engram, lambda head, ours: head + ours[-2:])
     d.run(f"git -C build/rebase/repo add {engram}")
-    # The drill runs make and the tests itself after its port: --no-test. A patch left
+
+
+RELEASES = {"0.5.22": (stops_0522, [port_b12x_dispatch])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--to", required=True, choices=sorted(RELEASES))
+    ap.add_argument("--keep", type=Path, help="clone into this directory and keep it")
+    ap.add_argument("--no-test", action="store_true", help="stop after make")
+    args = ap.parse_args()
+    clone = args.keep or Path(tempfile.mkdtemp(prefix="rebase-drill-")) / "fork"
+    if clone.exists():
+        shutil.rmtree(clone)
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    d = Drill(clone, args.to)
+    d.note(
+        f"Real rebase onto sglang {args.to} from a clone of {head}, resolved by following the "
+        f"tool's output (benchmark/rebase/rebase_drill.py --to {args.to}). Machine: "
+        f"{os.cpu_count()} CPU(s), {platform.machine()}, Python {platform.python_version()}; "
+        "wheel cache shared."
+    )
+    stops, ports = RELEASES[args.to]
+    stops(d)
+    # The drill runs make and the tests itself after its ports: --no-test. A patch left
     # without a user (0002 once 0003 is dropped) is dropped as the orphan stop says.
     out = d.run("python3 tools/fork rebase --continue --no-test", expect=None)
     for drop in re.findall(r"`(tools/fork rebase --drop \S+)`$", out, re.M):
         d.note(
             f"orphan stop: {drop.split()[-1]} has no user left in the series; drop it"
         )
+        d.why_drop = " (orphan stop)"
         d.run(f"python3 {drop} --no-test")
-    port_b12x_dispatch(d)
+    rebased = time.monotonic() - d.t0
+    for port in ports:
+        port(d)
     d.run("git status --short && cat patches/series && python3 tools/fork check")
     d.run("make")
+    d.run("make check", expect=None)
+    kept = [
+        line.split(".patch")[0]
+        for line in (clone / "patches" / "series").read_text().splitlines()
+        if line.endswith(".patch")
+    ]
+    d.note("Every kept patch exported alone (make export proves it on clean upstream).")
+    exported = []
+    for name in kept:
+        out = d.run(f"python3 tools/fork export {name}", expect=None)
+        if "(exit 0," in d.lines[-2]:
+            exported.append(name)
+    tests = "not run (--no-test)"
     if not args.no_test:
-        d.run("make test", expect=None)
+        out = d.run("make test", expect=None)
+        tail = [line for line in out.splitlines() if line.startswith("=")]
+        tests = tail[-1].strip("= ") if tail else "(no summary line)"
+    d.note(
+        f"Record: {len(d.stops)} decisions ("
+        + "; ".join(d.stops)
+        + f"); {len(kept)} kept; rebase settled in {rebased:.0f} s; exported alone: "
+        f"{len(exported)} of {len(kept)}; make test: {tests}; "
+        f"{time.monotonic() - d.t0:.0f} s in all."
+    )
     d.save()
-    print(f"wrote {LOG.relative_to(REPO)} (clone: {clone})")
+    print(f"wrote {d.log.relative_to(REPO)} (clone: {clone})")
 
 
 if __name__ == "__main__":

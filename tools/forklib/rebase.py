@@ -539,6 +539,12 @@ def _alone(lay: Layout, state: dict, i: int) -> list[str]:
         )
         r = git(repo, "apply", "--cached", str(diff), env=env, check=False)
         if r.returncode != 0:
+            # as `make export` does: where only context from another patch differs,
+            # git's three-way merge (the blobs are in this repository) still applies it
+            r = git(
+                repo, "apply", "--cached", "--3way", str(diff), env=env, check=False
+            )
+        if r.returncode != 0:
             break
     index.unlink(missing_ok=True)
     if r.returncode == 0:
