@@ -702,6 +702,35 @@ def test_continue_names_another_patchs_lines_a_resolution_leans_on(
     )
 
 
+def test_continue_applies_alone_three_way_where_only_context_moved(
+    tmp_path, monkeypatch, capsys
+):
+    """The target lacks upstream lines near another patch's line, but the two do not touch:
+    a strict apply of the resolved patch fails on that context, git's three-way apply (what
+    `make export` falls back to) holds, so --continue reports no warning."""
+    specs = [
+        Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
+        Spec(
+            "second",
+            {"python/sglang/a.py": lambda t: set_line(t, 12, "a12 = 'second'")},
+        ),
+    ]
+    rows = set_line(lines("a"), 12, "a12 = 'up'").splitlines(keepends=True)
+    target = BASE | {"sglang/a.py": "".join(rows[:6] + rows[10:])}  # a7..a10 gone
+    lay = _fork(tmp_path, monkeypatch, specs, target)
+    assert rebase.start("1.1.0", lay) == 1
+    assert "stopped at 0002-second" in capsys.readouterr().out
+    rows = (
+        set_line(set_line(lines("a"), 5, "a5 = 'first'"), 12, "a12 = 'second'")
+    ).splitlines(keepends=True)
+    (lay.repo / "python/sglang/a.py").write_text("".join(rows[:6] + rows[10:]))
+    git(lay.repo, "add", "python/sglang/a.py")
+    assert rebase.resume(lay) == 0
+    printed = capsys.readouterr().out
+    assert "0002-second: resolved; it still applies alone to 1.1.0" in printed
+    assert "does not apply alone" not in printed
+
+
 def test_continue_says_a_resolution_still_applies_alone(tmp_path, monkeypatch, capsys):
     lay = _fork(tmp_path, monkeypatch, SPECS[2:3], TARGET)
     assert rebase.start("1.1.0", lay) == 1
