@@ -778,6 +778,11 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     )
     (root / "README.md").write_text(
         f"Over sglang 1.0.0.\n\n{docs.BEGIN}\n{docs.END}\n\nlaunch with --fake-up\n"
+        "--version prints 1.0.0+fork.5.3f9a1c2\n"
+    )
+    (root / "docker").mkdir()
+    (root / "docker/README.md").write_text(
+        "for example `1.0.0+fork.5.xxxxxxx`; the image of 1.0.0\n"
     )
     (root / "CONTRIBUTING.md").write_text(
         f"Pinned: 1.0.0.\n\n{docs.REBASE_SECTION}\n\n`make rebase TO=1.0.1`, from 1.0.0\n"
@@ -798,6 +803,11 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     readme = (root / "README.md").read_text()
     assert readme.startswith("Over sglang 1.1.0.") and "[`--fake-up`]" not in readme
     assert "about 0001-clean" in readme and "about 0005-clash" not in readme
+    # an example build names the new release and the kept series' length
+    assert "--version prints 1.1.0+fork.3.3f9a1c2\n" in readme
+    assert (root / "docker/README.md").read_text() == (
+        "for example `1.1.0+fork.3.xxxxxxx`; the image of 1.0.0\n"
+    )
     contributing = (root / "CONTRIBUTING.md").read_text()
     assert contributing.startswith("Pinned: 1.1.0.")
     assert (

@@ -331,6 +331,7 @@ def stops_0522(d: Drill) -> None:
         "python/sglang/srt/speculative/dspark_components/dspark_verify.py",
         "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py",
         "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py",
+        "python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py",
     )
     d.note(
         "0005 fences the folded accept results of 0.5.23's verify epilogue and sampling-accept "
