@@ -817,3 +817,20 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
         r"warning: README.md:\d+: names --fake-up, a flag of no patch in the series",
         capsys.readouterr().out,
     )
+
+
+def test_a_tool_test_of_a_dropped_patch_skips_naming_it_and_the_release(tmp_path):
+    from upstream_api import require_patch
+
+    series = tmp_path / "series"
+    series.write_text(
+        "0001-kept.patch\n# dropped in the rebase from 1.1.0 to 1.0.0: 0002-gone "
+        "(tests: test/test_gone.py)\n"
+    )
+    require_patch("0001-kept", "kept_module", series)  # carried: the test goes on
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require_patch("0002-gone", "gone_module", series)
+    assert str(skipped.value) == (
+        "needs gone_module of patch 0002-gone, which the rebase onto sglang 1.0.0 dropped: "
+        "1.0.0 lacks the code it edits (patches/series says so)"
+    )
