@@ -254,8 +254,8 @@ class StandardDispatcher(BaseDispatcher):
     d.run("make refresh")
 
 
-def stops_0522(d: Drill) -> None:
-    """The stops of the rebase onto 0.5.22 and how each is settled."""
+def stops_0522(d: Drill) -> str:
+    """The stops of the rebase onto 0.5.22 and how each is settled; the last output."""
     out = d.run("make rebase TO=0.5.22", expect=2)
     d.stop(
         out,
@@ -436,76 +436,24 @@ def stops_0522(d: Drill) -> None:
         "python/sglang/srt/models/deepseek_v4.py",
     )
     d.note(
-        "engram.py:1018: 0.5.22's Engram looks its rows up in one call (`self.embed(...)`); the base "
-        "is 0.5.23's lookup (staged rows, embed_rows) that our prefetch mirrors. "
-        "layers/engram_prefetch.py gathers through 0.5.23's EngramEmbedding internals that "
-        "0.5.22 lacks (peer shards, new_rows, _sort_host_reads, Engram.embed_rows): carrying it "
-        "is a port, not a merge. Drop it (0017 reads its flag with getattr). The printout offers "
-        "dropping 0021 with it: 0021 Depends: on 0015."
+        "engram.py:1018: the printout says port here (Engram.forward exists in 0.5.22), but the "
+        "hunk's base is 0.5.23's staged lookup (staged_by_scheduler, not found) and our module "
+        "layers/engram_prefetch.py, which the printout does not read, gathers through 0.5.23's "
+        "EngramEmbedding internals that 0.5.22 lacks (peer shards, new_rows, _sort_host_reads, "
+        "Engram.embed_rows): carrying it is a port of the feature, not a merge. Drop it with what "
+        "the printout says depends on it: 0017 (its row store refuses --engram-prefetch, a field "
+        "of 0015's) and 0021 (it fuses the rows 0015's prefetch gathers)."
     )
-    if (
-        "--drop 0015-engram-gather-every-Engram-layer-s --drop 0021-engram-one-TP-all-reduce-for"
-        not in out
-    ):
+    three = (
+        "--drop 0015-engram-gather-every-Engram-layer-s --drop "
+        "0017-engram-rows-on-local-storage-behind --drop 0021-engram-one-TP-all-reduce-for"
+    )
+    if three not in out:
         d.save()
         sys.exit(
-            "drill: the stop at 0015 does not offer dropping 0021 with it (its Depends: trailer)"
+            "drill: the stop at 0015 does not offer dropping 0017 and 0021 with it (Depends:)"
         )
-    out = d.run(
-        "python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s",
-        expect=1,
-    )
-    if (
-        "0021-engram-one-TP-all-reduce-for depends on 0015-engram-gather-every-Engram-layer-s"
-        not in out
-    ):
-        d.save()
-        sys.exit(
-            "drill: dropping 0015 alone was not refused for 0021 (its Depends: trailer)"
-        )
-    d.note(
-        "Dropping 0015 alone is refused, nothing dropped: 0021 (--engram-fused-all-reduce) copies the "
-        "rows 0015's prefetch gathers on the side stream into one buffer and is refused without "
-        "--engram-prefetch, so without 0015 it has nothing to fuse. Drop both, as offered."
-    )
-    out = d.run(
-        "python3 tools/fork rebase --drop 0015-engram-gather-every-Engram-layer-s "
-        "--drop 0021-engram-one-TP-all-reduce-for",
-        expect=1,
-    )
-    engram = "python/sglang/srt/layers/engram.py"
-    d.stop(
-        out,
-        "0017-engram-rows-on-local-storage-behind",
-        "python/sglang/srt/layers/engram.py",
-        "python/sglang/srt/layers/engram.py",
-        "python/sglang/srt/layers/engram.py",
-        "python/sglang/srt/layers/engram.py",
-    )
-    d.note(
-        "engram.py, 0017's row store in 0.5.22's EngramEmbedding, which has no peer shards and "
-        "builds rows with _empty: :56 keep 0.5.22's import line plus get_exec; :791 our row-store "
-        "branch first, then 0.5.22's host-table branch as its elif; :893 0.5.22's finish_load "
-        "docstring plus our row-store call; :972 0.5.22's _empty line plus our row-store return."
-    )
-    d.region(
-        engram,
-        lambda head, ours: [
-            head[0].replace("import get_model", "import get_exec, get_model")
-        ],
-    )
-    d.region(
-        engram,
-        lambda head, ours: ours[
-            ours.index(
-                "        # --engram-row-store-dir: the shard in a file with a RAM cache (refused with the above)\n"
-            ) : ours.index("        elif (\n")
-        ]
-        + [head[0].replace("        if ", "        elif ", 1)],
-    )
-    d.region(engram, lambda head, ours: head + ours[2:4])
-    d.region(engram, lambda head, ours: head + ours[-2:])
-    d.run(f"git -C build/rebase/repo add {engram}")
+    return d.run(f"python3 tools/fork rebase {three} --no-test", expect=None)
 
 
 RELEASES = {"0.5.22": (stops_0522, [port_b12x_dispatch])}
@@ -536,10 +484,11 @@ def main() -> None:
         "wheel cache shared."
     )
     stops, ports = RELEASES[args.to]
-    stops(d)
+    out = stops(d)
     # The drill runs make and the tests itself after its ports: --no-test. A patch left
     # without a user (0002 once 0003 is dropped) is dropped as the orphan stop says.
-    out = d.run("python3 tools/fork rebase --continue --no-test", expect=None)
+    if "stopped after the last patch" not in out and "rebased " not in out:
+        out = d.run("python3 tools/fork rebase --continue --no-test", expect=None)
     for drop in re.findall(r"`(tools/fork rebase --drop \S+)`$", out, re.M):
         d.note(
             f"orphan stop: {drop.split()[-1]} has no user left in the series; drop it"
