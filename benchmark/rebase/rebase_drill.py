@@ -456,7 +456,61 @@ def stops_0522(d: Drill) -> str:
     return d.run(f"python3 tools/fork rebase {three} --no-test", expect=None)
 
 
-RELEASES = {"0.5.22": (stops_0522, [port_b12x_dispatch])}
+def _add(d: Drill, *paths: str) -> None:
+    d.run("git -C build/rebase/repo add " + " ".join(paths))
+
+
+def _resolve_0001(d: Drill) -> None:
+    d.note(
+        "pipeline.py: the base is 0.5.23's handle_deprecated_dp_attention step, which 0.5.21 "
+        "does not have (its side is empty); our hunk puts the fork's build check before it. "
+        "Keep only our lines (the check and its comment)."
+    )
+    d.region("python/sglang/srt/arg_groups/pipeline.py", lambda head, ours: ours[:6])
+    _add(d, "python/sglang/srt/arg_groups/pipeline.py")
+
+
+def _resolve_0002(d: Drill) -> None:
+    d.note(
+        "moe_fused_gate.py: the region's base is 0.5.23's SM120 top-22 fast path, which 0.5.21 "
+        "does not have (its side is empty); our hunk only adds `and live_lens is None` to it. "
+        "Keep 0.5.21's side."
+    )
+    d.region("python/sglang/kernels/ops/moe/moe_fused_gate.py", lambda head, ours: head)
+    _add(d, "python/sglang/kernels/ops/moe/moe_fused_gate.py")
+
+
+# (patch the tool stops at, the files its regions are in, how the stop is settled): a
+# settle function resolves (then --continue) or returns the --drop arguments
+STEPS_0521 = [
+    ("0001-fork-say-which-fork-build-this", ["python/sglang/srt/arg_groups/pipeline.py"], _resolve_0001),
+    (
+        "0002-moe_fused_gate-optional-live-length-dead-verify",
+        ["python/sglang/kernels/ops/moe/moe_fused_gate.py"],
+        _resolve_0002,
+    ),
+]
+
+
+def stops_0521(d: Drill, upto: int | None = None, out: str | None = None) -> str:
+    """The stops of the rebase onto 0.5.21 and how each is settled; the last output.
+    ``upto``/``out`` replay only some steps on a rebase already stopped (to write the next)."""
+    if out is None:
+        out = d.run("make rebase TO=0.5.21", expect=2)
+    for patch, files, settle in STEPS_0521[:upto]:
+        d.stop(out, patch, *files)
+        drop = settle(d)
+        if drop:
+            out = d.run(f"python3 tools/fork rebase {drop} --no-test", expect=None)
+        else:
+            out = d.run("python3 tools/fork rebase --continue --no-test", expect=None)
+    return out
+
+
+RELEASES = {
+    "0.5.22": (stops_0522, [port_b12x_dispatch]),
+    "0.5.21": (stops_0521, []),
+}
 
 
 def main() -> None:
