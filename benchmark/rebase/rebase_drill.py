@@ -314,7 +314,7 @@ def stops_0522(d: Drill) -> str:
         dspark,
         "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
         "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
-        "        build_wo_a_fp8_twins(\n"
+        "        _wo_a_twin.build_wo_a_fp8_twins(\n"
         '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
         "        )\n\n",
     )
@@ -480,6 +480,17 @@ def _resolve_0002(d: Drill) -> None:
     _add(d, "python/sglang/kernels/ops/moe/moe_fused_gate.py")
 
 
+def _drop_0003(d: Drill) -> str:
+    d.note(
+        "0003's accept wiring sits in code 0.5.21 does not have (the printout: "
+        "_serves_accept_tail / _static_accept_tail not found, drop or port; no sampling-accept "
+        "graph), its router wiring in select_experts without num_shared_topk_slots, and "
+        "mega_gate.py is gone (modify/delete). Carrying it is a port of the feature: drop it. "
+        "No patch depends on it; 0002 becomes an orphan (the note says so)."
+    )
+    return "--drop 0003-DSpark-per-request-verify-cap-inside"
+
+
 # (patch the tool stops at, the files its regions are in, how the stop is settled): a
 # settle function resolves (then --continue) or returns the --drop arguments
 STEPS_0521 = [
@@ -488,6 +499,19 @@ STEPS_0521 = [
         "0002-moe_fused_gate-optional-live-length-dead-verify",
         ["python/sglang/kernels/ops/moe/moe_fused_gate.py"],
         _resolve_0002,
+    ),
+    (
+        "0003-DSpark-per-request-verify-cap-inside",
+        [
+            "python/sglang/srt/arg_groups/speculative_hook.py",
+            "python/sglang/srt/layers/moe/mega_gate.py",
+            *["python/sglang/srt/layers/moe/topk.py"] * 3,
+            "python/sglang/srt/models/deepseek_v4.py",
+            "python/sglang/srt/multimodal/dsv41/vl_routing.py",
+            *["python/sglang/srt/speculative/dspark_components/dspark_verify.py"] * 3,
+            *["python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py"] * 3,
+        ],
+        _drop_0003,
     ),
 ]
 
