@@ -491,6 +491,199 @@ def _drop_0003(d: Drill) -> str:
     return "--drop 0003-DSpark-per-request-verify-cap-inside"
 
 
+def _resolve_0004(d: Drill) -> None:
+    d.note(
+        "0004 on 0.5.21: every region's base holds 0.5.23 code 0.5.21 lacks (its side is empty "
+        "or shorter): enable_dsa_fused_indexer, the deepseek_v4_boundary / deepseek_v4_mhc "
+        "imports, the gfx950 wo_a routes (hip_fast_path, fp8_grid, emit_fp8), the draft's "
+        "post_load_weights. exec_.py: our field alone; deepseek_v4.py: our import, our "
+        "wo_a_twin parameter before 0.5.21's return annotation, our twin call at the top of the "
+        "body, our keyword in MQALayer's call; deepseek_v4_dspark.py: our import, and the twin "
+        "build re-homed into a draft post_load_weights before load_weights (0.5.21's loader "
+        "calls model.post_load_weights() when a model has one), as on 0.5.22."
+    )
+    exec_ = "python/sglang/srt/arg_groups/fields/exec_.py"
+    d.region(
+        exec_,
+        lambda head, ours: ours[: ours.index("    enable_dsa_fused_indexer: A[\n")],
+    )
+    v4 = "python/sglang/srt/models/deepseek_v4.py"
+    d.region(v4, lambda head, ours: head + ours[-1:])
+    d.region(v4, lambda head, ours: ["    wo_a_twin=None,\n"] + head)
+    d.region(
+        v4,
+        lambda head, ours: ours[
+            : ours.index(
+                "    # the gfx950 routes, like the CUDA ones, are V4.1's (fast_path); DSv4 keeps the\n"
+            )
+        ],
+    )
+    d.region(v4, lambda head, ours: head + ours[-1:])
+    dspark = "python/sglang/srt/models/deepseek_v4_dspark.py"
+    d.region(dspark, lambda head, ours: head + ours[-1:])
+    d.region(dspark, lambda head, ours: head)
+    d.insert(
+        dspark,
+        "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
+        "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
+        "        _wo_a_twin.build_wo_a_fp8_twins(\n"
+        '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
+        "        )\n\n",
+    )
+    _add(d, exec_, v4, dspark)
+
+
+def _drop_0005(d: Drill) -> str:
+    d.note(
+        "0005 fences the folded accept results of 0.5.23's verify epilogue and sampling-accept "
+        "graph; 0.5.21 has no sampling-accept graph (modify/delete) and the printout finds the "
+        "code of three regions absent (run_static, _block_accept_lens; the post-fold buffers): "
+        "a port, not a merge. Drop it (no patch depends on it)."
+    )
+    return "--drop 0005-dspark-fence-the-folded-accept-results"
+
+
+def _drop_0006(d: Drill) -> str:
+    d.note(
+        "0006 scales the draft's sampling temperature through 0.5.23's DraftParams "
+        "(resolve_draft_params, draft_markov_block, greedy_draft: not found in 0.5.21) and stages "
+        "it in the sampling-accept graph, which 0.5.21 does not have (modify/delete): a port of "
+        "the feature. Drop it (no patch depends on it)."
+    )
+    return "--drop 0006-dspark-scale-the-draft-s-sampling"
+
+
+def _resolve_0007(d: Drill) -> None:
+    d.note(
+        "speculative_hook.py: 0.5.21 has its --speculative-skip-dp-mlp-sync check where our "
+        "validate_draft_head_fp8 call sits (the base is empty: both sides add lines there); keep "
+        "both, ours first (as on 0.5.22)."
+    )
+    hook = "python/sglang/srt/arg_groups/speculative_hook.py"
+    d.region(hook, lambda head, ours: ours + ["\n"] + head)
+    _add(d, hook)
+
+
+def _resolve_0008(d: Drill) -> None:
+    d.note(
+        "scheduler.py: the printout says _create_generation_req is absent in 0.5.21 (drop, or "
+        "port to where its caller lives now): 0.5.21's handle_generate_request builds the request "
+        "itself (normal or session; the session-not-found branch has returned aborted). Port the "
+        "one call there: keep 0.5.21's side and attach the loop guard just before "
+        "`if recv_req.pp_prefetch_ticketed`, as on 0.5.22."
+    )
+    sched = "python/sglang/srt/managers/scheduler.py"
+    d.region(sched, lambda head, ours: head)
+    d.insert(
+        sched,
+        "        if recv_req.pp_prefetch_ticketed is True:",
+        "        attach_loop_guard(req, get_schedule())\n\n",
+    )
+    _add(d, sched)
+
+
+def _resolve_0009(d: Drill) -> None:
+    d.note(
+        "serving_chat.py: the base is 0.5.23's MiniMax-M3 normalization, which 0.5.21 does not "
+        "have (its side is empty); our hunk adds the alias mapping after it, before the server's "
+        "default chat-template kwargs fill in. Keep only our two lines (as on 0.5.22)."
+    )
+    chat = "python/sglang/srt/entrypoints/openai/serving_chat.py"
+    d.region(
+        chat,
+        lambda head, ours: ours[
+            ours.index("        if get_serving().enable_thinking_aliases:\n") :
+        ],
+    )
+    _add(d, chat)
+
+
+def _resolve_0010(d: Drill) -> None:
+    d.note(
+        "model_hook.py: the base is 0.5.23's NPU decode-context-parallel check, which 0.5.21 "
+        "does not have (its side is empty); our hunk validates the flag before it, where "
+        "model_arch is known. Keep only our lines."
+    )
+    hook = "python/sglang/srt/arg_groups/model_hook.py"
+    d.region(
+        hook,
+        lambda head, ours: ours[
+            : ours.index(
+                "    if get_platform().is_npu and cfg.dcp_size > 1 and not is_deepseek_dsa(hf_config):\n"
+            )
+        ],
+    )
+    _add(d, hook)
+
+
+def _resolve_0012(d: Drill) -> None:
+    d.note(
+        "0012 on 0.5.21: its import lines sit after imports 0.5.21 does not have "
+        "(monokernel_weights_iterator, deepseek_v4_boundary / deepseek_v4_mhc), and its loader "
+        "branch after 0.5.23's INSTANTTENSOR branch, which 0.5.21 lacks. loader.py: our import, "
+        "our fast-load branch before 0.5.21's safetensors branch; deepseek_v4_nextn.py: our "
+        "import. In deepseek_v4.py and deepseek_v4_dspark.py the only place isort allows our "
+        "import is right above 0004's (`deepseek_v4_wo_a_twin`): the two patches' lines would "
+        "touch and 0012 would no longer export alone. Import the module where it is used "
+        "instead, in checkpoint_owner, which 0012 adds."
+    )
+    loader = "python/sglang/srt/model_loader/loader.py"
+    d.region(loader, lambda head, ours: head + ours[-1:])
+    d.region(
+        loader,
+        lambda head, ours: ours[
+            ours.index(
+                "        elif use_safetensors and get_model().weight_loader_fast_load:\n"
+            ) :
+        ],
+    )
+    nextn = "python/sglang/srt/models/deepseek_v4_nextn.py"
+    d.region(nextn, lambda head, ours: head + ours[-1:])
+    local = "        from sglang.srt.models import deepseek_v4_fast_load as _fast_load\n\n"
+    paths = [loader, nextn]
+    for path in (
+        "python/sglang/srt/models/deepseek_v4.py",
+        "python/sglang/srt/models/deepseek_v4_dspark.py",
+    ):
+        d.region(path, lambda head, ours: head)
+        d.insert(path, "        return _fast_load.", local)
+        paths.append(path)
+    _add(d, *paths)
+
+
+def _resolve_0014(d: Drill) -> None:
+    d.note(
+        "0014 on 0.5.21: each region's base holds 0.5.23 code 0.5.21 lacks (its side is empty): "
+        "enable_dsa_fused_indexer, the NPU decode-context-parallel check, the layer binding and "
+        "kernel precompile after post_load_weights. model_hook.py: our validation alone; "
+        "deepseek_v4.py: our configure call at the end of 0.5.21's post_load_weights. "
+        "exec_.py: at the region our field would abut 0004's field (0.5.21 lacks the field "
+        "between them) and 0014 would not export alone: put it before "
+        "enable_deepseek_v4_fp4_indexer, four upstream lines away."
+    )
+    exec_ = "python/sglang/srt/arg_groups/fields/exec_.py"
+    field: list[str] = []
+
+    def keep_head(head, ours):
+        field.extend(ours[ours.index("    dsv4_hc_fused_stats: A[\n") :])
+        return head
+
+    d.region(exec_, keep_head)
+    d.insert(exec_, "    enable_deepseek_v4_fp4_indexer: A[", "".join(field))
+    hook = "python/sglang/srt/arg_groups/model_hook.py"
+    d.region(
+        hook,
+        lambda head, ours: ours[
+            : ours.index(
+                "    if get_platform().is_npu and cfg.dcp_size > 1 and not is_deepseek_dsa(hf_config):\n"
+            )
+        ],
+    )
+    v4 = "python/sglang/srt/models/deepseek_v4.py"
+    d.region(v4, lambda head, ours: ours[:3])
+    _add(d, exec_, hook, v4)
+
+
 # (patch the tool stops at, the files its regions are in, how the stop is settled): a
 # settle function resolves (then --continue) or returns the --drop arguments
 STEPS_0521 = [
@@ -512,6 +705,72 @@ STEPS_0521 = [
             *["python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py"] * 3,
         ],
         _drop_0003,
+    ),
+    (
+        "0004-dsv4-wo_a-from-an-exact-fp8",
+        [
+            "python/sglang/srt/arg_groups/fields/exec_.py",
+            *["python/sglang/srt/models/deepseek_v4.py"] * 4,
+            *["python/sglang/srt/models/deepseek_v4_dspark.py"] * 2,
+        ],
+        _resolve_0004,
+    ),
+    (
+        "0005-dspark-fence-the-folded-accept-results",
+        [
+            "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
+            *["python/sglang/srt/speculative/dspark_components/dspark_verify.py"] * 4,
+            *["python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py"] * 3,
+        ],
+        _drop_0005,
+    ),
+    (
+        "0006-dspark-scale-the-draft-s-sampling",
+        [
+            *["python/sglang/srt/speculative/dspark_components/dspark_draft.py"] * 2,
+            *["python/sglang/srt/speculative/dspark_components/dspark_draft_sampler.py"] * 3,
+            "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
+        ],
+        _drop_0006,
+    ),
+    (
+        "0007-dspark-draft-block-logits-from-an",
+        ["python/sglang/srt/arg_groups/speculative_hook.py"],
+        _resolve_0007,
+    ),
+    (
+        "0008-scheduler-finish-a-request-whose-output",
+        ["python/sglang/srt/managers/scheduler.py"],
+        _resolve_0008,
+    ),
+    (
+        "0009-openai-map-client-thinking-switches-onto",
+        ["python/sglang/srt/entrypoints/openai/serving_chat.py"],
+        _resolve_0009,
+    ),
+    (
+        "0010-dsv4-copy-each-checkpoint-tensor-before",
+        ["python/sglang/srt/arg_groups/model_hook.py"],
+        _resolve_0010,
+    ),
+    (
+        "0012-model_loader-fast-load-read-the-checkpoint",
+        [
+            *["python/sglang/srt/model_loader/loader.py"] * 2,
+            "python/sglang/srt/models/deepseek_v4.py",
+            "python/sglang/srt/models/deepseek_v4_dspark.py",
+            "python/sglang/srt/models/deepseek_v4_nextn.py",
+        ],
+        _resolve_0012,
+    ),
+    (
+        "0014-dsv4-hyper-connection-mix-statistics-in",
+        [
+            "python/sglang/srt/arg_groups/fields/exec_.py",
+            "python/sglang/srt/arg_groups/model_hook.py",
+            "python/sglang/srt/models/deepseek_v4.py",
+        ],
+        _resolve_0014,
     ),
 ]
 
@@ -576,9 +835,9 @@ def main() -> None:
     rebased = time.monotonic() - d.t0
     for port in ports:
         port(d)
-    d.run("git status --short && cat patches/series && python3 tools/fork check")
+    d.run("git status --short && cat patches/series")
     d.run("make")
-    d.run("make check", expect=None)
+    d.run("make check")  # lint needs the formatters `make` installs into .venv
     kept = [
         line.split(".patch")[0]
         for line in (clone / "patches" / "series").read_text().splitlines()
