@@ -166,19 +166,19 @@ DISPATCHER = "python/sglang/srt/layers/moe/token_dispatcher/standard.py"
 
 
 def port_b12x_dispatch(d: Drill) -> None:
-    """0018 applies to 0.5.22 without a stop, but its contract at EP > 1 (upstream's dispatcher
+    """0018 applies to the target without a stop, but its contract at EP > 1 (upstream's dispatcher
     hands b12x local expert ids, -1 for other ranks' experts and for padding) does not hold there:
-    0.5.22 inlines the keeps-global-ids list and indexes the mapping with the raw ids, so a -1 id
+    the target inlines the keeps-global-ids list and indexes the mapping with the raw ids, so a -1 id
     aliases the mapping's last entry (test_b12x_moe's EP2 test). Port it with the patch workflow:
-    0.5.23's two helpers in 0.5.22's dispatcher, the -1-keeping map only for b12x (every other
-    runner maps exactly as 0.5.22 does, flags off = upstream)."""
+    0.5.23's two helpers in the target's dispatcher, the -1-keeping map only for b12x (every other
+    runner maps exactly as the target does, flags off = upstream)."""
     d.note(
         "0018 (b12x MoE) applies cleanly, but at EP > 1 it relies on upstream's dispatcher keeping "
-        "-1 ids (b12x's skip sentinel) when it maps global expert ids to local ones; 0.5.22 indexes "
+        "-1 ids (b12x's skip sentinel) when it maps global expert ids to local ones; the target indexes "
         "its mapping with the raw ids, so a -1 aliases the last entry, and has no "
         "_keeps_global_expert_ids / _map_topk_ids_to_local_experts (0.5.23's helpers, which the "
         "EP2 test drives). Port it in build/tree with a fixup of 0018: the two helpers (the "
-        "keeps-global list as 0.5.22 has it), the -1-keeping map only when the runner is b12x."
+        "keeps-global list as the target has it), the -1-keeping map only when the runner is b12x."
     )
     d.run("make tree")
     d.replace(
@@ -248,7 +248,7 @@ class StandardDispatcher(BaseDispatcher):
     )
     d.run(
         "cd build/tree && git commit -q -a --fixup \"$(git log --format=%H -1 --grep='^moe: DeepSeek-V4 MXFP4 "
-        "experts on b12x')\" && GIT_SEQUENCE_EDITOR=true git rebase -q -i --autosquash upstream/0.5.22 "
+        f"experts on b12x')\" && GIT_SEQUENCE_EDITOR=true git rebase -q -i --autosquash upstream/{d.target} "
         "&& git log --oneline -3"
     )
     d.run("make refresh")
@@ -639,7 +639,9 @@ def _resolve_0012(d: Drill) -> None:
     )
     nextn = "python/sglang/srt/models/deepseek_v4_nextn.py"
     d.region(nextn, lambda head, ours: head + ours[-1:])
-    local = "        from sglang.srt.models import deepseek_v4_fast_load as _fast_load\n\n"
+    local = (
+        "        from sglang.srt.models import deepseek_v4_fast_load as _fast_load\n\n"
+    )
     paths = [loader, nextn]
     for path in (
         "python/sglang/srt/models/deepseek_v4.py",
@@ -684,10 +686,57 @@ def _resolve_0014(d: Drill) -> None:
     _add(d, exec_, hook, v4)
 
 
+def _drop_0015(d: Drill) -> str:
+    d.note(
+        "engram.py: the printout says port here (Engram.forward exists in 0.5.21), but the "
+        "hunk's base is 0.5.23's staged lookup (staged_by_scheduler, not found) and our module "
+        "layers/engram_prefetch.py, which the printout does not read, gathers through 0.5.23's "
+        "EngramEmbedding internals that 0.5.21 lacks (as on 0.5.22): a port of the feature. "
+        "Drop it with what the printout says depends on it: 0017 and 0021."
+    )
+    return (
+        "--drop 0015-engram-gather-every-Engram-layer-s --drop "
+        "0017-engram-rows-on-local-storage-behind --drop 0021-engram-one-TP-all-reduce-for"
+    )
+
+
+def _resolve_0019(d: Drill) -> None:
+    d.note(
+        "fp8.py: both regions' bases hold 0.5.23 code 0.5.21 lacks (the UE8M0 DeepGEMM scale "
+        "check and the Hopper BF16 weight cache before our b12x prepare; the gfx950 dense route "
+        "before our b12x apply). Keep 0.5.21's side with our lines: the b12x prepare as the "
+        "first branch of 0.5.21's `if self.block_fp8_as_mxfp8:` chain, our b12x apply alone."
+    )
+    fp8 = "python/sglang/srt/layers/quantization/fp8.py"
+    d.region(fp8, lambda head, ours: ours[-3:])
+    d.region(
+        fp8,
+        lambda head, ours: ours[
+            ours.index('        b12x = getattr(layer, "b12x_block_fp8", None)\n') :
+        ],
+    )
+    _add(d, fp8)
+
+
+def _resolve_0022(d: Drill) -> None:
+    d.note(
+        "parallel_hook.py: the base is 0.5.23's --attn-dp-size checks, which 0.5.21 does not "
+        "have (its side is empty); our validation follows them. Keep only our lines (after "
+        "0020's validation, a blank line apart: --continue checks 0022 still exports alone)."
+    )
+    hook = "python/sglang/srt/arg_groups/parallel_hook.py"
+    d.region(hook, lambda head, ours: ours[-4:])
+    _add(d, hook)
+
+
 # (patch the tool stops at, the files its regions are in, how the stop is settled): a
 # settle function resolves (then --continue) or returns the --drop arguments
 STEPS_0521 = [
-    ("0001-fork-say-which-fork-build-this", ["python/sglang/srt/arg_groups/pipeline.py"], _resolve_0001),
+    (
+        "0001-fork-say-which-fork-build-this",
+        ["python/sglang/srt/arg_groups/pipeline.py"],
+        _resolve_0001,
+    ),
     (
         "0002-moe_fused_gate-optional-live-length-dead-verify",
         ["python/sglang/kernels/ops/moe/moe_fused_gate.py"],
@@ -702,7 +751,8 @@ STEPS_0521 = [
             "python/sglang/srt/models/deepseek_v4.py",
             "python/sglang/srt/multimodal/dsv41/vl_routing.py",
             *["python/sglang/srt/speculative/dspark_components/dspark_verify.py"] * 3,
-            *["python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py"] * 3,
+            *["python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py"]
+            * 3,
         ],
         _drop_0003,
     ),
@@ -720,7 +770,8 @@ STEPS_0521 = [
         [
             "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
             *["python/sglang/srt/speculative/dspark_components/dspark_verify.py"] * 4,
-            *["python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py"] * 3,
+            *["python/sglang/srt/speculative/dspark_components/dspark_worker_v2.py"]
+            * 3,
         ],
         _drop_0005,
     ),
@@ -728,7 +779,8 @@ STEPS_0521 = [
         "0006-dspark-scale-the-draft-s-sampling",
         [
             *["python/sglang/srt/speculative/dspark_components/dspark_draft.py"] * 2,
-            *["python/sglang/srt/speculative/dspark_components/dspark_draft_sampler.py"] * 3,
+            *["python/sglang/srt/speculative/dspark_components/dspark_draft_sampler.py"]
+            * 3,
             "python/sglang/srt/speculative/dspark_components/dspark_sampling_accept_graph.py",
         ],
         _drop_0006,
@@ -772,12 +824,31 @@ STEPS_0521 = [
         ],
         _resolve_0014,
     ),
+    (
+        "0015-engram-gather-every-Engram-layer-s",
+        [
+            "python/sglang/srt/layers/engram.py",
+            "python/sglang/srt/models/deepseek_v4.py",
+        ],
+        _drop_0015,
+    ),
+    (
+        "0019-fp8-32x32-ue8m0-block-fp8-linears",
+        [*["python/sglang/srt/layers/quantization/fp8.py"] * 2],
+        _resolve_0019,
+    ),
+    (
+        "0022-linear-split-a-replicated-linear-s",
+        ["python/sglang/srt/arg_groups/parallel_hook.py"],
+        _resolve_0022,
+    ),
 ]
 
 
 def stops_0521(d: Drill, upto: int | None = None, out: str | None = None) -> str:
     """The stops of the rebase onto 0.5.21 and how each is settled; the last output.
-    ``upto``/``out`` replay only some steps on a rebase already stopped (to write the next)."""
+    ``upto``/``out`` replay only some steps on a rebase already stopped (to write the next).
+    """
     if out is None:
         out = d.run("make rebase TO=0.5.21", expect=2)
     for patch, files, settle in STEPS_0521[:upto]:
@@ -792,7 +863,7 @@ def stops_0521(d: Drill, upto: int | None = None, out: str | None = None) -> str
 
 RELEASES = {
     "0.5.22": (stops_0522, [port_b12x_dispatch]),
-    "0.5.21": (stops_0521, []),
+    "0.5.21": (stops_0521, [port_b12x_dispatch]),
 }
 
 
