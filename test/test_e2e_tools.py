@@ -310,9 +310,9 @@ def test_sample_test_accepts_the_exact_rule_and_refuses_both_negative_controls()
     )
 
 
-def test_probes_and_faults_of_the_harness(tmp_path):
-    """sitecustomize wraps named functions when their module is imported and logs their calls;
-    the tau fault leaves q at T while the draft's step temperatures are scaled."""
+def test_probes_of_the_harness(tmp_path):
+    """sitecustomize wraps named functions when their module is imported and logs their
+    calls."""
     import subprocess
     import sys
 
@@ -338,6 +338,17 @@ def test_probes_and_faults_of_the_harness(tmp_path):
         "e2e probe: probed:C.s call 1 -> 2",
         "e2e probe: probed:C.m call 1 -> 'm'",
     ]
+
+
+def test_the_tau_fault_leaves_q_at_t():
+    """The tau fault leaves q at T while the draft's step temperatures are scaled (patch
+    0006's draft temperature staging)."""
+    import subprocess
+    import sys
+
+    from upstream_api import require_patch
+
+    require_patch("0006-dspark-scale-the-draft-s-sampling", "dspark_draft_tau")
     code = (
         "import torch, types\n"
         "from sglang.srt.speculative.dspark_components import dspark_draft_tau as t\n"

@@ -34,3 +34,17 @@ def test_a_misformatted_file_and_a_typo_are_reported(tmp_path):
         lint(BIN, repo, fix=True) is not None and lint(BIN, repo) == []
     )  # --fix mends all
     shutil.rmtree(repo)
+
+
+def test_a_file_deleted_but_not_committed_is_not_read(tmp_path):
+    """A rebase that drops a patch deletes its modules from the work tree; lint runs before
+    that is committed and reads only the files that are there."""
+    repo = tmp_path / "r"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "ok.py").write_text('"""A module."""\n\nimport os\n\nX = os.sep\n')
+    (repo / "gone.py").write_text('"""Dropped."""\n')
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    (repo / "gone.py").unlink()
+    assert lint(BIN, repo) == []
+    shutil.rmtree(repo)

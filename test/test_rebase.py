@@ -676,6 +676,46 @@ def test_continue_names_another_patchs_lines_a_resolution_leans_on(
         ),
     ]
     rows = set_line(lines("a"), 12, "a12 = 'up'").splitlines(keepends=True)
+    # a6..a11 gone: the two patches' lines touch, so not even a three-way apply holds
+    target = BASE | {"sglang/a.py": "".join(rows[:5] + rows[11:])}
+    lay = _fork(tmp_path, monkeypatch, specs, target)
+    assert rebase.start("1.1.0", lay) == 1
+    assert "stopped at 0001-first" in capsys.readouterr().out
+    rows = set_line(lines("a"), 5, "a5 = 'first'").splitlines(keepends=True)
+    (lay.repo / "python/sglang/a.py").write_text("".join(rows[:5] + rows[11:]))
+    git(lay.repo, "add", "python/sglang/a.py")
+    assert rebase.resume(lay) == 1
+    assert "stopped at 0002-second" in capsys.readouterr().out
+    rows = (
+        set_line(set_line(lines("a"), 5, "a5 = 'first'"), 12, "a12 = 'second'")
+    ).splitlines(keepends=True)
+    (lay.repo / "python/sglang/a.py").write_text("".join(rows[:5] + rows[11:]))
+    git(lay.repo, "add", "python/sglang/a.py")
+    assert rebase.resume(lay) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "warning: 0002-second does not apply alone to 1.1.0: its hunks have 0001-first's "
+        "line(s) as context (python/sglang/a.py:5 `a5 = 'first'`" in printed
+    )
+    assert (
+        "declare `Depends: 0001-first`; if not, separate them: move our line" in printed
+    )
+
+
+def test_continue_applies_alone_three_way_where_only_context_moved(
+    tmp_path, monkeypatch, capsys
+):
+    """The target lacks upstream lines near another patch's line, but the two do not touch:
+    a strict apply of the resolved patch fails on that context, git's three-way apply (what
+    `make export` falls back to) holds, so --continue reports no warning."""
+    specs = [
+        Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
+        Spec(
+            "second",
+            {"python/sglang/a.py": lambda t: set_line(t, 12, "a12 = 'second'")},
+        ),
+    ]
+    rows = set_line(lines("a"), 12, "a12 = 'up'").splitlines(keepends=True)
     target = BASE | {"sglang/a.py": "".join(rows[:6] + rows[10:])}  # a7..a10 gone
     lay = _fork(tmp_path, monkeypatch, specs, target)
     assert rebase.start("1.1.0", lay) == 1
@@ -687,13 +727,8 @@ def test_continue_names_another_patchs_lines_a_resolution_leans_on(
     git(lay.repo, "add", "python/sglang/a.py")
     assert rebase.resume(lay) == 0
     printed = capsys.readouterr().out
-    assert (
-        "warning: 0002-second does not apply alone to 1.1.0: its hunks have 0001-first's "
-        "line(s) as context (python/sglang/a.py:5 `a5 = 'first'`)" in printed
-    )
-    assert (
-        "declare `Depends: 0001-first`; if not, separate them: move our line" in printed
-    )
+    assert "0002-second: resolved; it still applies alone to 1.1.0" in printed
+    assert "does not apply alone" not in printed
 
 
 def test_continue_says_a_resolution_still_applies_alone(tmp_path, monkeypatch, capsys):
@@ -743,6 +778,11 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     )
     (root / "README.md").write_text(
         f"Over sglang 1.0.0.\n\n{docs.BEGIN}\n{docs.END}\n\nlaunch with --fake-up\n"
+        "--version prints 1.0.0+fork.5.3f9a1c2\n"
+    )
+    (root / "docker").mkdir()
+    (root / "docker/README.md").write_text(
+        "for example `1.0.0+fork.5.xxxxxxx`; the image of 1.0.0\n"
     )
     (root / "CONTRIBUTING.md").write_text(
         f"Pinned: 1.0.0.\n\n{docs.REBASE_SECTION}\n\n`make rebase TO=1.0.1`, from 1.0.0\n"
@@ -763,6 +803,11 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     readme = (root / "README.md").read_text()
     assert readme.startswith("Over sglang 1.1.0.") and "[`--fake-up`]" not in readme
     assert "about 0001-clean" in readme and "about 0005-clash" not in readme
+    # an example build names the new release and the kept series' length
+    assert "--version prints 1.1.0+fork.3.3f9a1c2\n" in readme
+    assert (root / "docker/README.md").read_text() == (
+        "for example `1.1.0+fork.3.xxxxxxx`; the image of 1.0.0\n"
+    )
     contributing = (root / "CONTRIBUTING.md").read_text()
     assert contributing.startswith("Pinned: 1.1.0.")
     assert (
@@ -771,4 +816,21 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     assert re.search(
         r"warning: README.md:\d+: names --fake-up, a flag of no patch in the series",
         capsys.readouterr().out,
+    )
+
+
+def test_a_tool_test_of_a_dropped_patch_skips_naming_it_and_the_release(tmp_path):
+    from upstream_api import require_patch
+
+    series = tmp_path / "series"
+    series.write_text(
+        "0001-kept.patch\n# dropped in the rebase from 1.1.0 to 1.0.0: 0002-gone "
+        "(tests: test/test_gone.py)\n"
+    )
+    require_patch("0001-kept", "kept_module", series)  # carried: the test goes on
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        require_patch("0002-gone", "gone_module", series)
+    assert str(skipped.value) == (
+        "needs gone_module of patch 0002-gone, which the rebase onto sglang 1.0.0 dropped: "
+        "1.0.0 lacks the code it edits (patches/series says so)"
     )

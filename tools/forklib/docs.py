@@ -26,6 +26,14 @@ END = "<!-- end: flag table -->"
 RELEASE_RE = re.compile(r"(?<![\w.])0\.\d+\.\d+(?![\w])")
 REBASE_SECTION = "## Rebasing onto a new upstream release"
 FLAG_TOKEN_RE = re.compile(r"(?<![\w-])--[a-z0-9]+(?:-[a-z0-9]+)+")
+# user pages quoting an example build (``<release>+fork.<patches>.<hash>``): a rebase rewrites
+# its release and patch count, as test_docs_tables checks them against the series
+EXAMPLE_PAGES = (
+    "README.md",
+    "docker/README.md",
+    "docs/fork-identity.md",
+    "docs/serving.md",
+)
 
 
 def load_entries(root: Path = REPO_ROOT) -> tuple[list[dict], list[dict]]:
@@ -120,6 +128,17 @@ def follow_release(name: str, text: str, old: str, new: str) -> str:
         pattern.sub(new, line) if pinned else line
         for line, pinned in zip(lines, _release_lines(name, lines))
     )
+
+
+def follow_builds(text: str, old: str, new: str, patches: int) -> str:
+    """``text`` with each example build of release ``old`` or ``new``
+    (``0.5.23+fork.20.3f9a1c2``) quoted as a build of ``new`` with ``patches`` patches (the
+    hash part is kept): ``follow_release`` may have rewritten the release already."""
+    releases = "|".join(re.escape(r) for r in (old, new))
+    pattern = re.compile(
+        r"(?<![\w.])(?:" + releases + r")\+fork\.\d+\.([0-9a-fx]{7})(?![0-9a-f])"
+    )
+    return pattern.sub(lambda m: f"{new}+fork.{patches}.{m.group(1)}", text)
 
 
 def write(root: Path, patches: list[Patch], out: Path | None = None) -> list[str]:

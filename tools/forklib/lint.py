@@ -30,8 +30,10 @@ PYTHON_SCRIPTS = ("tools/fork",)  # Python files without the .py suffix
 
 
 def owned_files(repo: Path = REPO_ROOT) -> tuple[list[str], list[str]]:
-    """(Python files, every text file codespell reads) tracked in this repository."""
-    tracked = out(repo, "ls-files").splitlines()
+    """(Python files, every text file codespell reads) tracked in this repository and present:
+    a file deleted but not yet committed (a rebase removes a dropped patch's modules) is not
+    read."""
+    tracked = [f for f in out(repo, "ls-files").splitlines() if (repo / f).is_file()]
     python = [f for f in tracked if f.endswith(".py") or f in PYTHON_SCRIPTS]
     spell = [f for f in tracked if not f.endswith(CODESPELL_SKIP)]
     return python, spell

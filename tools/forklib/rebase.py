@@ -70,12 +70,17 @@ PRIMARY_TAG = "cp311-cp311-manylinux_2_34_x86_64"
 DOCKERFILE = (
     "docker/Dockerfile"  # its base image is upstream's image of the pinned release
 )
-WRITTEN = (
-    "patches",
-    "python/sglang",
-    "upstream.toml",
-    DOCKERFILE,
-    *docs.DOCS,  # the release they quote, the README's flag table
+WRITTEN = tuple(
+    dict.fromkeys(
+        (
+            "patches",
+            "python/sglang",
+            "upstream.toml",
+            DOCKERFILE,
+            *docs.DOCS,  # the release they quote, the README's flag table
+            *docs.EXAMPLE_PAGES,  # the example builds they quote
+        )
+    )
 )  # what a rebase may change in the repo
 STOPS = ("conflict", "upstream", "new-file clash")
 DONE = ("clean", "merged", "resolved", "dropped")
@@ -538,6 +543,12 @@ def _alone(lay: Layout, state: dict, i: int) -> list[str]:
             out_diff(repo, "diff", "--full-index", "--binary", f"{c}^", c) + "\n"
         )
         r = git(repo, "apply", "--cached", str(diff), env=env, check=False)
+        if r.returncode != 0:
+            # as `make export` does: where only context from another patch differs,
+            # git's three-way merge (the blobs are in this repository) still applies it
+            r = git(
+                repo, "apply", "--cached", "--3way", str(diff), env=env, check=False
+            )
         if r.returncode != 0:
             break
     index.unlink(missing_ok=True)
@@ -1262,6 +1273,14 @@ def _finish(lay: Layout, state: dict) -> None:
                     name, (root / name).read_text(), state["from"], pin.version
                 )
             )
+    for name in docs.EXAMPLE_PAGES:  # an example build names the release and the count
+        src = staged / name if (staged / name).exists() else root / name
+        if src.exists():
+            text = src.read_text()
+            new = docs.follow_builds(text, state["from"], pin.version, len(new_patches))
+            if new != text:
+                (staged / name).parent.mkdir(parents=True, exist_ok=True)
+                (staged / name).write_text(new)
     if (root / docs.FLAGS_FILE).exists() and (staged / "README.md").exists():
         readme = staged / "README.md"
         readme.write_text(
@@ -1337,7 +1356,7 @@ def _finish(lay: Layout, state: dict) -> None:
     review = [p["name"] for p in kept if p["status"] != "clean"]
     print(
         f"rebased {len(kept)} patch(es) onto {pin.package} {pin.version}; wrote patches/, python/sglang/, upstream.toml, "
-        f"{DOCKERFILE}, the release README.md and CONTRIBUTING.md quote and the README's flag table"
+        f"{DOCKERFILE}, the release README.md and CONTRIBUTING.md quote, the example builds the user pages quote and the README's flag table"
         + (
             f"; dropped: {', '.join(dropped)} (patches/series says so; their tests are skipped)"
             if dropped
