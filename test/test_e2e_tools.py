@@ -591,7 +591,6 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
     from sglang.srt.layers.engram_row_store import validate_engram_row_store
     from sglang.srt.models.deepseek_v4_hc_fused import validate_hc_fused_stats
 
-    arch = hf.architectures[0]
     cfg = SimpleNamespace(
         engram_prefetch="on",
         dsv4_hc_fused_stats="1",
@@ -601,10 +600,11 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
         engram_row_store_cache_gib="0.0001",
         enable_torch_compile=False,
     )
-    assert validate_engram_prefetch(cfg, arch, hf) == "on"
-    assert validate_hc_fused_stats(cfg, arch, hf) == "1"
+    cfg._model_config = SimpleNamespace(hf_config=hf)  # what model_config_of hands back
+    assert validate_engram_prefetch(cfg) == "on"
+    assert validate_hc_fused_stats(cfg) == "1"
     cfg.engram_prefetch = "off"  # the row store refuses the prefetch (a row of its own)
-    validate_engram_row_store(cfg, has_engram=lambda: bool(hf.engram_layer_ids))
+    validate_engram_row_store(cfg)
 
     layout = eg.EngramLayout.from_config(hf)
     for i in range(len(layout.layer_ids)):
