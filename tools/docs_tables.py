@@ -106,6 +106,19 @@ def e2e_last_run(d: dict) -> str:
     """The matrix's rows by kind: how many served, passed, and the figures each kind is judged by."""
     rows = d["rows"]
 
+    def identical(names: list[str], versus: str) -> list[str]:
+        """The fork rows equal to an upstream row (key ``versus...``) in tokens and logprobs."""
+        return [
+            n
+            for n in names
+            if rows[n].get("tree") == "fork"
+            and any(
+                v.get("logprobs_identical") and v.get("tokens_identical")
+                for key, v in rows[n].items()
+                if key.startswith(versus)
+            )
+        ]
+
     def kind(name: str) -> str:
         if name.startswith("refuse_"):
             return "startup refusals"
@@ -134,16 +147,7 @@ def e2e_last_run(d: dict) -> str:
         done = [n for n in names if rows[n].get("ok") is not None]
         passed = sum(bool(rows[n]["ok"]) for n in done)
         if k == "greedy, random weights":
-            same = [
-                n
-                for n in names
-                if rows[n].get("tree") == "fork"
-                and any(
-                    v.get("logprobs_identical") and v.get("tokens_identical")
-                    for key, v in rows[n].items()
-                    if key.startswith("vs_random_up_")
-                )
-            ]
+            same = identical(names, "vs_random_up_")
             bound = [
                 rows[n]["vs_random_up_off"]["first_decode_max_abs"]
                 for n in names
@@ -158,16 +162,7 @@ def e2e_last_run(d: dict) -> str:
                 f"wrong twin outside it ({wrong:.3g})"
             )
         elif k == "greedy, DeepSeek-V4.1 (random weights)":
-            same = [
-                n
-                for n in names
-                if rows[n].get("tree") == "fork"
-                and any(
-                    v.get("logprobs_identical") and v.get("tokens_identical")
-                    for key, v in rows[n].items()
-                    if key.startswith("vs_v41_up_")
-                )
-            ]
+            same = identical(names, "vs_v41_up_")
             how = (
                 f"{len(same)} of {sum(rows[n].get('tree') == 'fork' for n in names)} fork rows "
                 "identical to upstream's V4.1 rows in tokens and logprobs"
@@ -270,7 +265,8 @@ def fast_load(d: dict) -> str:
 # --- the per-step cost model (benchmark/e2e/cost_model.py) -----------------------------------
 
 
-def _cost_model_line(d: dict, line: str) -> str:
+def cost_model_table(d: dict, line: str) -> str:
+    """One line's predictions (flags x batch sizes); the cost model prints the same table."""
     rows = [r for r in d["rows"] if r["line"] == line]
     labels = list(dict.fromkeys(r["label"] for r in rows))
     batches = sorted({r["bs"] for r in rows})
@@ -283,8 +279,13 @@ def _cost_model_line(d: dict, line: str) -> str:
         out.append(
             f"| {label} | " + " | ".join(cells[label, b] for b in batches) + " |"
         )
+    return "\n".join(out)
+
+
+def _cost_model_line(d: dict, line: str) -> str:
     build = d.get("provenance", {}).get("fork_version")
-    return "\n".join(out) + (f"\n\nPredicted by build {build}." if build else "")
+    table = cost_model_table(d, line)
+    return table + (f"\n\nPredicted by build {build}." if build else "")
 
 
 def cost_model_h200_tp4(d: dict) -> str:

@@ -726,22 +726,6 @@ def _cell(p: dict) -> str:
     return f"{saved:.0f}{mark}"
 
 
-def table(rep: dict, line: str) -> str:
-    rows = [r for r in rep["rows"] if r["line"] == line]
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    batches = sorted({r["bs"] for r in rows})
-    cells = {(r["label"], r["bs"]): r["cell"] for r in rows}
-    out = [
-        "| flags | " + " | ".join(f"bs {b}" for b in batches) + " |",
-        "| --- |" + " --- |" * len(batches),
-    ]
-    for label in labels:
-        out.append(
-            f"| {label} | " + " | ".join(cells[label, b] for b in batches) + " |"
-        )
-    return "\n".join(out)
-
-
 def served_table(
     model: Model, gamma: int, tp: int, device: str, batches=BATCHES
 ) -> str:
@@ -772,6 +756,8 @@ def served_table(
 
 
 def render(rep: dict) -> str:
+    from docs_tables import cost_model_table  # the docs render the same table
+
     parts = [
         f"{rep['model']['name']}, gamma {rep['gamma']}: predicted us saved per decode step and rank "
         "(* = an interpolated shape; '0 (stock)' = no call is served at this batch)."
@@ -790,7 +776,7 @@ def render(rep: dict) -> str:
                 rep["served"][title],
             ]
         else:
-            parts.append(table(rep, title))
+            parts.append(cost_model_table(rep, title))
     return "\n".join(parts)
 
 

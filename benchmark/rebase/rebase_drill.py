@@ -310,14 +310,7 @@ def stops_0522(d: Drill) -> str:
     )
     dspark = "python/sglang/srt/models/deepseek_v4_dspark.py"
     d.region(dspark, lambda head, ours: head)
-    d.insert(
-        dspark,
-        "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
-        "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
-        "        _wo_a_twin.build_wo_a_fp8_twins(\n"
-        '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
-        "        )\n\n",
-    )
+    _rehome_draft_twin_build(d, dspark)
     d.run("git -C build/rebase/repo add python/sglang/srt/models/deepseek_v4_dspark.py")
 
     out = d.run("python3 tools/fork rebase --continue", expect=1)
@@ -461,6 +454,19 @@ def _add(d: Drill, *paths: str) -> None:
     d.run("git -C build/rebase/repo add " + " ".join(paths))
 
 
+def _rehome_draft_twin_build(d: Drill, dspark: str) -> None:
+    """0004's draft twin build in a post_load_weights of its own (releases whose DSpark draft has
+    none), placed before load_weights so 0012's insertion at the region stays apart."""
+    d.insert(
+        dspark,
+        "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
+        "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
+        "        _wo_a_twin.build_wo_a_fp8_twins(\n"
+        '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
+        "        )\n\n",
+    )
+
+
 def _resolve_0001(d: Drill) -> None:
     d.note(
         "pipeline.py: the base is 0.5.23's handle_deprecated_dp_attention step, which 0.5.21 "
@@ -523,14 +529,7 @@ def _resolve_0004(d: Drill) -> None:
     dspark = "python/sglang/srt/models/deepseek_v4_dspark.py"
     d.region(dspark, lambda head, ours: head + ours[-1:])
     d.region(dspark, lambda head, ours: head)
-    d.insert(
-        dspark,
-        "    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:",
-        "    def post_load_weights(self, is_nextn=False, weight_names=None):\n"
-        "        _wo_a_twin.build_wo_a_fp8_twins(\n"
-        '            self, get_exec().kernel.dsv4_wo_a_fp8_twin, "dspark draft"\n'
-        "        )\n\n",
-    )
+    _rehome_draft_twin_build(d, dspark)
     _add(d, exec_, v4, dspark)
 
 
