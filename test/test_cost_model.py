@@ -114,12 +114,15 @@ def test_counts_from_an_hf_config():
 
 
 def test_row_limits_are_the_engines():
-    assert cm.engine_constant(cm.HEAD_MODULE, "MAX_ROWS") == 32
+    assert cm.engine_constant(cm.HEAD_MODULE, "MAX_ROWS") == {
+        "wgmma": 64,
+        "mma.sync": 32,
+    }
     assert cm.engine_constant(cm.TWIN_MODULE, "MID_FASTER_MAX") == {2: 32, 4: 32, 8: 32}
     assert cm.engine_constant(cm.TWIN_MODULE, "MID_MAX_ROWS") == 192
 
 
-# ------------------------------------------------------------------ the fall-back above 32 rows
+# ------------------------------------------------------------------ where each kernel's rows end
 
 
 def test_small_batches_save_and_the_savings_are_the_measured_ones():
@@ -139,19 +142,22 @@ def test_small_batches_save_and_the_savings_are_the_measured_ones():
     assert p["complete"] and p["saved_us_per_step"] > 150
 
 
-@pytest.mark.parametrize("bs", [8, 16, 32])
-def test_above_32_rows_everything_falls_back_to_stock(bs):
+@pytest.mark.parametrize("bs", [16, 32])
+def test_above_64_rows_everything_falls_back_to_stock(bs):
     p, s = _predict(bs=bs)
     assert p["complete"] and p["saved_us_per_step"] == 0
     assert all(x["status"] == cm.NOT_SERVED for x in s.values())
 
 
-def test_the_gain_ends_at_batch_5_to_6():
+def test_the_twins_gain_ends_at_batch_5_to_6_and_the_heads_at_12_to_13():
     _, s6 = _predict(bs=6)  # 36 verify rows: stock; 30 draft rows: still served
     assert s6["wo_a, target verify"]["status"] == cm.NOT_SERVED
     assert s6["draft LM head"]["saved_us"] > 0
-    p7, _ = _predict(bs=7)  # 42 verify, 35 draft rows: nothing of the fork runs
-    assert p7["saved_us_per_step"] == 0
+    p12, s12 = _predict(bs=12)  # 60 draft rows: the wgmma head serves up to 64
+    assert s12["draft LM head"]["status"] == cm.INTERPOLATED  # between 48 and 64 rows
+    assert p12["saved_us_per_step"] == s12["draft LM head"]["saved_us"] > 0
+    p13, _ = _predict(bs=13)  # 78 verify, 65 draft rows: nothing of the fork runs
+    assert p13["saved_us_per_step"] == 0
 
 
 def test_small_serves_two_to_eight_rows_only():

@@ -98,13 +98,16 @@ def test_row_gate_and_refusals():
     )
     model = types.SimpleNamespace(uses_own_vocab_modules=False, _use_fp32_lm_head=False)
     assert mod.maybe_build_draft_head_fp8(model, head, False) is None
-    # The gate serves 1..MAX_ROWS (the kernel covers them all in one pass over the head).
-    assert 20 <= mod.MAX_ROWS <= kern.ROW_TILE * kern.MAX_M_TILES
-    gate = types.SimpleNamespace(max_rows=mod.MAX_ROWS)
-    assert mod.DraftHeadFp8.serves(gate, 1) and mod.DraftHeadFp8.serves(gate, 20)
-    assert not mod.DraftHeadFp8.serves(gate, 0) and not mod.DraftHeadFp8.serves(
-        gate, mod.MAX_ROWS + 1
-    )
+    # The gate serves 1..MAX_ROWS of its kernel (each covers them all in one pass over the head).
+    from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma as wg
+
+    assert 20 <= mod.MAX_ROWS["mma.sync"] <= kern.ROW_TILE * kern.MAX_M_TILES
+    assert mod.MAX_ROWS["wgmma"] == wg.MAX_ROWS
+    for top in mod.MAX_ROWS.values():
+        gate = types.SimpleNamespace(max_rows=top)
+        assert mod.DraftHeadFp8.serves(gate, 1) and mod.DraftHeadFp8.serves(gate, 20)
+        assert not mod.DraftHeadFp8.serves(gate, 0)
+        assert not mod.DraftHeadFp8.serves(gate, top + 1)
     with pytest.raises(ValueError, match="own vocab modules"):
         mod.check_draft_head_fp8_applies(
             types.SimpleNamespace(uses_own_vocab_modules=True), head
@@ -247,7 +250,7 @@ def test_permute_k_puts_each_threads_fragment_bytes_together():
 @pytest.mark.parametrize("n", [32320, 129280])
 def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
     """The kernel the flag serves on this device (wgmma on the H200), through the call site's
-    object: every row count 1..32 gives each row the same bits, eager and replayed from a CUDA
+    object: every row count it serves (1..64 on Hopper) gives each row the same bits, eager and replayed from a CUDA
     graph; logits within 1e-5 of the fp64 product; TV of its softmax vs the bf16 head's.
     """
     k = 5120
@@ -255,9 +258,10 @@ def test_gpu_served_head_row_invariance_in_a_cuda_graph_exactness_and_tv(n):
     head = mod.DraftHeadFp8(w)
     if torch.cuda.get_device_capability()[0] == 9:
         assert head.kernel == "wgmma"
-    x = torch.randn(32, k, device="cuda").to(torch.bfloat16)
+    x = torch.randn(head.max_rows, k, device="cuda").to(torch.bfloat16)
     ref = head(x)
-    for m in (1, 2, 5, 8, 9, 16, 17, 20, 31, 32):
+    rows = (1, 2, 5, 8, 9, 16, 17, 20, 31, 32, 33, 40, 63, 64, 65, 96, 97, 127, 128)
+    for m in (r for r in rows if r <= head.max_rows):
         xm = x[:m].clone()
         assert torch.equal(head(xm), ref[:m]), (n, m, "eager")
         g = torch.cuda.CUDAGraph()

@@ -262,6 +262,40 @@ def fast_load(d: dict) -> str:
     return "\n".join(out)
 
 
+# --- fp8 draft head ----------------------------------------------------------------------------
+
+
+def draft_head_fp8(d: dict) -> str:
+    """Stock (cuBLAS bf16) -> the served kernel per row count and shard; rows it does not serve
+    say so (the bf16 head runs there)."""
+    shards = sorted({r["N"] for r in d["rows"]})
+    cells = {(r["N"], r["rows"]): r for r in d["rows"]}
+    names = {32320: "TP4 shard 32320 x 5120", 129280: "TP1 129280 x 5120"}
+    out = [
+        "| rows | "
+        + " | ".join(names.get(n, f"{n} x {d['K']}") for n in shards)
+        + " |",
+        "| --- |" + " --- |" * len(shards),
+    ]
+    for m in sorted({r["rows"] for r in d["rows"]}):
+        row = [cells.get((n, m)) for n in shards]
+        served = all(r and r["served"] for r in row)
+        cols = []
+        for r in row:
+            if r is None:
+                cols.append("")
+            elif r["served"]:
+                cols.append(
+                    f"{_g(r['stock_us'])} -> {_g(r['fp8_us'])} us, {r['ratio']:.2f}x ({r['kernel']})"
+                )
+            else:
+                cols.append(f"{_g(r['stock_us'])} us (bf16 head)")
+        out.append(
+            f"| {m}{'' if served else ' (not served)'} | " + " | ".join(cols) + " |"
+        )
+    return "\n".join(out)
+
+
 # --- the per-step cost model (benchmark/e2e/cost_model.py) -----------------------------------
 
 
@@ -311,6 +345,9 @@ TABLES: dict[str, Table] = {
     ),
     "cost_model_gb10": Table(
         "docs/performance.md", "cost_model-cpu.json", cost_model_gb10
+    ),
+    "draft_head_fp8": Table(
+        "docs/draft-head-fp8.md", "draft_head_fp8-NVIDIA_H200.json", draft_head_fp8
     ),
     "draft_tau_staging": Table(
         "docs/draft-temperature-scale.md",

@@ -1,14 +1,14 @@
-"""--speculative-dspark-draft-head-fp8 vs the stock bf16 draft head (cuBLAS), rows 1..64.
+"""--speculative-dspark-draft-head-fp8 vs the stock bf16 draft head (cuBLAS), rows 1..128.
 
 Shapes: the TP4 shard (32320 x 5120) and TP1 (129280 x 5120). Distinct copies rotate so
 the head streams from HBM (each copy is larger than the 60 MB L2). CUDA-graph replay,
 median; both write bf16 logits, as the draft's call site does. Floors: bf16 head bytes /
 fp8 head + scale bytes at 4.09 TB/s. ``served`` says whether the flag's row gate
-(dspark_draft_head_fp8.MAX_ROWS) sends that row count to the fp8 kernel; ``fp8_us`` is the
-kernel the flag serves on this device (``kernel``: wgmma on SM90, mma.sync elsewhere, through
-DraftHeadFp8 as the call site does), ``mma_us`` the portable mma.sync kernel (with its shipped
-CONFIGS unless --configs names a JSON {m_tiles: [block_n, block_k, num_warps, num_stages]}:
-tuning), both in the same run.
+(``DraftHeadFp8.serves``) sends that row count to the fp8 kernel; ``fp8_us`` is the kernel the
+flag serves on this device (``kernel``: wgmma on SM90, mma.sync elsewhere, through DraftHeadFp8
+as the call site does; where it does not serve, stock), ``mma_us`` the portable mma.sync kernel
+up to its 64 rows (with its shipped CONFIGS unless --configs names a JSON {m_tiles: [block_n,
+block_k, num_warps, num_stages]}: tuning), all in the same run.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from sglang.srt.speculative.dspark_components.dspark_draft_head_fp8 import (  # 
     DraftHeadFp8,
 )
 
+MMA_MAX_ROWS = kern.ROW_TILE * kern.MAX_M_TILES
+
 K = 5120
 SHAPES = ((32320, 6), (129280, 2))  # (N, copies rotated per graph)
-ROWS = [1, 2, 4, 5, 8, 16, 17, 20, 32, 48, 64]
+ROWS = [1, 2, 4, 5, 8, 16, 17, 20, 32, 33, 40, 48, 64, 65, 80, 96, 112, 128]
 
 
 def heads(n: int, copies: int):
@@ -79,17 +81,22 @@ def measure(configs: dict[int, tuple] | None, replays: int, rows=ROWS) -> list[d
         bf16_bytes, fp8_bytes = n * K * 2, n * K + qs[0][1].numel() * 4
         for m in rows:
             x = torch.randn(m, K, device="cuda").to(torch.bfloat16)
-            stock, mma = stock_us(x, ws, replays), fp8_us(x, qs, configs, replays)
-            ours = served_us(x, served, replays) if m <= MAX_ROWS else mma
-            cfg = (configs or {}).get(
-                kern.triton.cdiv(m, kern.ROW_TILE)
-            ) or kern.CONFIGS[kern.triton.cdiv(m, kern.ROW_TILE)]
+            serves = served[0].serves(m)
+            stock = stock_us(x, ws, replays)
+            mma = fp8_us(x, qs, configs, replays) if m <= MMA_MAX_ROWS else None
+            ours = served_us(x, served, replays) if serves else stock
+            cfg = (
+                (configs or {}).get(kern.triton.cdiv(m, kern.ROW_TILE))
+                or kern.CONFIGS[kern.triton.cdiv(m, kern.ROW_TILE)]
+                if m <= MMA_MAX_ROWS
+                else ()
+            )
             out.append(
                 {
                     "N": n,
                     "rows": m,
-                    "served": m <= MAX_ROWS,
-                    "kernel": served[0].kernel if m <= MAX_ROWS else "mma.sync",
+                    "served": serves,
+                    "kernel": served[0].kernel if serves else "stock",
                     "cfg": "x".join(map(str, cfg)),
                     "mma_us": mma,
                     "stock_us": stock,

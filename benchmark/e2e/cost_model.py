@@ -351,7 +351,8 @@ def wo_a_served(s: Setup, site: Site) -> tuple[bool, str]:
 def head_served(s: Setup, site: Site) -> tuple[bool, str]:
     if not s.flags.draft_head_fp8:
         return False, "flag off"
-    top = engine_constant(HEAD_MODULE, "MAX_ROWS")
+    kernel = "wgmma" if s.device in HOPPER_DEVICES else "mma.sync"
+    top = engine_constant(HEAD_MODULE, "MAX_ROWS")[kernel]
     if 1 <= site.rows <= top:
         return True, f"1..{top} rows"
     return False, f"{site.rows} rows: above {top}, the bf16 head serves"

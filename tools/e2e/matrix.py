@@ -97,9 +97,9 @@ GRAPH_ARGS = {
     + ["--max-running-requests", "32"],
     "real": ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"],
 }
-# Sampled rows of the fp8 draft head (up to 32 draft rows) run at most 6 requests at a time
-# (5 draft rows each), so the head serves.
-SMALL_BATCH = ["--max-running-requests", "6"]
+# Sampled rows of the fp8 draft head (up to 64 draft rows on Hopper) run at most 12 requests at a
+# time (5 draft rows each), so the head serves.
+SMALL_BATCH = ["--max-running-requests", "12"]
 DSPARK = ["--speculative-algorithm", "DSPARK"]
 PROGRESS_LOCK = threading.Lock()
 # Startup lines in which a fork feature says what it built (kept in the report as evidence).

@@ -4,14 +4,14 @@
 The draft projects gamma rows per request through the target's vocab-parallel bf16 LM head
 every step; at small batch that GEMM is bound by streaming the head. When the draft attaches
 the target's head it builds (before CUDA-graph capture) an e4m3 copy with one power-of-two
-scale per 32x32 block, held by the draft; the draft's logits for up to ``MAX_ROWS`` (32) rows
+scale per 32x32 block, held by the draft; the draft's logits for up to ``MAX_ROWS[kernel]`` rows
 come from it. On Hopper (SM90) the kernel is draft_head_fp8_wgmma.py and the copy is stored
 K-permuted for it; elsewhere (SM89) the Triton mma.sync kernel of draft_head_fp8.py. Larger
 calls keep the bf16 head. Figures: docs/draft-head-fp8.md.
 
 INVARIANTS. A row's logits are the same bits whatever the row count (exact bf16 products,
 fixed K order) and one device uses one kernel for every call, so batching within
-1..MAX_ROWS never changes a draft token. The target keeps its bf16 head: the output stays
+1..MAX_ROWS[kernel] never changes a draft token. The target keeps its bf16 head: the output stays
 lossless because the draft samples and computes q from the same fp8 logits (rejection
 sampling is exact for any proposal).
 
@@ -32,16 +32,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# Rows the fp8 head serves: the wgmma kernel's N is at most 32, and past 32 rows the mma.sync
-# kernel is no faster than cuBLAS bf16 (benchmark/results/draft_head_fp8-NVIDIA_H200.json).
-# Calls above 32 rows keep the bf16 head: never slower than stock.
-MAX_ROWS = 32
+# Rows the fp8 head serves, per kernel: past them it is no faster than cuBLAS bf16
+# (benchmark/results/draft_head_fp8-NVIDIA_H200.json). Larger calls keep the bf16 head: never
+# slower than stock.
+MAX_ROWS = {"wgmma": 64, "mma.sync": 32}
 
 
 class DraftHeadFp8:
     """The fp8 copy of one rank's LM head shard and the call that reads it."""
 
-    def __init__(self, weight: torch.Tensor, max_rows: int = MAX_ROWS) -> None:
+    def __init__(self, weight: torch.Tensor, max_rows: int | None = None) -> None:
         from sglang.kernels.ops.speculative.dspark.draft_head_fp8 import (
             MAX_SCALE,
             quantize_head_fp8,
@@ -65,7 +65,7 @@ class DraftHeadFp8:
 
             q = permute_k(q)  # the layout the wgmma kernel reads (same values)
         self.q = q
-        self.max_rows = int(max_rows)
+        self.max_rows = MAX_ROWS[self.kernel] if max_rows is None else int(max_rows)
         self.out_dtype = weight.dtype
         self.nbytes = self.q.numel() + self.scales.numel() * 4
 
@@ -171,8 +171,8 @@ def validate_draft_head_fp8(server_args) -> None:
     what = "--speculative-dspark-draft-head-fp8"
     if deterministic:
         raise ValueError(
-            f"{what} cannot be used with --enable-deterministic-inference: calls above {MAX_ROWS} "
-            "rows keep the bf16 head, so a request's draft logits (and the tokens it accepts) "
+            f"{what} cannot be used with --enable-deterministic-inference: calls above "
+            f"{max(MAX_ROWS.values())} rows ({min(MAX_ROWS.values())} off Hopper) keep the bf16 head, so a request's draft logits (and the tokens it accepts) "
             "would depend on how many rows its batch has"
         )
     if (algorithm or "").upper() != "DSPARK":

@@ -3,29 +3,33 @@ kernel for every row count the flag serves, written in Gluon (Triton's explicit-
 
 WHY. The portable kernel (draft_head_fp8.py) multiplies 16-row tiles with mma.sync, so each
 tile beyond the first adds MMA time. Here the vocabulary rows are the MMA's M (64 per
-warpgroup, weights in registers) and the draft rows its N (8, 16 or 32): the tensor-core work of
-32 rows is one asynchronous wgmma per 64x32 weight tile, so the time barely moves with the row
-count (benchmark/results/draft_head_fp8-NVIDIA_H200.json, docs/draft-head-fp8.md).
+warpgroup, weights in registers) and the draft rows its N (8, 16, 32 or 64): the tensor-core
+work of up to 32 rows is one asynchronous wgmma per 64x32 weight tile and hides under the head's
+read; at 64 rows it no longer hides fully, past 64 it adds to the read and cuBLAS bf16 is as fast
+(benchmark/results/draft_head_fp8-NVIDIA_H200.json, docs/draft-head-fp8.md).
 
 HOW.
-- Weights and x reach shared memory by TMA in a 4-stage ring (3 at TP1 size) of 128-K steps
-  with one mbarrier per stage; no load instruction touches L1 for them.
+- Weights and x reach shared memory by TMA in a ring of 128-K steps (depth per N in
+  ``CONFIGS``) with one mbarrier per stage; no load instruction touches L1 for them.
 - The head copy is stored with K permuted inside each 32-block (``e4m3_to_bf16.permute_k``) so
   that a thread's A-fragment bytes for one 32-K block are 8 contiguous bytes: one LDS.64 per
   row, and each 4-byte word is two logical pairs that the e4m3 -> bf16 asm (cvt + bit moves +
   one HMUL2 by the power-of-two scale) turns into two bf16x2 registers; the K permutation is
   undone by renaming registers (join/reshape/permute), no byte shuffles.
-- 128 vocab rows per CTA (two m64 pieces, 4 warps), ~96 KB of shared memory: 2 CTAs per SM.
+- 128 vocab rows per CTA (two m64 pieces, 4 warps), at most ~96 KB of shared memory: 2 CTAs
+  per SM, which the pipeline needs (one warpgroup dequantizes and multiplies in turn).
 - One CTA barrier per 128-K step (before a stage is refilled) and at most one wgmma in flight.
 
 EXACT and ROW INVARIANT. Dequantisation is exact (same bits as the Triton kernel's weights);
 bf16 products are exact in the fp32 accumulator and K runs in one fixed order whatever N is, so
-a row's logits are the same bits at every row count 1..32 (tested on the H200, eager and in a
+a row's logits are the same bits at every row count 1..MAX_ROWS (tested on the H200, eager and in a
 CUDA graph). The order of K inside each MMA differs from the mma.sync kernel's, so the two
 kernels' logits differ in the last bits: one device must use one of them for every call.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -48,10 +52,23 @@ from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import (
     words_layout,
 )
 
-BLOCK_V = 128  # vocab rows per CTA (two m64 wgmma pieces)
-NUM_WARPS = 4  # one warpgroup
 STEP_K = 128  # K per pipeline stage (4 scale blocks)
-MAX_ROWS = 32
+MAX_ROWS = 64
+_SMEM_BYTES = (
+    220 * 1024
+)  # shared memory one CTA may take (227 KB per SM, less the barriers)
+
+# wgmma N (x's rows padded to a power of two: TMA's box) -> (vocab rows per CTA, warps, pipeline
+# stages at the TP4 shard, at the TP1 shard). Chosen on the H200
+# (benchmark/results/tune_draft_head_fp8_wgmma-NVIDIA_H200.json): at N = 64, 3 stages keep two
+# CTAs per SM, which more stages or taller tiles lose. Past 64 rows the products' tensor time
+# adds to the head's read instead of hiding under it, and no candidate beat cuBLAS bf16.
+CONFIGS: dict[int, tuple[int, int, int, int]] = {
+    8: (128, 4, 4, 3),
+    16: (128, 4, 4, 3),
+    32: (128, 4, 4, 3),
+    64: (128, 4, 3, 3),
+}
 
 
 def available(device: torch.device) -> bool:
@@ -70,8 +87,6 @@ def _scales_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
     )
 
 
-_W_LAYOUT = words_layout(BLOCK_V, NUM_WARPS)
-_S_LAYOUT = _scales_layout(BLOCK_V, NUM_WARPS)
 _W_SMEM_LAYOUT = gl.NVMMASharedLayout(
     swizzle_byte_width=128, element_bitwidth=32, rank=2
 )
@@ -161,15 +176,30 @@ def _draft_head_fp8_wgmma_kernel(
     gl.store(OUT + o_off, acc.to(OUT.dtype.element_ty), o_mask)
 
 
-def _weight_descriptor(qp: torch.Tensor) -> TensorDescriptor:
-    """Built once per head (the head is persistent; the cache lives on the tensor)."""
-    desc = qp.__dict__.get("_draft_head_fp8_wgmma_tma")
+def _weight_descriptor(qp: torch.Tensor, bv: int) -> TensorDescriptor:
+    """Built once per head and tile height (the head is persistent; the cache lives on the tensor)."""
+    key = f"_draft_head_fp8_wgmma_tma_{bv}"
+    desc = qp.__dict__.get(key)
     if desc is None:
         desc = TensorDescriptor.from_tensor(
-            qp.view(torch.int32), [BLOCK_V, 32], _W_SMEM_LAYOUT
+            qp.view(torch.int32), [bv, 32], _W_SMEM_LAYOUT
         )
-        qp.__dict__["_draft_head_fp8_wgmma_tma"] = desc
+        qp.__dict__[key] = desc
     return desc
+
+
+def padded_rows(m: int) -> int:
+    """wgmma N for ``m`` rows: a power of two from 8 (the bits do not depend on it)."""
+    return max(8, triton.next_power_of_2(m))
+
+
+def config(m: int, n: int) -> tuple[int, int, int, int]:
+    """(wgmma N, vocab rows per CTA, warps, stages) for ``m`` rows of an ``n``-row head."""
+    np_ = padded_rows(m)
+    bv, nw, st_tp4, st_tp1 = CONFIGS[np_]
+    st = st_tp4 if n <= 65536 else st_tp1
+    stage_bytes = bv * STEP_K + np_ * STEP_K * 2
+    return np_, bv, nw, max(2, min(st, _SMEM_BYTES // stage_bytes))
 
 
 def draft_head_fp8_logits_wgmma(
@@ -178,9 +208,11 @@ def draft_head_fp8_logits_wgmma(
     scales: torch.Tensor,
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
+    cfg: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= 32, where ``qp`` is
+    """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= MAX_ROWS, where ``qp`` is
     ``permute_k`` of the e4m3 head and ``scales`` its fp32 [ceil(N/32), K/32] block scales.
+    ``cfg`` = (vocab rows per CTA, warps, stages) overrides ``CONFIGS`` (tuning only).
     """
     m, k = x.shape
     n = qp.shape[0]
@@ -204,17 +236,17 @@ def draft_head_fp8_logits_wgmma(
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1, (out.shape, out.stride())
     assert out.dtype in (torch.float32, torch.bfloat16, torch.float16), out.dtype
-    np_ = max(
-        8, triton.next_power_of_2(m)
-    )  # wgmma N: the bits do not depend on it (tested)
+    np_, bv, nw, st = config(m, n)
+    if cfg is not None:
+        bv, nw, st = cfg
+    assert bv % (16 * nw) == 0 and bv // (16 * nw) in (1, 2), (bv, nw)
     x_layout = gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
     x_desc = TensorDescriptor.from_tensor(
         x, [np_, 64], x_layout
     )  # rows >= M read as zeros
-    # 3 stages fit 3 CTAs per SM: best at TP1 size (1010 CTAs), 4 at TP4 (253 CTAs, one wave)
-    st = 4 if n <= 65536 else 3
-    _draft_head_fp8_wgmma_kernel[(triton.cdiv(n, BLOCK_V),)](
-        _weight_descriptor(qp),
+    w_l, s_l = _layouts(bv, nw)
+    _draft_head_fp8_wgmma_kernel[(triton.cdiv(n, bv),)](
+        _weight_descriptor(qp, bv),
         x_desc,
         scales,
         out,
@@ -223,11 +255,16 @@ def draft_head_fp8_logits_wgmma(
         out.stride(0),
         k,
         np_,
-        BLOCK_V,
+        bv,
         st,
-        _W_LAYOUT,
-        _S_LAYOUT,
-        NUM_WARPS,
-        num_warps=NUM_WARPS,
+        w_l,
+        s_l,
+        nw,
+        num_warps=nw,
     )
     return out
+
+
+@functools.cache
+def _layouts(bv: int, nw: int):
+    return words_layout(bv, nw), _scales_layout(bv, nw)
