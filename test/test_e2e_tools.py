@@ -169,12 +169,14 @@ def test_rows_hold_their_promises():
     # engaged; the V4 checkpoints' refusals of the same flags stay
     for name in (
         "v41_off",
-        "v41_engram_prefetch",
         "v41_engram_prefetch_check",
         "v41_hc_fused_stats",
     ):
         assert named[name].model == "v41" and named[name].same_as == ("v41_up_off",)
     assert named["v41_nospec"].same_as == ("v41_up_nospec",)
+    # --engram-prefetch on is refused where it would apply (it left upstream's tokens there)
+    refused = named["v41_refuse_engram_prefetch_on"]
+    assert refused.model == "v41" and "on is refused" in refused.refused_with
     store = named["v41_row_store"]
     assert store.same_as == ("v41_up_off_eager",) and "disabled" in store.args
     assert all(
@@ -592,7 +594,7 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
     from sglang.srt.models.deepseek_v4_hc_fused import validate_hc_fused_stats
 
     cfg = SimpleNamespace(
-        engram_prefetch="on",
+        engram_prefetch="check",
         dsv4_hc_fused_stats="1",
         device="cuda",
         tp_size=1,
@@ -601,7 +603,7 @@ def test_the_v41_checkpoint_holds_what_upstreams_v41_modules_load(
         enable_torch_compile=False,
     )
     cfg._model_config = SimpleNamespace(hf_config=hf)  # what model_config_of hands back
-    assert validate_engram_prefetch(cfg) == "on"
+    assert validate_engram_prefetch(cfg) == "check"
     assert validate_hc_fused_stats(cfg) == "1"
     cfg.engram_prefetch = "off"  # the row store refuses the prefetch (a row of its own)
     validate_engram_row_store(cfg)
@@ -682,8 +684,8 @@ def test_every_v41_row_resolves_through_upstreams_pipeline(
     v41_checkpoint, tmp_path, monkeypatch
 ):
     """Each V4.1 row's server arguments, as the matrix starts it, through upstream's resolution
-    on the V4.1 checkpoint with the platform read as CUDA (no device is touched): none is refused,
-    and decoder SWA bounded replay, which upstream turns on for V4.1 on CUDA and which the tiny
+    on the V4.1 checkpoint with the platform read as CUDA (no device is touched): none is refused
+    but the refusal row, with its message, and decoder SWA bounded replay, which upstream turns on for V4.1 on CUDA and which the tiny
     checkpoint cannot serve (no kv_source_layer_ids), is off on every row."""
     from e2e import matrix
 
@@ -711,5 +713,9 @@ def test_every_v41_row_resolves_through_upstreams_pipeline(
     v41 = [r for r in matrix.rows() if r.model == "v41"]
     assert len(v41) == 9
     for row in v41:
+        if row.refused_with:
+            with pytest.raises(ValueError, match=row.refused_with):
+                resolve(matrix.MODEL_ARGS["v41"], row.args)
+            continue
         view = resolve(matrix.MODEL_ARGS["v41"], row.args)
         assert view.enable_decoder_swa_bounded_replay is False, row.name

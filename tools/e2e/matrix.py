@@ -126,8 +126,17 @@ EAGER = ["--cuda-graph-backend-decode", "disabled"]
 # upstream resolves decoder SWA bounded replay on for CUDA (arg_groups/deepseek_v4_hook.py,
 # validate_deepseek_v41_features), and the model then asserts kv_source_layer_ids
 # (models/deepseek_v4.py, "decoder SWA bounded replay needs kv_source_layer_ids"), which the tiny
-# checkpoint, sliding-window attention only, has none of: it serves full prefill.
-MODEL_ARGS = {"v41": ["--no-enable-decoder-swa-bounded-replay"]}
+# checkpoint, sliding-window attention only, has none of: it serves full prefill. With no
+# compressed layer, upstream's request-cap sizing (pool_configurator.py, DSV4PoolConfigurator) prices
+# a token at zero bytes and divides by it; an explicit --swa-full-tokens-ratio (the value upstream
+# takes for DeepSeek-V4 when none is given, DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO) keeps the ratio sizing.
+MODEL_ARGS = {
+    "v41": [
+        "--no-enable-decoder-swa-bounded-replay",
+        "--swa-full-tokens-ratio",
+        "0.1",
+    ]
+}
 # Where the Engram row store's rows go (created by the run; one server writes there).
 ROW_STORE_DIR = "/tmp/e2e-engram-rows"
 
@@ -449,14 +458,6 @@ def rows() -> list[Row]:
         _row("v41_off", **v41_off),
         _row("v41_nospec", spec=False, model="v41", same_as=("v41_up_nospec",)),
         _row(
-            "v41_engram_prefetch",
-            "--engram-prefetch",
-            "on",
-            engaged=(L_PREFETCH,),
-            probes=(P_PREFETCH,),
-            **v41_off,
-        ),
-        _row(
             "v41_engram_prefetch_check",
             "--engram-prefetch",
             "check",
@@ -573,6 +574,15 @@ def rows() -> list[Row]:
             DSPARK + ["--engram-prefetch", "on"],
             greedy=False,
             refused_with="has no Engram layers",
+        ),
+        # on a V4.1 checkpoint, where it would apply: refused until the side-stream gather is
+        # shown to give the synchronous lookup's rows when served (it left upstream's tokens here)
+        Row(
+            "v41_refuse_engram_prefetch_on",
+            DSPARK + ["--engram-prefetch", "on"],
+            model="v41",
+            greedy=False,
+            refused_with="--engram-prefetch=on is refused",
         ),
         Row(
             "refuse_engram_fused_all_reduce",
