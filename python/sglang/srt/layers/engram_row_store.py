@@ -114,13 +114,8 @@ def parse_engram_row_store_cache_gib(value) -> float:
 
 DEFAULT_CACHE_GIB = 16.0
 
+# Internal, not read by upstream code: every store of the process, to split the one cache budget.
 _STORES: list["EngramRowStore"] = []
-"""The row stores of this process in construction order. The RAM cache budget is one figure
-for the process (``--engram-row-store-cache-gib``), split over every table shard; a store's
-share is fixed at its ``finish_load``, when every table has been constructed (before the
-memory profile: on unified-memory machines the cache comes out of the KV cache's pool). The
-Engram layers are built one by one with no object of the model's they could share, so the
-list is the module's; only this module reads it (an Engram layer holds its own store)."""
 
 
 def maybe_engram_row_store(

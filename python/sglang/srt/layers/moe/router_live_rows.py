@@ -12,9 +12,18 @@ upstream's code):
 * ``refuse_dead_rows(route, layer_id)``: a route that can do neither raises (CUDA-graph capture
   runs every route first, so this refuses at startup, naming the layer).
 
-INVARIANT: a scope is opened only around a forward whose rows are request-major with a fixed
-stride (the static ragged-verify layout); every router call checks ``M % stride == 0``. The
-live lengths are read by address, so a captured graph sees each replay's values.
+WHY A SCOPE, NOT AN OBJECT HANDED DOWN: the routers sit at the bottom of upstream's call chain
+(model, decoder layer, MoE, TopK, ``select_experts``) and no call on it carries a per-forward
+argument; handing the live rows down would edit every signature on it in upstream files.
+
+INVARIANTS: upstream code calls only the three public functions above, one per hunk, and reads
+nothing else of this module. Only the target model's verify cap opens a scope, around one verify
+forward, and ``live_rows_scope`` restores the previous value on exit, so a decode, a prefill, a
+draft forward or another model sees None (upstream's routing); the model runner runs one forward
+at a time per process. A scope is opened only around a forward whose rows are request-major with
+a fixed stride (the static ragged-verify layout); every router call checks ``M % stride == 0``.
+The live lengths are read by address, so a CUDA graph captured inside a scope sees each replay's
+values.
 """
 
 from __future__ import annotations
@@ -35,18 +44,8 @@ class LiveRows:
     owner: str  # the feature that opened the scope, named in errors (its flag)
 
 
+# Internal, not read by upstream code: the open scope (None outside), set by live_rows_scope.
 _ACTIVE: Optional[LiveRows] = None
-"""The open scope's live rows, or None: the one module-level value of this module, on purpose.
-
-The routers sit at the bottom of upstream's call chain (model, decoder layer, MoE, TopK,
-``select_experts``, ``biased_topk_jit_kernel_impl``; the hash and vision routers beside it),
-and no call on that chain carries a per-forward argument a feature could fill: handing the
-live rows down as an object would edit every signature on it, in upstream files. A scope is
-the narrow alternative: the target model, which holds its verify cap, opens it around one
-forward (``live_rows_scope``) and it is restored on exit, so a decode, a prefill, a draft
-forward or another model in the process sees None and upstream's routing. The model runner
-runs one forward at a time per process; a CUDA graph captured inside a scope reads the
-tensor it names by address at every replay, so the value need not outlive the capture."""
 
 
 @contextlib.contextmanager

@@ -100,11 +100,8 @@ def maybe_b12x_block_fp8(
     )
 
 
+# Internal, not read by upstream code: b12x's session per device, kept (closing frees the plans).
 _SESSIONS: dict[int, object] = {}
-"""b12x's preparation session per CUDA device, opened at the first prepared layer and kept
-for the process: closing it would release the plans every prepared layer holds. It is a
-cache of b12x's own runtime, read only here (no upstream code reads it); the per-layer state
-(packed weight, plans) lives on the layer."""
 
 
 class B12xBlockFp8Linear:

@@ -151,14 +151,10 @@ def settings_from_runtime() -> dict:
     return {"counts": plan_token_counts(decode_bs, rows, max(chunk, LADDER_MIN))}
 
 
+# Internal, not read by upstream code: one scratch set per (model root, geometry, tokens).
 _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
-"""Scratch shared by the MoE layers of one model, per (model root prefix, geometry, token
-count): the layers run one after another on the model's stream, so one set serves them all.
-Read only by this module's ``apply`` (no upstream code reads it). Invariant: two models whose
-MoE layers could run concurrently on different streams have different root prefixes."""
+# Internal, not read by upstream code: b12x's session per device, kept (closing frees the plans).
 _SESSIONS: dict[int, object] = {}
-"""b12x's preparation session per CUDA device, kept for the process: closing it would release
-the plans every prepared layer holds; read only by ``_prepare_plans``."""
 
 
 class Mxfp4B12xMoEMethod:
