@@ -1,19 +1,14 @@
 """--dsv4-hc-fused-stats: DeepSeek-V4.1's hyper-connection mix statistics in one pass over K
 for prefill-size inputs, the same bits as upstream's split-K kernels.
 
-The one-pass kernel (kernels/ops/layernorm/mhc_one_pass.py) walks upstream's K slices in the
-same order per row tile and hands the summed slice to upstream's own reduce: same partial sums,
-same order, same bits. It wins only where the row tiles alone fill the GPU, so it serves from a
-row threshold: ``auto`` takes the one ``MEASURED_MIN_ROWS`` lists for this GPU and route (never
-guessed: an unmeasured GPU refuses), a row count serves both routes from there, and a threshold
-no prefill forward can reach refuses to load.
-
-The model builds one ``HcFusedStats`` at load and hands it to its decoder layers; upstream's
-mix-statistics functions take it as ``fused_stats=`` and call one method of it first. Upstream's
-mhc.py imports nothing of ours. SELF-CHECK: the first eager call of each kernel variant also
-runs upstream's function and compares every bit; a differing bit keeps that variant stock for
-the model's life, and an unverified variant is never captured in a CUDA graph. Measurements and
-the per-GPU thresholds: docs/hc_fused.md.
+Upstream's K slices are walked in the same order per row tile and the summed slice goes to
+upstream's own reduce (kernels/ops/layernorm/mhc_one_pass.py): the same bits. It serves from a
+row threshold, measured per GPU (``MEASURED_MIN_ROWS``) or given; an unmeasured GPU or a threshold
+no prefill forward reaches refuses to load. The model builds one ``HcFusedStats`` and hands it to
+its layers; upstream's mix-statistics functions take it as ``fused_stats=`` and call one method
+of it first (upstream's mhc.py imports nothing of ours). The first eager call of each kernel
+variant is compared bit for bit with upstream's (stock for good on a difference, never captured
+unverified). Figures and the argument: docs/hc_fused.md.
 """
 
 from __future__ import annotations
@@ -91,11 +86,8 @@ def validate_hc_fused_stats(server_args) -> str:
 
 
 class HcFusedStats:
-    """The feature of one model, built once from the flag's value (``build_hc_fused_stats``) and
-    held by its decoder layers, whose hyper-connections hand it to upstream's mix-statistics
-    functions (``fused_stats=``); each of those calls one method below first, which returns the
-    result computed in one pass or None for upstream's own. Holds the threshold per route and
-    each kernel variant's self-check state ("verified" or "stock"; absent: not yet checked).
+    """The feature of one model (``build_hc_fused_stats``), held by its decoder layers: the
+    threshold per route and each kernel variant's self-check state ("verified" or "stock").
     """
 
     def __init__(self, mode: str, device_name: str):

@@ -1,22 +1,8 @@
 """The fp8 draft head's GEMM on Hopper (--speculative-dspark-draft-head-fp8, SM90): one wgmma
 kernel for every row count the flag serves, written in Gluon (Triton's explicit-layout dialect).
 
-WHY. The portable kernel (draft_head_fp8.py) multiplies 16-row tiles with mma.sync, so each
-tile beyond the first adds MMA time. Here the vocabulary rows are the MMA's M (64 per
-warpgroup, weights in registers) and the draft rows its N (8, 16 or 32): the tensor-core work of
-32 rows is one asynchronous wgmma per 64x32 weight tile, so the time barely moves with the row
-count (benchmark/results/draft_head_fp8-NVIDIA_H200.json, docs/draft-head-fp8.md).
-
-HOW.
-- Weights and x reach shared memory by TMA in a 4-stage ring (3 at TP1 size) of 128-K steps
-  with one mbarrier per stage; no load instruction touches L1 for them.
-- The head copy is stored with K permuted inside each 32-block (``e4m3_to_bf16.permute_k``) so
-  that a thread's A-fragment bytes for one 32-K block are 8 contiguous bytes: one LDS.64 per
-  row, and each 4-byte word is two logical pairs that the e4m3 -> bf16 asm (cvt + bit moves +
-  one HMUL2 by the power-of-two scale) turns into two bf16x2 registers; the K permutation is
-  undone by renaming registers (join/reshape/permute), no byte shuffles.
-- 128 vocab rows per CTA (two m64 pieces, 4 warps), ~96 KB of shared memory: 2 CTAs per SM.
-- One CTA barrier per 128-K step (before a stage is refilled) and at most one wgmma in flight.
+The vocabulary rows are the MMA's M and the draft rows its N, so the time barely moves with the
+row count. Why and how (TMA ring, K-permuted copy, tile shape): docs/draft-head-fp8.md.
 
 EXACT and ROW INVARIANT. Dequantisation is exact (same bits as the Triton kernel's weights);
 bf16 products are exact in the fp32 accumulator and K runs in one fixed order whatever N is, so
