@@ -5,8 +5,9 @@ refuses an unmeasured GPU, explicit rows serve both routes), the one-pass kernel
 equal to upstream's (the bf16x3 16-slice kernel at its 128-row tile, SM90's 64-row tiles left
 stock; tf32x3 split-K mixes and its fused sinkhorn through the hooks), the self-check (a kernel
 that differs by one bit goes back to stock for good and the call returns upstream's result; nothing unchecked is
-captured in a CUDA graph), the wiring (upstream's three functions ask the hook first) and off =
-upstream (nothing of ours runs or is imported). GPU (-m gpu): both routes at DeepSeek-V4.1's
+captured in a CUDA graph), the wiring (upstream's three functions ask the object they are handed first, the layers hand
+theirs over, and upstream's mhc.py imports nothing of ours) and off = upstream (no object, nothing
+of ours runs or is imported). GPU (-m gpu): both routes at DeepSeek-V4.1's
 K = 4 x 5120, row counts on both sides of upstream's row-tile changes, eager and replayed from a
 CUDA graph, bit for bit upstream's.
 """
@@ -70,11 +71,9 @@ def _interpreter_scalar_index(monkeypatch):
 
 
 @pytest.fixture
-def active(monkeypatch):
+def active():
     """An HcFusedStats serving from 1 row on both routes (as --dsv4-hc-fused-stats 1)."""
-    feature = hcf.HcFusedStats("1", "test-device")
-    monkeypatch.setattr(hcf, "_ACTIVE", feature)
-    return feature
+    return hcf.HcFusedStats("1", "test-device")
 
 
 @pytest.fixture
@@ -198,10 +197,10 @@ def test_off_is_upstream_and_imports_nothing_of_ours():
     from conftest import run_engine
 
     code = (
-        "import sys, torch; from sglang.srt.models import deepseek_v4_hc_fused as h; "
-        "from sglang.kernels.ops.layernorm import mhc; "
-        "assert h.configure_hc_fused_stats('off') is None and h._ACTIVE is None; "
-        "assert h.mix_stats(torch.zeros(4, 64), torch.zeros(24, 64), 1e-6) is None; "
+        "import sys, torch; from sglang.kernels.ops.layernorm import mhc; "
+        "assert 'sglang.srt.models.deepseek_v4_hc_fused' not in sys.modules; "
+        "from sglang.srt.models import deepseek_v4_hc_fused as h; "
+        "assert h.build_hc_fused_stats('off') is None; "
         "print('mhc_one_pass' in ' '.join(sys.modules))"
     )
     run = run_engine("-c", code)
@@ -210,39 +209,65 @@ def test_off_is_upstream_and_imports_nothing_of_ours():
     )
 
 
-def test_upstream_functions_ask_the_hook_first(monkeypatch):
+def test_upstream_functions_ask_the_object_they_are_handed_first():
     calls = []
 
-    def hook(name):
-        def f(*args):
-            calls.append(name)
-            return name
+    class Recorder:
+        def __getattr__(self, name):
+            def f(*args):
+                calls.append(name)
+                return name
 
-        return f
+            return f
 
-    for name in ("mix_stats", "mix_stats_sinkhorn", "mix_stats_sinkhorn_bf16x3"):
-        monkeypatch.setattr(hcf, name, hook(name))
+    f = Recorder()
     x, fn, scale, base = _inputs(2, 1024, device="cpu")
-    assert mhc.hc_mix_stats(x, fn, 1e-6) == "mix_stats"
+    assert mhc.hc_mix_stats(x, fn, 1e-6, fused_stats=f) == "mix_stats"
     assert (
-        mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6)
+        mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6, fused_stats=f)
         == "mix_stats_sinkhorn"
     )
     assert (
-        mhc.hc_mix_stats_sinkhorn_bf16x3(x, None, scale, base, 3, 1e-6, 1e-6)
+        mhc.hc_mix_stats_sinkhorn_bf16x3(
+            x, None, scale, base, 3, 1e-6, 1e-6, fused_stats=f
+        )
         == "mix_stats_sinkhorn_bf16x3"
     )
     assert calls == ["mix_stats", "mix_stats_sinkhorn", "mix_stats_sinkhorn_bf16x3"]
 
 
+def test_the_model_hands_its_feature_to_every_hyper_connection():
+    """The object reaches upstream's functions only through the layers: the decoder layer
+    declares it, builds both hyper-connections with it, and the three call sites pass
+    ``hc.fused_stats``; upstream's mhc.py imports nothing of ours (no import cycle)."""
+    import inspect
+
+    from sglang.srt.models import deepseek_v4, deepseek_v4_mhc
+
+    assert deepseek_v4_mhc.HcSubLayer._field_defaults["fused_stats"] is None
+    assert "deepseek_v4_hc_fused" not in inspect.getsource(mhc)
+    assert (
+        inspect.getsource(deepseek_v4_mhc._mix_stats_impl).count(
+            "fused_stats=hc.fused_stats"
+        )
+        == 3
+    )
+    layer = inspect.getsource(
+        deepseek_v4.DeepseekV4DecoderLayerBase._init_hyper_connections
+    )
+    assert layer.count("self.hc_fused_stats,") == 2
+    load = inspect.getsource(deepseek_v4.DeepseekV4ForCausalLM.post_load_weights)
+    assert "layer.hc_fused_stats = self.hc_fused_stats" in load
+
+
 # ------------------------------------------------------------ bit for bit, through the hooks
 
 
-def _bf16x3_call(m, k, seed):
+def _bf16x3_call(m, k, seed, fused_stats=None):
     x, fn, scale, base = _inputs(m, k, seed)
     parts = mhc.split_bf16_hc_weight(fn.contiguous())
     return lambda: mhc.hc_mix_stats_sinkhorn_bf16x3(
-        x, parts, scale, base, 3, 1e-6, 1e-6
+        x, parts, scale, base, 3, 1e-6, 1e-6, fused_stats=fused_stats
     )
 
 
@@ -290,7 +315,8 @@ def test_bf16x3_hopper_64_row_tiles_stay_stock(active, sm90):
     x, fn, scale, base = _inputs(33, 1024)
     parts = mhc.split_bf16_hc_weight(fn.contiguous())
     assert (
-        hcf.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC) is None
+        active.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC)
+        is None
     )
     assert active.state == {}
 
@@ -299,13 +325,14 @@ def test_tf32x3_mixes_and_sinkhorn_are_upstream_bit_for_bit(active):
     x, fn, scale, base = _inputs(
         11, 1024, seed=3
     )  # 16 slices; 16-row tiles, 5 masked rows
-    hcf._ACTIVE = None
     stock_mix = mhc.hc_mix_stats(x, fn, 1e-6)
     stock_sk = mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6)
-    hcf._ACTIVE = active
-    assert _same(mhc.hc_mix_stats(x, fn, 1e-6), stock_mix)
+    assert _same(mhc.hc_mix_stats(x, fn, 1e-6, fused_stats=active), stock_mix)
     assert _same(
-        mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 3, 1e-6, 1e-6), stock_sk
+        mhc.hc_mix_stats_sinkhorn(
+            x, fn, scale, base, HC, 3, 1e-6, 1e-6, fused_stats=active
+        ),
+        stock_sk,
     )
     assert active.state == {
         ("tf32x3", 16): "verified",
@@ -329,33 +356,33 @@ def test_self_check_sends_a_differing_kernel_back_to_stock_for_good(
 
     monkeypatch.setattr(mhc_one_pass, "hc_mix_one_pass", first_row_off)
     x, fn, _, _ = _inputs(5, 1024, seed=5)
-    hcf._ACTIVE = None
     stock = mhc.hc_mix_stats(x, fn, 1e-6)
-    hcf._ACTIVE = active
     with caplog.at_level(logging.ERROR, logger=hcf.__name__):
-        got = mhc.hc_mix_stats(x, fn, 1e-6)
+        got = mhc.hc_mix_stats(x, fn, 1e-6, fused_stats=active)
     assert _same(
         got, stock
     )  # the call that found the difference returns upstream's result
     assert active.state == {("tf32x3", 8): "stock"}
     # the injection reached the compared output: exactly the 24 mixes of the shifted row differ
     assert "differs from upstream's in 24 of 120 values" in caplog.text
-    assert hcf.mix_stats(x, fn, 1e-6) is None  # and stays stock
+    assert active.mix_stats(x, fn, 1e-6) is None  # and stays stock
 
 
 def test_unchecked_kernel_is_never_captured(active, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x, fn, _, _ = _inputs(4, 1024)
-    assert hcf.mix_stats(x, fn, 1e-6) is None and active.state == {}
+    assert active.mix_stats(x, fn, 1e-6) is None and active.state == {}
     active.state[("tf32x3", 8)] = "verified"
-    assert hcf.mix_stats(x, fn, 1e-6) is not None  # a verified kernel may be captured
+    assert (
+        active.mix_stats(x, fn, 1e-6) is not None
+    )  # a verified kernel may be captured
 
 
-def test_below_the_threshold_is_stock(monkeypatch):
-    monkeypatch.setattr(hcf, "_ACTIVE", hcf.HcFusedStats("8192", "d"))
+def test_below_the_threshold_is_stock():
+    f = hcf.HcFusedStats("8192", "d")
     x, fn, _, _ = _inputs(4, 1024)
-    assert hcf.mix_stats(x, fn, 1e-6) is None and hcf._ACTIVE.state == {}
+    assert f.mix_stats(x, fn, 1e-6) is None and f.state == {}
 
 
 def test_a_threshold_no_prefill_forward_reaches_refuses_to_load(monkeypatch):
@@ -363,7 +390,6 @@ def test_a_threshold_no_prefill_forward_reaches_refuses_to_load(monkeypatch):
     size: the flag would never run, so loading refuses and says why."""
     import sglang.srt.runtime_context as rc
 
-    monkeypatch.setattr(hcf, "_ACTIVE", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
     monkeypatch.setattr(rc, "max_prefill_buffer_tokens", lambda: 8192)
@@ -372,26 +398,27 @@ def test_a_threshold_no_prefill_forward_reaches_refuses_to_load(monkeypatch):
         match=r"would serve bf16x3 from 65536 rows.*more than 8192 rows "
         r"\(--chunked-prefill-size\), so it would never run",
     ):
-        hcf.configure_hc_fused_stats("auto")
+        hcf.build_hc_fused_stats("auto")
     with pytest.raises(RuntimeError, match="more than 8192 rows"):
-        hcf.configure_hc_fused_stats("8193")
-    assert hcf._ACTIVE is None
-    assert hcf.configure_hc_fused_stats("8192").min_rows["bf16x3"] == 8192
-    monkeypatch.setattr(hcf, "_ACTIVE", None)
+        hcf.build_hc_fused_stats("8193")
+    assert hcf.build_hc_fused_stats("8192").min_rows["bf16x3"] == 8192
     monkeypatch.setattr(
         rc, "max_prefill_buffer_tokens", lambda: 0
     )  # chunked prefill off: no ceiling
-    assert hcf.configure_hc_fused_stats("auto").min_rows["bf16x3"] == 65536
+    assert hcf.build_hc_fused_stats("auto").min_rows["bf16x3"] == 65536
 
 
-def test_configure_keeps_the_checks_across_reloads(monkeypatch):
-    monkeypatch.setattr(hcf, "_ACTIVE", None)
+def test_build_keeps_the_checks_across_reloads(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test-device")
-    f = hcf.configure_hc_fused_stats("64")
+    f = hcf.build_hc_fused_stats("64")
     f.state[("bf16x3", 128)] = "verified"
-    assert hcf.configure_hc_fused_stats("64") is f and f.state
-    assert hcf.configure_hc_fused_stats("off") is None and hcf._ACTIVE is None
+    assert hcf.build_hc_fused_stats("64", f) is f and f.state
+    g = hcf.build_hc_fused_stats("128", f)  # another mode: a new object, checked anew
+    assert g is not f and g.state == {}
+    assert hcf.build_hc_fused_stats("off", f) is None
+    # two models of one process build two objects: neither sees the other's checks
+    assert hcf.build_hc_fused_stats("64") is not f
 
 
 def test_benchmark_threshold_rule():
@@ -433,14 +460,13 @@ def test_gpu_bf16x3_bitwise_eager_and_graph(active, m):
         x, fn, scale, base = _inputs(m, K41, seed=m)
         parts = mhc.split_bf16_hc_weight(fn.contiguous())
         assert (
-            hcf.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC)
+            active.mix_stats_sinkhorn_bf16x3(x, parts, scale, base, 3, 1e-6, 1e-6, HC)
             is None
         )
         assert active.state == {}
         return
-    hcf._ACTIVE = None
     stock = call()
-    hcf._ACTIVE = active
+    call = _bf16x3_call(m, K41, seed=m, fused_stats=active)
     assert _same(call(), stock)  # the self-check
     assert active.state == {("bf16x3", 128): "verified"}
     graph = torch.cuda.CUDAGraph()
@@ -452,7 +478,6 @@ def test_gpu_bf16x3_bitwise_eager_and_graph(active, m):
 
 
 def _repeats_differ(m: int, calls: int = 8) -> bool:
-    hcf._ACTIVE = None
     call = _bf16x3_call(m, K41, seed=m)
     first = call()
     return any(not _same(call(), first) for _ in range(calls - 1))
@@ -481,12 +506,13 @@ def test_gpu_upstream_sm90_64_row_tile_does_not_repeat():
 @pytest.mark.parametrize("m", [1, 9, 2048, 2049, 8192])
 def test_gpu_tf32x3_bitwise(active, m):
     x, fn, scale, base = _inputs(m, K41, seed=m)
-    hcf._ACTIVE = None
     stock_mix = mhc.hc_mix_stats(x, fn, 1e-6)
     stock_sk = mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 20, 1e-6, 1e-6)
-    hcf._ACTIVE = active
-    assert _same(mhc.hc_mix_stats(x, fn, 1e-6), stock_mix)
+    assert _same(mhc.hc_mix_stats(x, fn, 1e-6, fused_stats=active), stock_mix)
     assert _same(
-        mhc.hc_mix_stats_sinkhorn(x, fn, scale, base, HC, 20, 1e-6, 1e-6), stock_sk
+        mhc.hc_mix_stats_sinkhorn(
+            x, fn, scale, base, HC, 20, 1e-6, 1e-6, fused_stats=active
+        ),
+        stock_sk,
     )
     assert set(active.state.values()) == {"verified"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import compileall
 import hashlib
 import re
@@ -788,3 +789,58 @@ def test_a_patch_that_only_adds_our_files_round_trips(tmp_path):
         "add a module of ours\n\nBody line."
     )
     assert commit_patch(tree, again, owns) == text
+
+
+def _added_import_statements(lines: list[str]) -> list[ast.stmt]:
+    """The import statements among a diff's added lines, each parsed on its own."""
+    stmts, i = [], 0
+    while i < len(lines):
+        stmt = lines[i].strip()
+        i += 1
+        if not stmt.startswith(("import ", "from ")):
+            continue
+        while stmt.count("(") > stmt.count(")") and i < len(lines):
+            stmt += "\n" + lines[i].strip()
+            i += 1
+        try:
+            stmts.extend(ast.parse(stmt).body)
+        except SyntaxError:
+            continue
+    return stmts
+
+
+def test_upstream_hunks_read_no_private_name_of_ours(series):
+    """Upstream code calls public names of ours only: no hunk imports ``_name`` from one of our
+    modules or reads ``alias._name`` on one it imported (feature state is an object handed to
+    its user, never a private module global that upstream code reads)."""
+    ours = {
+        own[len("python/") : -len(".py")].replace("/", ".")
+        for p in series
+        for own in p.owns
+        if own.endswith(".py")
+    }
+    problems = []
+    for p in series:
+        diff = p.path.read_text().partition("\n---\n")[2]
+        added = [
+            line[1:]
+            for line in diff.splitlines()
+            if line.startswith("+") and not line.startswith("+++")
+        ]
+        aliases = set()
+        for node in _added_import_statements(added):
+            if isinstance(node, ast.Import):
+                aliases.update(
+                    a.asname for a in node.names if a.name in ours and a.asname
+                )
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    if node.module in ours and a.name.startswith("_"):
+                        problems.append(f"{p.name}: from {node.module} import {a.name}")
+                    if f"{node.module}.{a.name}" in ours:
+                        aliases.add(a.asname or a.name)
+        for alias in aliases:
+            for line in added:
+                for name in re.findall(rf"\b{re.escape(alias)}\.(_\w+)", line):
+                    problems.append(f"{p.name}: {alias}.{name} in {line.strip()!r}")
+    assert not problems, problems

@@ -6,15 +6,10 @@ beside this module. ``--version`` (``launch_server``, ``sglang serve``), ``sglan
 the startup line and ``--fork-expect-version`` read them from here, so a running server always
 says which patches it carries and which fork flags are set.
 
-How a fork flag is declared (every patch follows it): the field lives in the upstream
-namespace of its area (``fields/spec.py`` for DSpark, ``fields/exec_.py`` for kernels,
-``fields/serving.py`` for this one), named as an upstream pull request would name it, off by
-default, help text ending in ``(default: ...)``; a value with a syntax has one public
-``parse_<flag>`` of ours as its ``type_parser`` (the typed value, or ``ArgumentTypeError`` naming
-the flag and listing the accepted forms), and one ``validate_<feature>`` of ours, called from that
-namespace's resolution hook, checks every rule involving other flags (``Engine(...)`` bypasses
-argparse, so it calls the same ``parse_<flag>`` once on a value that may be unparsed). The
-patch's ``Server-Args:`` trailer lists it; that is how this module finds the fork flags.
+Every fork flag is declared as CONTRIBUTING.md's "The flag pattern" says (a field in the upstream
+namespace of its area, one public ``parse_<flag>``, one ``validate_<feature>`` called from its
+resolution hook); the patch's ``Server-Args:`` trailer lists it, which is how this module finds
+the fork flags.
 """
 
 from __future__ import annotations

@@ -6,17 +6,11 @@ side stream; with this flag those rows are copied there into one buffer, the fir
 layer of the forward joins the side stream and all-reduces the buffer once with upstream's own
 call (``EngramEmbedding._reduce_owned_rows``), and every layer reads its slice.
 
-INVARIANTS.
-- The same bits: every table row is owned by exactly one rank (``check_rows_partition``, at
-  startup for every Engram layer at the configured TP) and every other rank adds an exact
-  +0.0, so no summation order (which the larger buffer may change) changes a value.
-- One collective order on every rank: the all-reduce runs on the main stream, where
-  upstream's first Engram all-reduce runs, and every TP rank takes the fused or the per-layer
-  path for the same batches (decode / verify, non-empty, no staged rows).
-- CUDA graphs: the buffer is allocated in the forward (from the graph's pool under capture,
-  ``record_stream``-ed onto the main stream); the all-reduce is captured as upstream's is.
-
-The arguments in full: docs/engram-fused-all-reduce.md.
+INVARIANTS (argued in docs/engram-fused-all-reduce.md). The same bits: every table row is owned
+by exactly one rank (``check_rows_partition``, at startup) and the others add an exact +0.0.
+One collective order on every rank: the all-reduce runs on the main stream where upstream's first
+Engram all-reduce runs, and every rank takes the fused path for the same batches. CUDA graphs:
+the buffer comes from the graph's pool under capture; the all-reduce is captured as upstream's.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """--engram-prefetch: every Engram layer's table gather issued right after the hasher on a side
 stream, joined at the layer that reads it; the same bits as the synchronous lookup.
 
-In 0.5.23 each Engram layer gathers its rows (hash ids -> fp8 table rows -> bf16) on the
-critical path when the layer is reached, although the hash ids of every layer are known once
-the hasher has run. Decode and target-verify batches (the CUDA-graph modes) fork a side stream
-after the hasher, gather every Engram layer's rows there in layer order, and record one event
-per layer; the layer waits for its event instead of gathering. The gathered values are the same
-kernel on the same inputs, so the bits are stock's.
-
-WHAT STAYS WHERE IT WAS. Only the local gather moves. With TP-sharded tables (device, or
-per-rank host shards) each rank gathers the rows it owns and the TP all-reduce that assembles
-them still runs on the main stream at the layer, in upstream's order: no collective changes
-stream or position (a fused all-reduce for all layers is a multi-GPU feature). Extend batches
-(prefill: CP gathers, scheduler-staged rows, breakable graphs, the late-layer tail) keep
-upstream's lookup, as do batches with staged rows or DP attention's gathered lookup.
+Decode and target-verify batches (the CUDA-graph modes) fork a side stream after the hasher,
+gather every Engram layer's rows there in layer order and record one event per layer; the layer
+waits for its event instead of gathering. Only the local gather moves: TP all-reduces stay on the
+main stream at the layer, and extend batches keep upstream's lookup (docs/engram_prefetch.md).
 
 INVARIANTS. Every event recorded on the side stream is waited on by the main stream in the same
 forward (each Engram layer of a decode / verify forward runs once), so a CUDA-graph capture

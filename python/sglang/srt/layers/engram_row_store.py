@@ -1,21 +1,10 @@
 """Engram rows on local storage (NVMe) behind a bounded RAM cache (``--engram-row-store-dir``).
 
-WHY. DeepSeek-V4.1's two Engram tables are ~189 GiB of fp8 rows (2 x ~384M rows x 264 B); a DGX
-Spark (GB10) has 128 GB of memory shared by the CPU and the GPU, so the tables cannot live in
-either. Each rank writes its shard of each table to a file under the flag's directory at load and
-serves lookups from a RAM cache of rows (``--engram-row-store-cache-gib`` per rank, split over the
-tables by their row counts), reading misses from the file.
-
-LAYOUT. One record per row: the row's ``dim`` e4m3 bytes, then its ``dim / 32`` e8m0 scale bytes
-(264 B at V4.1's dim 256), so a row is one read. The file is padded to whole 4 KiB blocks and read
-with O_DIRECT in 4 KiB-aligned runs (buffered where the filesystem refuses O_DIRECT, e.g. tmpfs;
-the startup line says which), so the page cache does not hold a second, unbounded copy.
-
-CACHE. CLOCK over row slots: a hit sets the slot's reference bit, a new row enters with it clear
-(a row must be hit again to survive a sweep of the hand), and no slot a lookup uses is evicted by
-that same lookup (per-lookup stamp). A lookup needing more new rows than the cache can give reads
-the rest into a scratch buffer (served, not cached). The row -> slot map is one int32 per shard
-row (1.5 % of the shard's bytes).
+Each rank writes its shard of each Engram table to a file under the flag's directory at load
+(one record per row: its e4m3 bytes then its e8m0 scales, read with O_DIRECT where the
+filesystem allows) and serves lookups from a CLOCK cache of rows in RAM, reading misses from the
+file: for machines whose memory cannot hold the tables. Why, the layout and the cache policy:
+docs/engram-row-store.md.
 
 INVARIANTS. The bytes a lookup returns are the checkpoint's bytes (written at load, read back
 verbatim), and rows are dequantized by the same arithmetic as the device table (on CUDA the same
@@ -114,13 +103,8 @@ def parse_engram_row_store_cache_gib(value) -> float:
 
 DEFAULT_CACHE_GIB = 16.0
 
+# Internal, not read by upstream code: every store of the process, to split the one cache budget.
 _STORES: list["EngramRowStore"] = []
-"""The row stores of this process in construction order. The RAM cache budget is one figure
-for the process (``--engram-row-store-cache-gib``), split over every table shard; a store's
-share is fixed at its ``finish_load``, when every table has been constructed (before the
-memory profile: on unified-memory machines the cache comes out of the KV cache's pool). The
-Engram layers are built one by one with no object of the model's they could share, so the
-list is the module's; only this module reads it (an Engram layer holds its own store)."""
 
 
 def maybe_engram_row_store(

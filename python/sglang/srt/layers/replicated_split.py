@@ -7,20 +7,11 @@ quant method's ``apply`` on a view of the weight and its scales for those rows, 
 all-gather (padded to the widest slice) and the concat. Each rank streams 1/TP of the weight; the
 all-gather is what it costs. Larger calls (prefill) and pre-quantized (tuple) inputs stay stock.
 
-EXACTNESS. The split output is bit for bit the stock one when every output column is computed by
-the same kernel over the same K in the same order, whatever N is: true for a GEMM whose tiling,
-split-K and reduction order depend on M and K only. It is NOT true when the kernel (or the
-library's heuristic choosing it) picks its tiling or split-K from N, which a narrower slice changes.
-So nothing is assumed: the first eager call of each layer at each row count compares the gathered
-split output with the stock layer on the real input and three random ones, bit for bit; a layout
-the slicer does not know (a scale tensor that is not row- or 128-row-tile-indexed) or a kernel
-refusing the slice fails the check too. The ranks agree with a MIN all-reduce: a (layer, rows)
-pair is split on every rank or on none, and a failed check keeps it stock and logs why.
-
-COST. On the same first call both paths are timed (CUDA events, median of ``TIMING_REPS``), and
-the split is kept only when its slowest rank takes at most ``1 - SPEED_MARGIN`` of the fastest
-rank's stock time (MIN all-reduces of the check, then of [-t_split, t_stock]); each decision is
-logged with both times. Figures: docs/replicated-split.md.
+EXACTNESS AND COST ARE CHECKED, NEVER ASSUMED. The first eager call of each layer at each row
+count compares the gathered split output with the stock layer bit for bit and times both; the
+ranks agree with MIN all-reduces, so a (layer, rows) pair is split on every rank or on none,
+and a failed check or a split that is not faster keeps it stock (logged). Why a narrower slice
+can change the bits, and the timing rule: docs/replicated-split.md.
 
 CUDA GRAPHS. Decisions are made on eager calls only (the warm-up runs before capture); a capture
 replays the decided path, and a row count first seen inside a capture is captured stock on every

@@ -5,14 +5,8 @@ A request loops when its last ``L`` output tokens repeat a pattern of period ``p
 request is finished with its own reason (``FINISH_LOOP``, finish_reason ``"loop"``), which
 frees its KV like any finish, instead of decoding to ``max_new_tokens``.
 
-HOW IT STAYS O(1) PER TOKEN. A ``LoopGuard`` tracks one candidate period and the length of
-its run (consecutive tokens equal to the token ``p`` back): one comparison per token. It
-looks for a candidate only while it has none: every ``P`` tokens (and once when a run
-breaks) it takes the smallest period of the last ``2P`` tokens (KMP, ``O(P)``), and on a
-period ``<= P`` it scans back for the run's start. Runs of different periods overlap by
-fewer than ``2P`` tokens (Fine-Wilf), so the scans add up to ``O(n + 2n)``; the probes cost
-``2P`` every ``P`` tokens. Amortized: a few operations per token, independent of the output
-length and of ``P`` (``benchmark/results/loop_abort-cpu.json``).
+A ``LoopGuard`` checks one candidate period per token (O(1) amortized, independent of the
+output length and of ``P``; the argument: docs/loop-abort.md).
 
 THE INVARIANT THAT MAKES IT EXACT. With ``N >= 3P`` a loop is found on the very token where
 its periodic tail first reaches ``N``, as a rescan of every period would find it: a probe
@@ -150,13 +144,8 @@ class LoopAbort:
         self._counter = None  # created at the first finish a metrics collector counts
 
     def attach(self, req: Any) -> None:
-        """Give a new request its ``LoopGuard``.
-
-        Exempt: ``ignore_eos`` requests (they ask for exactly ``max_new_tokens``, e.g.
-        benchmarks) and ``custom_params: {"loop_abort": false}``.
-        ``{"loop_abort": {"max_period": P, "min_tokens": N}}`` sets the request's own limits;
-        an invalid value finishes the request with a 400 before it runs.
-        """
+        """Give a new request its ``LoopGuard``, or none where it is exempt (the exemptions,
+        per-request limits and the 400 a bad value gets: docs/loop-abort.md)."""
         params = req.sampling_params
         custom = params.custom_params if isinstance(params.custom_params, dict) else {}
         override = custom.get(CUSTOM_PARAMS_KEY)

@@ -1,36 +1,20 @@
 """Read a safetensors checkpoint at disk speed, and only the bytes this rank keeps.
 
-``--weight-loader-fast-load`` (figures: docs/fast-load.md). Upstream's safetensors
-iterators hand the model lazy mmap views: the bytes arrive by page faults, one
-readahead window at a time, in whichever thread copies the tensor. Here a pool of
-``pread`` threads reads the byte ranges of the tensors this rank will copy into
-pageable slabs, and the model gets views of them, file by file in offset order
-(pageable, not pinned: pinned slabs loaded slower and held more memory on the GPU
-host, docs/fast-load.md). Which tensors a rank copies is the model's to say
-(``checkpoint_owner()``, a :class:`CheckpointOwner`): the experts of other EP ranks
-and the tensors a draft never loads are not read at all; where the model copies
-only a contiguous slice of a tensor (a TP rank's rows of an expert), only that
-slice is read and the model gets a full-shape stand-in (:class:`RankSliceTensor`)
-whose one permitted data access is that narrow.
+``--weight-loader-fast-load``: a pool of ``pread`` threads reads, file by file in offset order,
+the byte ranges of the tensors this rank will copy (``checkpoint_owner()``, a
+:class:`CheckpointOwner`) into pageable slabs, and the model gets views of them; a contiguous
+slice a rank keeps of a tensor is read alone and handed over as a :class:`RankSliceTensor`.
+How it reads and why, with figures: docs/fast-load.md.
 
-INVARIANTS
-* Bitwise: a yielded tensor holds exactly the bytes ``safetensors.safe_open``
-  returns. The header is checked as strictly as safetensors checks it (known
-  dtype, byte span = shape x dtype size, spans tiling the data region with no gap
-  or overlap, file length = header + data), and a short read is an error; every
+INVARIANTS (each argued in docs/fast-load.md)
+* Bitwise: a yielded tensor holds exactly the bytes ``safetensors.safe_open`` returns; the
+  header is checked as strictly as safetensors checks it, a short read is an error, and every
   failure is a :class:`CheckpointError` naming the file and the tensor.
 * Only kept bytes: no byte outside a kept range is read, except the headers.
-* Memory (the pacing): the slabs read ahead and those the model still holds (its
-  queued copies) stay within ``budget = 2 x threads x slab``. The one exception
-  is the slab the model waits for, when it does not fit (a tensor larger than the
-  budget, or copies lagging): it is read once nothing else is held, or once no
-  slab was released for a while (``_head_may_go``), so the reads never deadlock a model
-  that keeps tensors (one that keeps them all turns the pacing off, logged; the
-  read-ahead alone stays within the budget).
-* A slab is released only once no tensor views its storage (its use count), so
-  a copy the model still has queued never reads reused memory (``pin_memory=True``:
-  pinned slabs go back through torch's host allocator, whose cache is emptied when
-  the last one is released after the load).
+* Memory: the slabs read ahead and those the model still holds stay within
+  ``budget = 2 x threads x slab``, but for the one slab the model waits for (``_head_may_go``),
+  so the reads never deadlock a model that keeps tensors.
+* A slab is released only once no tensor views its storage (its use count).
 
 THE TRAP: skipping a tensor is safe only when the model would never copy it. A
 wrong ``keeps()`` leaves a parameter at its initial values and upstream's loaders
@@ -328,13 +312,9 @@ _METADATA = {
 
 
 class RankSliceTensor(torch.Tensor):
-    """Full-shape stand-in for a checkpoint tensor of which this rank read one slice.
-
-    Shape, dtype and device are the full tensor's. ``narrow(dim, start, length)``
-    (or ``[start:stop]`` on dim 0) with exactly the kept slice returns it; any other
-    access raises, naming the tensor: the model did something the owner did not
-    declare, and nothing but that slice was read.
-    """
+    """Full-shape stand-in for a checkpoint tensor of which this rank read one slice: ``narrow``
+    (or ``[start:stop]`` on dim 0) with exactly that slice returns it, any other access raises
+    naming the tensor (the owner did not declare what the model did)."""
 
     @staticmethod
     def __new__(
@@ -437,12 +417,8 @@ class _Slab:
 
 @dataclasses.dataclass
 class FastLoadStats:
-    """What a load read; ``bytes_read`` counts tensor data, ``header_bytes`` the headers.
-    Where the load's ``seconds`` went, in the loading thread: ``wait_read_s`` waiting for the
-    reads of the slab the model needs next (the storage), ``wait_budget_s`` waiting for the model
-    to release slabs before that slab could be issued (the pacing), ``alloc_s`` allocating slabs
-    (pinned ones page-lock as they allocate); the rest is the model consuming the tensors.
-    """
+    """What a load read (``bytes_read``: tensor data, ``header_bytes``: headers) and where its
+    ``seconds`` went in the loading thread (docs/fast-load.md reads them)."""
 
     files: int = 0
     files_opened: int = 0
@@ -464,11 +440,8 @@ class FastLoadStats:
 def _kept_range(
     entry: TensorEntry, s: Optional[RankSlice]
 ) -> Tuple[int, int, Tuple[int, ...], Optional[RankSlice]]:
-    """(file offset, nbytes, kept shape, slice) of what is read for ``entry``.
-
-    A slice is read alone only where it is contiguous (every dim before ``dim`` has
-    size 1, e.g. rows of a row-major matrix) or empty; a strided one (columns) is
-    read whole and handed over as the real tensor, for the model to narrow itself.
+    """(file offset, nbytes, kept shape, slice) of what is read for ``entry``: a slice alone only
+    where it is contiguous or empty; a strided one is read whole, for the model to narrow.
     """
     shape = entry.shape
     if s is None or not shape:

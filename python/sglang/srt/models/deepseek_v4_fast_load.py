@@ -1,12 +1,7 @@
 """DeepSeek-V4's ``checkpoint_owner()``: what of the checkpoint a rank copies (--weight-loader-fast-load).
 
-The target keeps every tensor but the draft's ``mtp.*``, other pipeline stages'
-layers, unwired V4.1 vision tensors and the routed experts FusedMoE's loader
-drops on this rank (another EP rank's, after EPLB's logical-to-physical map); the
-NextN (MTP) draft keeps only its layer, the DSpark draft only the ``mtp.*``
-tensors its loader maps, with the same experts rule. At moe_tp_size > 1 a routed expert's w1/w3 (and their block scales) are
-read as the TP rank's rows only; the embedding and LM head as the rank's
-vocabulary rows, an Engram table as the rank's row range.
+The target keeps every tensor but those another rank, stage or model loads; the drafts keep
+only their own; where a rank copies a slice, only the slice is read (the rules: docs/fast-load.md).
 
 INVARIANT: every rule here mirrors the model's own ``load_weights`` and the weight
 loader of the parameter the tensor lands in; whatever it cannot prove is kept

@@ -1,26 +1,14 @@
 """--dsv4-hc-fused-stats: DeepSeek-V4.1's hyper-connection mix statistics in one pass over K
 for prefill-size inputs, the same bits as upstream's split-K kernels.
 
-Upstream computes the mix statistics of a sublayer (x [M, 4 x 5120] against the 24-row mixing
-weight) as K slices (16 for the bf16x3 projection, the SM90 default; 80 for the tf32x3 kernel)
-written to a [slices, M, 24] partials buffer and summed by a reduce kernel. The one-pass kernel
-(kernels/ops/layernorm/mhc_one_pass.py) walks the same slices in the same order per row tile
-and hands the summed slice to upstream's own reduce with one slice: same partial sums, same
-order, same bits. It wins only where the row tiles alone fill the GPU (large M); below that the
-split-K grid is faster, so each device needs its measured threshold.
-
-THE THRESHOLD IS MEASURED, NEVER GUESSED. ``auto`` serves the one-pass kernel from the row count
-``MEASURED_MIN_ROWS`` lists for this GPU and route (docs/hc_fused.md says how it is measured
-and links the result file); a route not measured on this GPU, or measured never to win, stays
-stock, and a GPU with no route that wins refuses to load. An explicit row count serves both
-routes from there. Either way, a threshold above the most rows one prefill forward can hold
-(the chunked prefill size) refuses to load: the flag would never run.
-
-SELF-CHECK. The first eager call of each kernel variant (route x row tile) at or above the
-threshold also runs upstream's function and compares every bit of its outputs; a single differing
-bit turns that variant back to stock for the rest of the process (logged as an error), equality
-marks it verified. Before verification a variant never runs under CUDA-graph capture (stock is
-captured), so no graph ever holds an unchecked kernel.
+Upstream's K slices are walked in the same order per row tile and the summed slice goes to
+upstream's own reduce (kernels/ops/layernorm/mhc_one_pass.py): the same bits. It serves from a
+row threshold, measured per GPU (``MEASURED_MIN_ROWS``) or given; an unmeasured GPU or a threshold
+no prefill forward reaches refuses to load. The model builds one ``HcFusedStats`` and hands it to
+its layers; upstream's mix-statistics functions take it as ``fused_stats=`` and call one method
+of it first (upstream's mhc.py imports nothing of ours). The first eager call of each kernel
+variant is compared bit for bit with upstream's (stock for good on a difference, never captured
+unverified). Figures and the argument: docs/hc_fused.md.
 """
 
 from __future__ import annotations
@@ -98,8 +86,9 @@ def validate_hc_fused_stats(server_args) -> str:
 
 
 class HcFusedStats:
-    """The feature for one process: the threshold per route and each kernel variant's
-    self-check state ("verified" or "stock"; absent: not yet checked)."""
+    """The feature of one model (``build_hc_fused_stats``), held by its decoder layers: the
+    threshold per route and each kernel variant's self-check state ("verified" or "stock").
+    """
 
     def __init__(self, mode: str, device_name: str):
         self.mode, self.device_name = mode, device_name
@@ -119,7 +108,6 @@ class HcFusedStats:
         else:
             self.min_rows = {r: int(mode) for r in ROUTES}
         self.state: dict[tuple[str, int], str] = {}
-        self.in_stock_call = False
 
     def describe(self) -> str:
         def one(route: str) -> str:
@@ -134,7 +122,7 @@ class HcFusedStats:
 
     def wants(self, route: str, rows: int) -> bool:
         n = self.min_rows[route]
-        return not self.in_stock_call and n is not None and rows >= n
+        return n is not None and rows >= n
 
     def serve(
         self, variant: tuple[str, int], rows: int, ours: Callable, stock: Callable
@@ -148,11 +136,7 @@ class HcFusedStats:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return None  # never capture an unchecked kernel: the graph keeps stock
         mine = ours()
-        self.in_stock_call = True
-        try:
-            ref = stock()
-        finally:
-            self.in_stock_call = False
+        ref = stock()
         differ, total = _differing_bits(mine, ref)
         if differ:
             self.state[variant] = "stock"
@@ -177,6 +161,126 @@ class HcFusedStats:
         )
         return mine
 
+    # ---- what upstream's mix-statistics functions (kernels/ops/layernorm/mhc.py) call first when
+    # handed this object; ``stock`` calls the same function without it, so it runs upstream's.
+
+    def mix_stats_sinkhorn_bf16x3(
+        self, x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult
+    ):
+        if not self.wants("bf16x3", x.shape[0]):
+            return None
+        from sglang.kernels.ops.layernorm import mhc
+        from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass_bf16x3
+        from sglang.srt.runtime_context import get_platform
+
+        m, k = x.shape
+        if get_platform().is_sm90 and 32 <= m < 4096:
+            # Upstream's 64-row tile (SM90 below 4096 rows) stays stock: there upstream's own
+            # kernel is not bitwise repeatable, so no bitwise check can vouch for a replacement
+            # (docs/hc_fused.md).
+            return None
+        block_m = mhc._HC_MIX_BF16X3_BLOCK_M
+
+        def ours():
+            part, sq = hc_mix_one_pass_bf16x3(x, weight_parts, block_m)
+            return _reduce_sinkhorn(
+                part,
+                sq,
+                scale,
+                base,
+                (2 + hc_mult) * hc_mult,
+                k,
+                hc_mult,
+                sinkhorn_iters,
+                rms_eps,
+                hc_eps,
+            )
+
+        def stock():
+            return mhc.hc_mix_stats_sinkhorn_bf16x3(
+                x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult
+            )
+
+        return self.serve(("bf16x3", block_m), m, ours, stock)
+
+    def mix_stats(self, x_flat, hc_fn, eps):
+        if x_flat.shape[0] == 0 or not self.wants("tf32x3", x_flat.shape[0]):
+            return None
+        import triton
+
+        from sglang.kernels.ops.layernorm import mhc
+        from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass
+
+        m, k = x_flat.shape
+        block_m = mhc._block_m_for(m)
+
+        def ours():
+            mix = hc_fn.shape[0]
+            part, sq = hc_mix_one_pass(x_flat, hc_fn)
+            mixes = torch.empty((m, mix), dtype=torch.float32, device=x_flat.device)
+            mhc._hc_mix_stats_reduce_kernel[(triton.cdiv(m, block_m),)](
+                part,
+                sq,
+                mixes,
+                m,
+                1.0 / k,
+                eps,
+                MIX=mix,
+                MIX_PAD=max(16, triton.next_power_of_2(mix)),
+                NUM_SLICES=1,
+                BLOCK_M=block_m,
+                num_warps=4,
+            )
+            return mixes
+
+        def stock():
+            return mhc.hc_mix_stats(x_flat, hc_fn, eps)
+
+        return self.serve(("tf32x3", block_m), m, ours, stock)
+
+    def mix_stats_sinkhorn(
+        self, x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps
+    ):
+        if x_flat.shape[0] == 0 or not self.wants("tf32x3", x_flat.shape[0]):
+            return None
+        from sglang.kernels.ops.layernorm import mhc
+        from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass
+
+        if mhc._is_hip:
+            return None
+        m, k = x_flat.shape
+        block_m = mhc._block_m_for(m)
+
+        def ours():
+            part, sq = hc_mix_one_pass(x_flat, hc_fn)
+            # scale and base as upstream's hc_mix_stats_sinkhorn passes them to the same kernel
+            return _reduce_sinkhorn(
+                part,
+                sq,
+                hc_scale.float().contiguous(),
+                hc_base.float().contiguous(),
+                hc_fn.shape[0],
+                k,
+                hc_mult,
+                sinkhorn_iters,
+                rms_eps,
+                hc_eps,
+            )
+
+        def stock():
+            return mhc.hc_mix_stats_sinkhorn(
+                x_flat,
+                hc_fn,
+                hc_scale,
+                hc_base,
+                hc_mult,
+                sinkhorn_iters,
+                rms_eps,
+                hc_eps,
+            )
+
+        return self.serve(("tf32x3-sinkhorn", block_m), m, ours, stock)
+
 
 def _route_of(kernel: str) -> str:
     return "bf16x3" if kernel == "bf16x3" else "tf32x3"
@@ -196,25 +300,17 @@ def _differing_bits(a, b) -> tuple[int, int]:
     return differ, total
 
 
-_ACTIVE: Optional[HcFusedStats] = None
-"""The feature of this process (``configure_hc_fused_stats``, at model load), or None. Upstream's
-mix-statistics functions in ``kernels/ops/layernorm/mhc.py`` are free functions called from
-``deepseek_v4_mhc``'s layer code with tensors only, so their one-line hooks (``mix_stats`` and
-its two siblings) read it here. Every DeepSeek-V4 model of the process configures it from the
-same flag, so they share one (a second configure with the same mode keeps the first, its
-checks included); with the flag off it is None and every hook returns None at once."""
-
-
-def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:
-    """Build (or keep) the process's feature from the flag's value, at model load; logs what
-    serves. ``off`` removes it: every hook below then returns None at once."""
-    global _ACTIVE
+def build_hc_fused_stats(
+    mode: str, previous: Optional[HcFusedStats] = None
+) -> Optional[HcFusedStats]:
+    """The model's feature from the flag's value, at model load (None when off); logs what
+    serves. ``previous`` (the model's own, at a later ``post_load_weights``: a weight update)
+    is kept when the mode is unchanged, its self-checks included."""
     mode = parse_hc_fused_stats(mode)
     if mode == "off":
-        _ACTIVE = None
         return None
-    if _ACTIVE is not None and _ACTIVE.mode == mode:
-        return _ACTIVE  # post_load_weights again (weight update): keep the checks
+    if previous is not None and previous.mode == mode:
+        return previous
     if not torch.cuda.is_available():
         raise RuntimeError(f"--dsv4-hc-fused-stats={mode}: needs a CUDA GPU")
     feature = HcFusedStats(mode, torch.cuda.get_device_name())
@@ -228,14 +324,13 @@ def configure_hc_fused_stats(mode: str) -> Optional[HcFusedStats]:
             f"(--chunked-prefill-size), so it would never run; leave the flag off or raise "
             f"--chunked-prefill-size to the threshold"
         )
-    _ACTIVE = feature
     logger.info(
         "dsv4 hc fused stats (--dsv4-hc-fused-stats=%s): one pass over K for %s; each kernel "
         "self-checks against upstream's on its first call",
         mode,
-        _ACTIVE.describe(),
+        feature.describe(),
     )
-    return _ACTIVE
+    return feature
 
 
 def _prefill_rows_ceiling() -> Optional[int]:
@@ -251,10 +346,6 @@ def _prefill_rows_ceiling() -> Optional[int]:
     ):  # "config namespace 'schedule' not published": no server configured
         return None
     return rows or None
-
-
-# ---- the hooks upstream's mix-statistics functions call first (kernels/ops/layernorm/mhc.py):
-# each returns that function's result computed in one pass, or None for upstream's own.
 
 
 def _reduce_sinkhorn(
@@ -288,119 +379,3 @@ def _reduce_sinkhorn(
         num_warps=1,
     )
     return pre, post, comb
-
-
-def mix_stats_sinkhorn_bf16x3(
-    x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult
-):
-    f = _ACTIVE
-    if f is None or not f.wants("bf16x3", x.shape[0]):
-        return None
-    from sglang.kernels.ops.layernorm import mhc
-    from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass_bf16x3
-    from sglang.srt.runtime_context import get_platform
-
-    m, k = x.shape
-    if get_platform().is_sm90 and 32 <= m < 4096:
-        # Upstream's 64-row tile (SM90 below 4096 rows) stays stock: there upstream's own kernel
-        # gives different bits from one call to the next on the same input (on the H200, a few
-        # rows in a thousand), so no bitwise check can vouch for a replacement (docs/hc_fused.md).
-        return None
-    block_m = mhc._HC_MIX_BF16X3_BLOCK_M
-
-    def ours():
-        part, sq = hc_mix_one_pass_bf16x3(x, weight_parts, block_m)
-        return _reduce_sinkhorn(
-            part,
-            sq,
-            scale,
-            base,
-            (2 + hc_mult) * hc_mult,
-            k,
-            hc_mult,
-            sinkhorn_iters,
-            rms_eps,
-            hc_eps,
-        )
-
-    def stock():
-        return mhc.hc_mix_stats_sinkhorn_bf16x3(
-            x, weight_parts, scale, base, sinkhorn_iters, rms_eps, hc_eps, hc_mult
-        )
-
-    return f.serve(("bf16x3", block_m), m, ours, stock)
-
-
-def mix_stats(x_flat, hc_fn, eps):
-    f = _ACTIVE
-    if f is None or x_flat.shape[0] == 0 or not f.wants("tf32x3", x_flat.shape[0]):
-        return None
-    import triton
-
-    from sglang.kernels.ops.layernorm import mhc
-    from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass
-
-    m, k = x_flat.shape
-    block_m = mhc._block_m_for(m)
-
-    def ours():
-        mix = hc_fn.shape[0]
-        part, sq = hc_mix_one_pass(x_flat, hc_fn)
-        mixes = torch.empty((m, mix), dtype=torch.float32, device=x_flat.device)
-        mhc._hc_mix_stats_reduce_kernel[(triton.cdiv(m, block_m),)](
-            part,
-            sq,
-            mixes,
-            m,
-            1.0 / k,
-            eps,
-            MIX=mix,
-            MIX_PAD=max(16, triton.next_power_of_2(mix)),
-            NUM_SLICES=1,
-            BLOCK_M=block_m,
-            num_warps=4,
-        )
-        return mixes
-
-    def stock():
-        return mhc.hc_mix_stats(x_flat, hc_fn, eps)
-
-    return f.serve(("tf32x3", block_m), m, ours, stock)
-
-
-def mix_stats_sinkhorn(
-    x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps
-):
-    f = _ACTIVE
-    if f is None or x_flat.shape[0] == 0 or not f.wants("tf32x3", x_flat.shape[0]):
-        return None
-    from sglang.kernels.ops.layernorm import mhc
-    from sglang.kernels.ops.layernorm.mhc_one_pass import hc_mix_one_pass
-
-    if mhc._is_hip:
-        return None
-    m, k = x_flat.shape
-    block_m = mhc._block_m_for(m)
-
-    def ours():
-        part, sq = hc_mix_one_pass(x_flat, hc_fn)
-        # scale and base as upstream's hc_mix_stats_sinkhorn passes them to the same kernel
-        return _reduce_sinkhorn(
-            part,
-            sq,
-            hc_scale.float().contiguous(),
-            hc_base.float().contiguous(),
-            hc_fn.shape[0],
-            k,
-            hc_mult,
-            sinkhorn_iters,
-            rms_eps,
-            hc_eps,
-        )
-
-    def stock():
-        return mhc.hc_mix_stats_sinkhorn(
-            x_flat, hc_fn, hc_scale, hc_base, hc_mult, sinkhorn_iters, rms_eps, hc_eps
-        )
-
-    return f.serve(("tf32x3-sinkhorn", block_m), m, ours, stock)

@@ -1,23 +1,11 @@
 """DeepSeek-V4 wo_a from an fp8 twin (``--dsv4-wo-a-fp8-twin``): building the twins, routing, drop.
 
-V4.1 ships wo_a as e4m3 with one ue8m0 scale per 32x32 block; the engine dequantizes it to bf16
-at load, so every decode / verify / draft call streams twice the bytes. After the weights load,
-every bf16 ``wo_a`` of the target and of the DSpark draft gets a twin (e4m3 values + one exponent
-per 32x32 block), kept only when dequantizing it gives the bf16 weight back bit for bit.
-The attention layer holds its twin (``wo_a_twin``, None without one) and
-``_apply_wo_a_bf16_matmul`` calls it first. On Hopper
-(``sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90``, both kernels read one packed copy):
-- ``small``: decode / target-verify / draft calls with 2..8 rows on the small kernel, also those
-  that want upstream's fused MXFP8 epilogue (the bits of upstream's ``wo_a_bf16_small_batch``,
-  which upstream runs on Blackwell only: Hopper's stock route is cuBLAS, so against stock the
-  result is rounding-level, not bitwise; docs/wo-a-fp8-twin.md);
-- ``mid``: also the row counts where the twin was measured faster (``MID_FASTER_MAX``): the small
-  kernel up to ``SMALL_KERNEL_MAX`` rows, the wgmma kernel above; more rows stay stock;
-- ``drop``: every decode / verify call of 1..192 rows reads the twin, and the bf16 weight is
-  released once the twin's dequantisation is checked bit-identical to it.
-Elsewhere the portable Triton kernel ``dsv4_wo_a_fp8`` serves 2..8 rows (and 9..192 under mid).
-Prefill, one row (but under drop), other shapes or layouts and layers without a twin stay stock.
-Figures: docs/wo-a-fp8-twin.md.
+V4.1's wo_a is e4m3 with one ue8m0 scale per 32x32 block, dequantized to bf16 at load. After the
+weights load every bf16 ``wo_a`` of the target and of the DSpark draft gets a twin (e4m3 values +
+one exponent per 32x32 block), kept only when dequantizing it gives the bf16 weight back bit for
+bit. The attention layer holds its twin (``wo_a_twin``, None without one) and
+``_apply_wo_a_bf16_matmul`` calls it first; the levels (small, mid, drop), the kernels they use
+and the calls that stay stock: docs/wo-a-fp8-twin.md.
 
 DROP'S INVARIANTS. The released parameter holds a stand-in (one NaN seen through zero strides),
 so a reader the dispatch did not catch cannot produce plausible numbers (``_stand_in``).
@@ -288,12 +276,8 @@ def _stand_in(w: torch.Tensor) -> torch.Tensor:
 
 def _drop(entries: list, label: str) -> tuple[int, int]:
     """Release the bf16 weight of every twin whose dequantisation (the one prefill uses) gives it
-    back bit for bit; a twin that does not keeps its weight, and the log says so. The storage itself
-    is freed (``resize_(0)``, as upstream releases weights it repacks), not just unreferenced: the
-    first build of a process released nothing before, because upstream's torch_memory_saver_adapter
-    keeps the ImportError of its lazy import, whose frames reach back to this build's locals. Views
-    left in such dead frames now point at freed memory; no reader is left (_BYPASSES refuses those).
-    """
+    back bit for bit (``resize_(0)``: the storage is freed, docs/wo-a-fp8-twin.md says why); a
+    twin that does not keeps its weight, and the log says so."""
     released = failed = 0
     for name, mod, view, twin in entries:
         old = mod.wo_a.weight.data
@@ -328,13 +312,8 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
 
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
     """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft), set as its
-    layer's ``wo_a_twin``. Logs one line.
-    A layer that has its twin already (``post_load_weights`` again, e.g. at the end of a weight-
-    update session) keeps it: CUDA graphs captured since hold its buffers, and its weight cannot
-    have changed, since every layer with a twin refuses online weight updates (upstream's
-    ``_derived_weight_cache_error``). A layer that got none at the first build stays stock: graphs
-    captured since read its bf16 weight, which a twin built now would bypass (drop: free).
-    """
+    layer's ``wo_a_twin``; logs one line. A later call (weight-update session) changes no layer:
+    CUDA graphs captured since hold what each layer had (docs/wo-a-fp8-twin.md)."""
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
         return 0, 0  # upstream's path: no kernel of ours is imported
@@ -469,11 +448,8 @@ def apply_wo_a_fp8_twin(
     fuse_mxfp8_quant: bool,
 ):
     """The twin's result for this call (bf16, or upstream's MXFP8 pair when the call asks for the
-    fused epilogue), or None for the stock path (which ``stock_weight`` then feeds). Hopper: 2..8
-    rows on the small Gluon kernel, bitwise identical to ``wo_a_bf16_small_batch`` and its MXFP8
-    variant (not to Hopper's stock einsum); mid rows on the wgmma kernel where it is faster (drop: all of them, and one row).
-    Elsewhere the portable Triton kernel serves the bf16 calls (its partials are not bitwise, so
-    MXFP8 calls stay stock)."""
+    fused epilogue), or None for the stock path (which ``stock_weight`` then feeds); which calls
+    each level serves: docs/wo-a-fp8-twin.md."""
     if (
         wo_a.data_ptr() != twin.weight_ptr
         or tuple(wo_a.shape) != twin.shape

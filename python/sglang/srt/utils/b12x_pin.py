@@ -1,12 +1,9 @@
 """The b12x release the fork's b12x backends are written and contract-tested against, and the
 startup check each of them runs before it is used.
 
-b12x (a CuTe-DSL / Triton kernel library for SM120 / SM121: RTX Blackwell and GB10 / DGX Spark)
-moves fast and its plan / bind / run API changes between releases, so every b12x path refuses to
-start unless the GPU is SM12x and ``b12x`` imports at exactly ``B12X_VERSION``; the refusal names
-what it found. ``test/test_b12x_contract.py`` checks the signatures the fork calls against this
-release's sources (``test/data/b12x-api-1.5.1.json``, extracted from the wheel of
-``B12X_WHEEL_SHA256``).
+b12x's plan / bind / run API changes between releases, so every b12x path refuses to start
+unless the GPU is SM12x and ``b12x`` imports at exactly ``B12X_VERSION``, naming what it found;
+``test/test_b12x_contract.py`` checks the signatures the fork calls against that release.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """WO-A (``einsum('tgd,grd->tgr')``) read from an fp8 twin of the bf16 weight: the portable Triton
 kernel (GPUs other than Hopper; Hopper runs ``dsv4_wo_a_fp8_sm90``) and the dequantisers.
 
-The twin holds the same operand values as the bf16 weight in half the bytes: e4m3 values plus
-one ue8m0 exponent per 32x32 block (``exp`` stored biased by 127, ``uint8 [G, R/32, D/32]``).
-The kernel rebuilds each bf16 tile in registers (``bf16(e4m3) * 2**(e-127)``, exact because the
-twin is kept only when it reproduces the weight bit for bit) and feeds ``tl.dot`` as upstream's
-``_wo_a_partial`` does. ``wo_a_fp8_dequant`` and ``wo_a_fp8_dequant_packed`` (from Hopper's
-packed words) rebuild the bf16 weight: the build's exactness check and, under ``drop``, every
-call the twin kernels do not serve.
-
-Small path (2..8 rows): upstream's K split (8 splits of 512). ``wo_a_fp8_matmul`` reduces the
-split partials inside the same kernel: the CTA that finishes a column tile last (an arrival
-counter, not a data atomic) sums the 8 partials in split order 0..7, so the result is
-deterministic. The counters belong to one weight (one layer) and the last CTA resets them.
-Mid path (9..192 rows): the same kernel with fewer splits and taller row tiles (``_MID``).
+The twin is e4m3 values plus one ue8m0 exponent per 32x32 block; the kernel rebuilds each bf16
+tile in registers (exact: the twin is kept only when it reproduces the weight bit for bit) and
+feeds ``tl.dot`` as upstream's ``_wo_a_partial`` does; split partials are summed in split order
+by the last CTA of a column tile (deterministic). How, per path: docs/wo-a-fp8-twin.md.
 
 NOT BITWISE UPSTREAM: Triton lays out an operand upcast from fp8 with kWidth 4 (upstream's bf16
 operands: kWidth 2), which reorders K inside each MMA, so the partials differ from
 ``_wo_a_partial``'s in the last bits and callers keep upstream's kernel for the MXFP8 epilogue.
-Results are within the fp32 accumulation bound of the exact product. On the H200 this kernel is
-slower than upstream's small-batch kernel (hence the Gluon kernels there); on other GPUs it is
-not measured (docs/wo-a-fp8-twin.md).
+Results are within the fp32 accumulation bound of the exact product. Measurements: docs/wo-a-fp8-twin.md.
 """
 
 from __future__ import annotations

@@ -5,35 +5,18 @@ MXFP8 variant); ``wo_a_fp8_mid_sm90`` (9..192 rows) is a wgmma kernel within the
 the exact result. Measurements and the configurations they chose: docs/wo-a-fp8-twin.md,
 benchmark/results/wo_a_fp8-NVIDIA_H200.json.
 
-SMALL: HOW. One CTA per RB weight rows of one group and all of K (RB = 16 where that grid is one
-CTA per SM at most, else 32: two m16 A operands share each B fragment of x); 8 warps, warp s
-owns upstream's K split s, so there is no split-K across CTAs and no second kernel. The twin is
-stored fragment-major (K permuted inside each 32-block, each warp's A fragment of one 32-K block
-and 8 rows contiguous), so a thread's 8 bytes are what its MMA takes. Weights, exponents and x
-reach shared memory by cp.async in block order (``stage``, ring depth from ``small_config``); each
-32-K block is waited for in order (cp.async.wait_group), converted e4m3 -> bf16 exactly
-(byte permutes and the power-of-two scale in one HMUL2) and fed to swap-AB mma.sync
-m16n8k16 (weight rows as M, up to 4 n8 tiles of x as N) while later blocks are in flight.
+SMALL: EXACT. Each warp's MMA chain and the reduction of the partials reproduce upstream's
+``_wo_a_partial`` and ``_wo_a_reduce`` operand for operand and in their order; the argument (and
+what must not change) is in docs/wo-a-fp8-twin.md, and the GPU test compares every bit.
 
-SMALL: EXACT. Each warp's MMA chain is upstream's ``_wo_a_partial`` for its split: the same bf16
-operand values (the twin is exact), k_width 2 operands so every product sits in the same slot of
-the same m16n8k16 (swap-AB does not change the bits), 32 MMAs per split from zero in K order. The
-partials are then added as ``_wo_a_reduce``'s ``tl.sum`` adds them: its [8, 256] blocked layout
-keeps splits (0, 2, 4, 6) in one thread and (1, 3, 5, 7) in another, summed in order, then the
-two sums. Change any of these and the bits differ from upstream (the GPU test compares every
-output, the partials and the MXFP8 bytes and scales).
+FORWARD PROGRESS (mid): each CTA of a tile spins until the tile's S split partials arrived, so
+it relies on a tile's S CTAs being consecutive in the grid (split = pid % S) and on the block
+scheduler's in-order dispatch (which CUB's decoupled look-back relies on too): at most one tile
+per launch is partly resident while its CTAs wait, even with the target's and the draft's
+launches side by side. Keep the grid one wave on an idle GPU and the split the fastest-varying
+index.
 
-MID: HOW. The weight rows are the wgmma's M (64 per CTA, one warpgroup), the rows of x its N in
-tiles (``_MID_TILES``); K is split S ways across CTAs. Each 128-K step reaches shared memory in a
-ring (weights by cp.async from the packed words, x by TMA, rows past M zero-filled) and is
-dequantized into the A operand in registers right before its wgmma. The split partials go to an
-fp32 scratch; every CTA of a tile waits for its tile's S arrivals and adds its 64 / S rows of the
-S partials in split order (deterministic, no float atomics).
-FORWARD PROGRESS: that wait spins, so it relies on a tile's S CTAs being consecutive in the grid
-(split = pid % S) and on the block scheduler's in-order dispatch (which CUB's decoupled look-back
-relies on too): at most one tile per launch is partly resident while its CTAs wait, even with the
-target's and the draft's launches side by side. Keep the grid one wave on an idle GPU and the
-split the fastest-varying index.
+How both kernels work: docs/wo-a-fp8-twin.md.
 """
 
 from __future__ import annotations
@@ -407,14 +390,8 @@ def _wo_a_fp8_small_kernel(
 def small_config(
     m: int, g: int, r: int, sms: int, rows_per_cta: int | None = None
 ) -> tuple[int, int, bool]:
-    """(weight rows per CTA, stage, x_ring) the small kernel serves for ``m`` rows of x, the fastest
-    of benchmark/results/wo_a_fp8_rows_probe-, wo_a_fp8_depth_probe- and
-    wo_a_fp8_depth2_probe-NVIDIA_H200.json (132 SMs): 16 weight rows per CTA where that grid is
-    one CTA per SM at most (G = 2: 128 CTAs), else 32 (G = 4 / 8: half the CTAs, and half of x's
-    L2 and shared-memory traffic per weight byte); x in the weights' ring; blocks in flight, about
-    80..96 KB per SM at <= 8 rows of x: one CTA per SM 10 (16 rows per CTA, 8 KB a block) or 8
-    (32 rows, 12 KB), two CTAs per SM 4; more rows of x 6 (two CTAs per SM: 4); fewer where shared
-    memory holds fewer."""
+    """(weight rows per CTA, stage, x_ring) the small kernel serves for ``m`` rows of x: the fastest
+    measured (docs/wo-a-fp8-twin.md says which probes chose it and why)."""
     rows = rows_per_cta or (16 if g * r // 16 <= sms else 32)
     one_per_sm = g * r // rows <= sms
     if m <= 8:
@@ -446,13 +423,9 @@ def wo_a_fp8_small_sm90(
     x_ring: bool | None = None,
 ) -> torch.Tensor:
     """``einsum('tgd,grd->tgr', x, twin)`` for 1..64 rows from ``pack_twin``'s words: bf16
-    [M, G, R], or with ``partials`` the fp32 split partials [8, M, G, R] of ``_wo_a_partial``
-    (rows past 8: each row's bits those of a call of <= 8 rows). ``rows_per_cta``: 16 or 32
-    weight rows per CTA; ``stage``: 32-K blocks of the weights in flight through shared memory,
-    waited for block by block (16: all at once; 1..15: a ring of stage + 1 buffers);
-    ``x_ring``: x's blocks travel in that ring instead of all of x up front (needed past 16 rows
-    of x). The defaults are what serves (``small_config``, the fastest measured); every
-    configuration gives the same bits."""
+    [M, G, R], or with ``partials`` the fp32 split partials of ``_wo_a_partial``. The tuning
+    arguments default to ``small_config``'s; every configuration gives the same bits (the
+    arguments: docs/wo-a-fp8-twin.md)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert (

@@ -2,11 +2,9 @@
 upstream's split-K kernels in order and adds the slice partials in registers, so the sums are
 upstream's, bit for bit, without the [slices, M, MIX] partials round trip.
 
-The bodies below are upstream's partial kernels (mhc.py: _hc_mix_stats_bf16x3_kernel,
-_hc_mix_stats_partial_kernel) with an outer loop over slices; the result is one slice whose
-value is what upstream's reduce adds (``0 + p0 + p1 + ...`` in slice order), handed to
-upstream's own reduce kernels with NUM_SLICES = 1. Tile sizes, warps, stages and dot
-precision are upstream's (imported, so they cannot drift apart).
+The bodies are upstream's partial kernels (mhc.py) with an outer loop over slices; the one
+slice they return (``0 + p0 + p1 + ...`` in slice order) goes to upstream's own reduce with
+NUM_SLICES = 1. Tile sizes, warps, stages and dot precision are imported from upstream's.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Dead verify rows take their anchor row's routing, in place, for routers that cannot read a
 live length (DeepSeek-V4's hash-routed layers: ids from ``tid2eid[token]``).
 
-Rows are requests of ``stride`` consecutive verify rows; ``moe_fused_gate(live_lens=...)``
-routes rows at or past a request's live length L as its anchor inside the router. Routers
-without that input call this once after routing: row ``r * S`` is copied over every row
-``r * S + j``, ``j >= live_lens[r]``, of each [M, ...] output (weights and ids), so the dead rows
-add no experts. An anchor (j = 0) is never dead (L >= 1), so rows read in place are never
-written.
+Called once after routing: row ``r * S`` is copied over every row ``r * S + j`` with
+``j >= live_lens[r]`` of each [M, ...] output (weights and ids), so dead rows add no experts. An
+anchor (j = 0) is never dead (L >= 1), so rows read in place are never written.
 """
 
 from __future__ import annotations

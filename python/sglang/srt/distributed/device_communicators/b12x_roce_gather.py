@@ -1,16 +1,11 @@
 """TP all-gathers over b12x's RoCE one-shot runtime (``--enable-b12x-roce-all-gather``).
 
-WHY. A DGX Spark (GB10) line joins one GPU per node over 200 GbE RoCE; NCCL's all-gather there
-pays a network round per ring step, while b12x's RoCEnante (``b12x.comm.roce``) RDMA-writes each
-rank's shard straight into every peer's pinned host memory, which the GB10's GPU reads in place,
-in one kernel launch (the seeds' production line routed its gathers through it: roce_gather).
-
-WHAT IT DOES. The TP group's coordinator builds one runtime (collectively, every rank) and
-prepares its gather launcher and padded scratch at construction, before any CUDA-graph capture;
-``GroupCoordinator._all_gather_into_tensor`` asks ``gather_into`` first, ahead of pymscclpp and
-pynccl: a dim-0 gather whose shard fits the runtime (contiguous, on this device, at most
-``max_gather_bytes``; b12x's own ``should_all_gather``) runs on RoCE, anything else keeps
-upstream's path. Graph capture enters the runtime's capture context. Gathers are exact copies.
+On a DGX Spark (GB10) line of one GPU per node over RoCE, b12x's runtime writes each rank's
+shard straight into every peer's pinned host memory in one launch instead of NCCL's ring. The
+TP group's coordinator builds it before any CUDA-graph capture and
+``GroupCoordinator._all_gather_into_tensor`` asks ``gather_into`` first: a dim-0 gather that
+fits the runtime runs on RoCE, anything else keeps upstream's path. Gathers are exact copies.
+Why and how: docs/b12x-roce-all-gather.md.
 
 Refused at startup, naming what was found: not SM12x or b12x not at the pinned release, TP 1,
 TP ranks on one node (--nnodes 1: RoCE is for ranks on different nodes), more than 16 ranks.

@@ -1,22 +1,9 @@
 """Map the thinking switches clients send onto ``thinking`` (``--enable-thinking-aliases``).
 
-DeepSeek-V3 / V4 / V4.1 think only when the chat-template argument ``thinking`` is true
-(their reasoning parsers default to ``explicit_thinking``): the prompt encoder and the output
-parser both read ``chat_template_kwargs["thinking"]``. Clients written for other models send
-other switches, and upstream ignores them for these models, so the request silently runs
-without thinking. This module reads the switches a request carries and writes the one answer
-into ``chat_template_kwargs["thinking"]`` before the server's default kwargs are merged:
-
-====================================================  ==========================
-request carries                                       ``thinking``
-====================================================  ==========================
-``chat_template_kwargs: {"thinking": b}``             ``b`` (the model's own)
-``chat_template_kwargs: {"enable_thinking": b}``      ``b`` (Qwen3 / GLM style)
-``thinking: {"type": "enabled" | "disabled"}``        true / false (DeepSeek API, Anthropic style)
-``thinking: b``                                       ``b``
-``reasoning_effort`` (or ``reasoning: {"effort"}``,   false for ``"none"``, else true
-``chat_template_kwargs: {"reasoning_effort"}``)
-====================================================  ==========================
+DeepSeek-V3 / V4 / V4.1 think only when the chat-template argument ``thinking`` is true; clients
+written for other models send other switches, which upstream ignores for these models. This
+module writes the one answer the request's switches give into ``chat_template_kwargs["thinking"]``
+before the server's default kwargs are merged (the switches: docs/thinking-alias.md).
 
 THE RULES. The request's own switches decide; only when it carries none do the same switches
 in ``--default-chat-template-kwargs`` decide (so a client's ``enable_thinking: false`` beats a

@@ -1,20 +1,20 @@
 """Live rows of a target-verify router call: dead verify rows take their anchor row's routing.
 
-A request's verify block is ``stride`` consecutive rows (its anchor, then its drafts). A
-speculative feature that verifies fewer drafts than the block holds (the DSpark verify cap)
-marks rows at or past a request's live length dead: the accept discards their outputs, so they
-must not add experts. The feature opens ``live_rows_scope`` around the target's verify forward;
-the routers ask this module per call, and outside a scope every call is a no-op (the routers run
-upstream's code):
+A request's verify block is ``stride`` consecutive rows (anchor, then drafts); a feature that
+verifies fewer drafts (the DSpark verify cap) opens ``live_rows_scope`` around the target's
+verify forward, and rows at or past a request's live length route as its anchor. Upstream's
+routers call one of three public functions, each a no-op outside a scope:
 
 * ``router_live_kwargs(gating_output)``: ``moe_fused_gate``'s ``live_lens=`` / ``live_stride=``;
 * ``anchor_dead_rows_(weights, ids)``: routers without that input (hash layers), one launch after;
 * ``refuse_dead_rows(route, layer_id)``: a route that can do neither raises (CUDA-graph capture
   runs every route first, so this refuses at startup, naming the layer).
 
-INVARIANT: a scope is opened only around a forward whose rows are request-major with a fixed
-stride (the static ragged-verify layout); every router call checks ``M % stride == 0``. The
-live lengths are read by address, so a captured graph sees each replay's values.
+INVARIANTS. Upstream code reads nothing else of this module. A scope (the one module-level value,
+docs/verify-cap.md says why not an object) is opened only by the target model's verify cap around
+one verify forward whose rows are request-major with a fixed stride (every router call checks
+``M % stride == 0``), and restored on exit: a decode, a prefill, a draft or another model sees
+upstream's routing. The live lengths are read by address, so a captured graph sees each replay's.
 """
 
 from __future__ import annotations
@@ -35,18 +35,8 @@ class LiveRows:
     owner: str  # the feature that opened the scope, named in errors (its flag)
 
 
+# Internal, not read by upstream code: the open scope (None outside), set by live_rows_scope.
 _ACTIVE: Optional[LiveRows] = None
-"""The open scope's live rows, or None: the one module-level value of this module, on purpose.
-
-The routers sit at the bottom of upstream's call chain (model, decoder layer, MoE, TopK,
-``select_experts``, ``biased_topk_jit_kernel_impl``; the hash and vision routers beside it),
-and no call on that chain carries a per-forward argument a feature could fill: handing the
-live rows down as an object would edit every signature on it, in upstream files. A scope is
-the narrow alternative: the target model, which holds its verify cap, opens it around one
-forward (``live_rows_scope``) and it is restored on exit, so a decode, a prefill, a draft
-forward or another model in the process sees None and upstream's routing. The model runner
-runs one forward at a time per process; a CUDA graph captured inside a scope reads the
-tensor it names by address at every replay, so the value need not outlive the capture."""
 
 
 @contextlib.contextmanager

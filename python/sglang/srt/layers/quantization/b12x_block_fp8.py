@@ -1,21 +1,10 @@
 """Block-fp8 linears served as MXFP8 on b12x's ``gemm.block_fp8_linear`` (``--block-fp8-mxfp8-backend b12x``).
 
-DIAGNOSIS. DeepSeek-V4.1's linears are e4m3 with one ue8m0 scale per 32x32 block: an MXFP8
-operand. On SM120 / SM121 (RTX Blackwell, GB10) upstream's block-fp8 MXFP8 resolver
-(``fp8_utils.resolve_block_fp8_mxfp8_backend``) has no kernel, so they run on the Triton block
-kernel. The seeds served them on b12x's MXFP8 GEMM; FlashInfer's wrapper of it rejected K % 128,
-so the shared expert's down_proj (K = 576 at TP4) fell back to CUTLASS, about 3x slower than
-b12x with K padded (seed ``shared_pad_k``; docs/b12x-mxfp8-linear.md).
-
-WHAT IT DOES. After load each eligible layer's weight is packed once by b12x
-(``pack_weight``: the checkpoint's e4m3 bytes and its 32x32 scales expanded to the SM12x MMA
-layout; the bf16/Triton path's weight stays for layers b12x does not take) and two plans are
-prepared, one for decode / verify calls (up to ``decode_rows``) and one for prefill (up to the
-chunk size); a call runs the smaller plan that holds its rows. K that is not a multiple of 128
-(576) stays on b12x: b12x 1.5.1 pads K itself (zero weight columns with neutral scales, and the
-activation quantized into the padded width), so no pad-K step of ours runs on this path.
-Layers the model reads directly (``keep_plain_weight_layout``), other block shapes and
-pre-quantized (q, scale) inputs stay on upstream's path.
+On SM120 / SM121 (RTX Blackwell, GB10) upstream runs DeepSeek-V4.1's 32x32-block e4m3 linears on
+the Triton block kernel. After load each eligible layer's weight is packed once by b12x and two
+plans are prepared (decode / verify rows, prefill chunk); a call runs the smaller plan that holds
+its rows. Layers the model reads directly (``keep_plain_weight_layout``), other block shapes and
+pre-quantized inputs stay on upstream's path. Details and figures: docs/b12x-mxfp8-linear.md.
 
 Refused at startup, naming what was found: not SM12x or b12x not at the pinned release
 (``sglang.srt.utils.b12x_pin``), and a checkpoint without 32-wide ue8m0 block-fp8 linears (the
@@ -100,11 +89,8 @@ def maybe_b12x_block_fp8(
     )
 
 
+# Internal, not read by upstream code: b12x's session per device, kept (closing frees the plans).
 _SESSIONS: dict[int, object] = {}
-"""b12x's preparation session per CUDA device, opened at the first prepared layer and kept
-for the process: closing it would release the plans every prepared layer holds. It is a
-cache of b12x's own runtime, read only here (no upstream code reads it); the per-layer state
-(packed weight, plans) lives on the layer."""
 
 
 class B12xBlockFp8Linear:

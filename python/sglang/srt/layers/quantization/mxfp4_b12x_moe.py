@@ -1,25 +1,12 @@
 """DeepSeek-V4 MXFP4 routed experts on b12x's fused MoE (``--moe-runner-backend b12x``).
 
-DIAGNOSIS. On SM120 / SM121 (RTX Blackwell, GB10) upstream runs DeepSeek-V4's MXFP4 experts on
-FlashInfer's CUTLASS path, which requires the per-rank intermediate size to be a multiple of 128;
-V4.1-Flash at TP4 with EP_SIZE=1 has 576-wide experts per rank (2304 / 4) and cannot start.
-b12x (``b12x.moe.fused_moe``, recipe ``w4a8_mx``) runs them, N64-compact included.
-
-WHAT IT DOES. ``create_weights`` takes the width (no 128 rule) with native E8M0 scales, and asks
-the loader for FC1 as [up; gate] (``load_up_proj_weight_first``), b12x's kernel order, so the
-checkpoint's bytes are b12x's source bytes and nothing is reordered after load. After load the
-experts are prepared once (``prepare_weights``); where b12x's preparation copies them into its own
-packing, the checkpoint parameters are released, so the weights are held once. Execution plans
-are prepared before CUDA-graph capture, one per row count the engine runs (``plan_token_counts``:
-each decode / verify graph batch size times its rows per request, plus a prefill ladder of powers
-of two up to the chunk size); a call pads its rows up to the next planned count with expert id -1
-(b12x skips those routes) and returns its own rows. Plans pinned where b12x's heuristic is wrong
-for N64-compact experts (``plan_groups``): the dynamic path at <= 8 rows (b12x's micro plan
-re-reads an expert slice per token and slot). The seeds' second pin (64-row tiles from 2048 rows)
-is not expressible in b12x 1.5.1, whose validator requires grouped M16 tiles for these experts;
-those counts keep b12x's own choice. Expert ids: at EP1 the router's ids go to b12x as they are
-(it skips -1 padding); at EP > 1 upstream's StandardDispatcher maps them to local experts in the
-graph (-1 for other ranks' experts) before ``apply``; b12x sees ``num_local_experts`` experts.
+On SM120 / SM121 (RTX Blackwell, GB10) upstream's FlashInfer CUTLASS path needs the per-rank
+expert width to be a multiple of 128, so V4.1-Flash at TP4 (576-wide experts per rank) cannot
+start; b12x (``b12x.moe.fused_moe``, recipe ``w4a8_mx``) runs them. The checkpoint's bytes are
+b12x's source bytes (FC1 loaded as [up; gate]), the experts are prepared once after load and held
+once, and an execution plan is prepared before CUDA-graph capture for every row count the engine
+runs (a call pads up to the next planned count with expert id -1). How the plans and expert ids
+work: docs/b12x-moe.md.
 
 Refused at startup, naming what was found: not SM12x, b12x missing or not at the pinned release
 (``sglang.srt.utils.b12x_pin``), an all-to-all MoE backend, unbounded prefill chunks, and at model
@@ -151,14 +138,10 @@ def settings_from_runtime() -> dict:
     return {"counts": plan_token_counts(decode_bs, rows, max(chunk, LADDER_MIN))}
 
 
+# Internal, not read by upstream code: one scratch set per (model root, geometry, tokens).
 _SCRATCH: dict[tuple, tuple[torch.Tensor, ...]] = {}
-"""Scratch shared by the MoE layers of one model, per (model root prefix, geometry, token
-count): the layers run one after another on the model's stream, so one set serves them all.
-Read only by this module's ``apply`` (no upstream code reads it). Invariant: two models whose
-MoE layers could run concurrently on different streams have different root prefixes."""
+# Internal, not read by upstream code: b12x's session per device, kept (closing frees the plans).
 _SESSIONS: dict[int, object] = {}
-"""b12x's preparation session per CUDA device, kept for the process: closing it would release
-the plans every prepared layer holds; read only by ``_prepare_plans``."""
 
 
 class Mxfp4B12xMoEMethod:

@@ -6,17 +6,10 @@ parallelism: each rank its own experts) never agree, so a valid cache is dropped
 boot and the tactics are re-drawn from timing noise (sglang#40320; the digest part is
 sglang#40420). What the ranks must agree on is not the bytes but what they do with them:
 
-* the load decision: each rank's file is there, parses, and carries a ``_metadata`` stamp
-  that FlashInfer's ``load_configs`` accepts in this environment; the stamp and the
-  environment are the same on every rank (so FlashInfer decides alike everywhere);
-* the launch: a cache is kept only if the launch that wrote it had this configuration, read
-  from the per-rank fingerprint written next to it after tuning (``<cache>.launch.json``).
-  A configuration change (batch sizes, token budgets, backends, environment) moves the
-  shapes a pass profiles; under a stale cache one rank could hit a shape another profiles,
-  and a hit skips the collective the other waits in.
-
-All ranks gather these records in one collective and all keep, or all drop (files and
-fingerprints unlinked on every rank) and retune. Dropping costs a retune, never a desync.
+Each rank checks that its cache passes FlashInfer's own load decision in this environment and
+that the launch that wrote it had this configuration (a fingerprint written next to it); all
+ranks gather these records in one collective and all keep, or all drop and retune. Dropping
+costs a retune, never a desync (the two checks in full: docs/flashinfer-autotune-keep.md).
 """
 
 from __future__ import annotations

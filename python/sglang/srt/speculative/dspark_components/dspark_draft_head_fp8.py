@@ -1,23 +1,17 @@
 """The DSpark draft's block logits from an fp8 copy of the target's LM head
 (--speculative-dspark-draft-head-fp8).
 
-The draft projects gamma rows per request through the target's vocab-parallel bf16 LM head
-every step; at small batch that GEMM is bound by streaming the head. When the draft attaches
-the target's head it builds (before CUDA-graph capture) an e4m3 copy with one power-of-two
-scale per 32x32 block, held by the draft; the draft's logits for up to ``MAX_ROWS[kernel]`` rows
-come from it. On Hopper (SM90) the kernel is draft_head_fp8_wgmma.py and the copy is stored
-K-permuted for it; elsewhere (SM89) the Triton mma.sync kernel of draft_head_fp8.py. Larger
-calls keep the bf16 head. Figures: docs/draft-head-fp8.md.
+When the draft attaches the target's vocab-parallel bf16 LM head it builds (before CUDA-graph
+capture) an e4m3 copy with one power-of-two scale per 32x32 block, held by the draft; the draft's
+logits for up to ``MAX_ROWS[kernel]`` rows come from it (Hopper: draft_head_fp8_wgmma.py; SM89:
+draft_head_fp8.py), larger calls keep the bf16 head. Why, and what the copy costs in memory:
+docs/draft-head-fp8.md.
 
 INVARIANTS. A row's logits are the same bits whatever the row count (exact bf16 products,
 fixed K order) and one device uses one kernel for every call, so batching within
 1..MAX_ROWS[kernel] never changes a draft token. The target keeps its bf16 head: the output stays
 lossless because the draft samples and computes q from the same fp8 logits (rejection
 sampling is exact for any proposal).
-
-COST. One fp8 copy per rank (N x K bytes + N x K / 256 bytes of scales: TP4 ~166 MB,
-TP1 ~663 MB), allocated at draft load, before the memory profile: the KV pool shrinks by
-that much.
 
 Refuses at startup (naming what it found) where it cannot apply: the draft's own vocab
 modules, a quantized head, SGLANG_DSPARK_FP32_LM_HEAD, the NVIDIA megakernel draft

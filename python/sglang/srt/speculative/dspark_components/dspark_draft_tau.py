@@ -1,21 +1,13 @@
 """Scale the DSpark draft's sampling temperature (--speculative-dspark-draft-temperature-scale).
 
-WHAT IT DOES. The draft samples each request at tau * T instead of T (T: the request's
-temperature as the draft already resolves it, clamped at 1e-5); the draft probabilities q
-that every sampled accept path reads (token-wise rejection, block verification, block-wise
-rejection, and the observers) come from the same scaled tensor, and the target's
-probabilities keep T. Rejection sampling is exact for any proposal q that is the
-distribution the draft token was actually drawn from, so the emitted tokens stay
-distributed as the target at T; tau only moves the acceptance rate
-alpha(tau) = E sum_v min(p_T(v), q_tau*T(v)).
+The draft samples each request at tau * T instead of T and computes q from the same scaled
+tensor; the target keeps T. Rejection sampling is exact for any proposal q the draft token was
+drawn from, so the output stays distributed as the target at T; tau only moves the acceptance
+rate (docs/draft-temperature-scale.md).
 
-THE TRAP. In the folded paths the draft sampler's ``params.temperatures`` also feeds the
-sampling-accept region's *target* temperatures (GraphSamplingInfo), so scaling that
-buffer in place would sample the target at tau * T: lossy. The draft gets its own
-persistent buffer ``draft_temperatures`` (allocated with the sampler, before capture,
-written with ``out=`` when the params are staged); the step temperatures the draft
-samples with are draft-only and are scaled in place. At tau = 1 ``draft_temperatures`` *is*
-``params.temperatures`` (same tensor, no extra kernel): bitwise upstream.
+INVARIANT. The draft scales its own persistent ``draft_temperatures``, never
+``params.temperatures``, which in the folded paths also feeds the target's temperatures; at
+tau = 1 the two are the same tensor (bitwise upstream). Why: docs/draft-temperature-scale.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """Fence the folded DSpark accept results from the next graph replay
 (--speculative-dspark-fence-accept-results): an in-graph copy into a two-slot ring.
 
-On the folded paths (the verify graph's epilogue, the sampling-accept region)
-``DsparkVerifyEpilogue.read_accept`` hands views of persistent graph buffers to the
-scheduler, whose device-to-host copy on ``copy_stream`` the next replay does not wait for.
-At construction the epilogue's accept buffers are re-bound to views of one byte arena,
-before any capture, so every in-graph writer writes into it unchanged. Right after the
-accept, on the forward stream and inside the graph, ``copy_in(gate)`` copies the arena into
-ring slot ``counter % 2`` (a device counter it advances); the host returns cached ``[:bs]``
-views of slot ``count % 2`` (no allocation, no launch).
+On the folded paths ``DsparkVerifyEpilogue.read_accept`` hands the scheduler views of persistent
+graph buffers whose device-to-host copy the next replay does not wait for. The epilogue's accept
+buffers are re-bound to one byte arena before any capture, and inside the graph ``copy_in(gate)``
+copies it into ring slot ``counter % 2``; the host reads cached views of its slot (docs/result-fence.md).
 
-INVARIANTS.
-- Two slots suffice: folded step N's slot is rewritten by step N + 2 at the earliest, and
-  every scheduler loop that folds synchronizes step N's ``copy_done`` before it launches
-  step N + 2 (the argument, loop by loop, in docs/result-fence.md).
-- One copy per consumed step: the copy is gated exactly like the fold (the verify graph's
-  ``inject_gate_buf``, the sampling-accept region's all-ones gate). A capture's eager
-  warm-ups copy with no consumer, so ``copy_in`` notes a capture and the next consumption
-  counts from the device counter (one sync per capture). Any other drift would hand the
-  host the other slot: the device counter is read back without a sync at the first
-  consumption and every ``CHECK_EVERY`` after, and a mismatch raises.
-- Lossless: the slot holds the bytes the graph wrote (tested bitwise).
-
-Cost and measurements: docs/result-fence.md.
+INVARIANTS (argued in docs/result-fence.md). Two slots suffice: step N's slot is rewritten by
+step N + 2 at the earliest, and every folding scheduler loop synchronizes step N's
+``copy_done`` before it launches step N + 2. One copy per consumed step: the copy is gated
+like the fold, a capture's warm-up copies are accounted for, and the device counter is checked
+against the host's (a mismatch raises). Lossless: the slot holds the bytes the graph wrote.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """DSpark verify cap: a per-request number of verified drafts inside the static verify.
 
 The target verify keeps its fixed [bs, gamma + 1] layout (CUDA graphs keep their shapes).
-With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 + k:
-
-* acceptance is capped at k drafts on every accept path (eager, the verify graph's folded
-  greedy accept, the sampling-accept graph, greedy and sampled), through upstream's
-  ``cutoff_verify_lens`` (CapCorrectLen, bonus from row k); the fused static accept tail
-  does not trim, so it steps aside while the cap is on;
-* sampled rows see q = 0 for every draft past k (``mask_dead_draft_probs``): the rejection
-  kernel then stops at k and draws the correction from row k, for the token-wise rule and
-  for block verification alike, so the committed tokens are an exact sample of a verify with
-  k drafts (upstream's trim after acceptance is not, for block verification);
-* in target-verify forwards the router takes the anchor row's experts for rows >= L
-  (``moe_fused_gate(live_lens=...)``, through the scope of ``layers/moe/router_live_rows.py``
-  the target model opens with the cap it holds), so dead rows add no experts to a layer's set;
-  dead rows are never committed and live rows attend to earlier rows only. A router that
-  cannot take the live length raises at the first capped target verify (graph capture, i.e.
-  startup), naming the layer; the routers that follow or refuse: docs/verify-cap.md.
-
-k is fixed (``K``) or a stopping rule on the draft confidence head (``conf:T`` or
-``conf:t2,...,tgamma``): the number of leading drafts whose running product of per-position
-survival stays >= the threshold, at least ``--speculative-dspark-verify-cap-min``. The head's
-value for draft i is computed from drafts before i only, so the cut never looks at the token
-it drops. The live length is decided on TP rank 0 and broadcast (rank-invariant).
+With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 + k: acceptance
+is capped at k drafts on every accept path, sampled rows see q = 0 past k (so the committed
+tokens are an exact sample of a verify with k drafts), and the target's routers take the anchor
+row's experts for rows >= L (through ``layers/moe/router_live_rows.py``, whose scope the target
+model opens with the cap it holds). k is fixed (``K``) or a stopping rule on the draft
+confidence head (``conf:...``), which never looks at the token it drops; it is decided on TP
+rank 0 and broadcast. Each accept path and router: docs/verify-cap.md.
 
 Refused at startup (``validate_verify_cap``) wherever a router would not see request-major
 rows or would not take the live length; the list and the reasons: docs/verify-cap.md.

@@ -2,22 +2,11 @@
 portable draft-logits GEMM that reads it (--speculative-dspark-draft-head-fp8): served on SM89
 and run by the CPU tests; on Hopper the flag serves draft_head_fp8_wgmma.py.
 
-EXACT. Each weight tile is dequantized in registers to bf16: e4m3 -> f16 is exact, the f16's
-exponent and mantissa move right by 3 bits into bf16 position (its sign stays), and one
-packed bf16 multiply applies the block's power-of-two scale, which also carries the 2**112
-exponent-bias change: exact for every weight whose dequantized value is a bf16 normal. bf16
-x bf16 products are exact in the fp32 accumulator of mma.sync m16n8k16, and K is summed in
-one fixed order (the k16 steps of one HMMA chain, whatever BLOCK_K). A row's logits are its
-16-row tile's chain whatever the other rows hold, so they are the same bits at every row
-count and with every CONFIGS entry: batching never changes a draft token. Swapping the
-operands would keep the bits; K's order inside the MMA decides them.
+EXACT. Each weight tile is dequantized in registers to bf16 exactly, bf16 products are exact in
+the fp32 accumulator, and K runs in one fixed order whatever the row count or configuration: a
+row's logits are the same bits at every row count (the argument: docs/draft-head-fp8.md).
 
-HOW. The head streams from HBM once per call: each weight tile is converted once and feeds
-every 16-row tile of x. One program per BLOCK_N vocab rows of the shard; K streamed in BLOCK_K
-steps through NUM_STAGES stages (weights by TMA where the config says); tiles per number of 16-row tiles in CONFIGS
-(benchmark/results/tune_draft_head_fp8-NVIDIA_H200.json). Each 16-row tile beyond the first
-adds its own HMMA chain, which is why the flag serves at most 32 rows
-(benchmark/results/draft_head_fp8-NVIDIA_H200.json, docs/draft-head-fp8.md).
+How the kernel streams the head, and its tile configurations: docs/draft-head-fp8.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """The fp8 draft head's GEMM on Hopper (--speculative-dspark-draft-head-fp8, SM90): one wgmma
 kernel for every row count the flag serves, written in Gluon (Triton's explicit-layout dialect).
 
-WHY. The portable kernel (draft_head_fp8.py) multiplies 16-row tiles with mma.sync, so each
-tile beyond the first adds MMA time. Here the vocabulary rows are the MMA's M (64 per
-warpgroup, weights in registers) and the draft rows its N (8, 16, 32 or 64): the tensor-core
-work of up to 32 rows is one asynchronous wgmma per 64x32 weight tile and hides under the head's
-read; at 64 rows it no longer hides fully, past 64 it adds to the read and cuBLAS bf16 is as fast
-(benchmark/results/draft_head_fp8-NVIDIA_H200.json, docs/draft-head-fp8.md).
-
-HOW.
-- Weights and x reach shared memory by TMA in a ring of 128-K steps (depth per N in
-  ``CONFIGS``) with one mbarrier per stage; no load instruction touches L1 for them.
-- The head copy is stored with K permuted inside each 32-block (``e4m3_to_bf16.permute_k``) so
-  that a thread's A-fragment bytes for one 32-K block are 8 contiguous bytes: one LDS.64 per
-  row, and each 4-byte word is two logical pairs that the e4m3 -> bf16 asm (cvt + bit moves +
-  one HMUL2 by the power-of-two scale) turns into two bf16x2 registers; the K permutation is
-  undone by renaming registers (join/reshape/permute), no byte shuffles.
-- 128 vocab rows per CTA (two m64 pieces, 4 warps), at most ~96 KB of shared memory: 2 CTAs
-  per SM, which the pipeline needs (one warpgroup dequantizes and multiplies in turn).
-- One CTA barrier per 128-K step (before a stage is refilled) and at most one wgmma in flight.
+The vocabulary rows are the MMA's M and the draft rows its N (8 to 64, a power of two), so up to
+32 rows the products hide under the head's read; past 64 they add to it and cuBLAS bf16 is as
+fast, hence MAX_ROWS. Why and how (TMA ring, K-permuted copy, tile shapes per N in ``CONFIGS``):
+docs/draft-head-fp8.md.
 
 EXACT and ROW INVARIANT. Dequantisation is exact (same bits as the Triton kernel's weights);
 bf16 products are exact in the fp32 accumulator and K runs in one fixed order whatever N is, so
