@@ -666,13 +666,16 @@ def write_dsv4(
         if draft_runs:
             miss = draft_miss_positions(len(cycle), draft_runs)
             spare = torch.arange(vocab - len(miss), vocab, device=device)
-            spare -= len(DEEPSEEK_SPECIAL_TOKENS)  # <extra_i> tokens, not the special ones
+            spare -= len(
+                DEEPSEEK_SPECIAL_TOKENS
+            )  # <extra_i> tokens, not the special ones
             proposal[cycle[miss]] = spare
             (path / "draft.json").write_text(
                 json.dumps(
                     {
                         "draft_runs": list(draft_runs),
                         "miss_positions": miss,
+                        "miss_tokens": cycle[miss].tolist(),
                         "intended_accepted_drafts_per_step": intended_acceptance(
                             len(cycle), draft_runs, shape["gamma"]
                         ),
@@ -732,7 +735,8 @@ def intended_acceptance(
 ) -> float:
     """Drafts accepted per greedy verify step that ``draft_runs`` gives, simulated: from every
     start on the cycle, a request of ``tokens`` tokens (the first from the prefill), each step
-    accepting the agreeing positions from its anchor up to ``gamma`` and adding the bonus token."""
+    accepting the agreeing positions from its anchor up to ``gamma`` and adding the bonus token.
+    """
     miss = set(draft_miss_positions(cycle_len, runs))
     accepted = steps = 0
     for start in range(cycle_len):
