@@ -480,9 +480,41 @@ def test_merge_keeps_earlier_flag_sets_of_the_same_build():
         "flag_sets": {"all_on": {"ok": False}, "cap_3": {"ok": True}},
     }
     sbs.merge_flag_sets(report, earlier)
-    assert report["flag_sets"] == {"all_on": {"ok": True}, "cap_3": {"ok": True}}
+    assert report["flag_sets"] == {
+        "all_on": {"ok": True},
+        "cap_3": {"upstream": None, "ok": True},
+    }
     with pytest.raises(SystemExit, match="fork_version"):
         sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
+
+
+def test_sittings_merge_into_one_file(tmp_path):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    meta = {"fork_version": "b", "device": "NVIDIA H200", "standins": True}
+    a.write_text(
+        json.dumps(
+            {
+                **meta,
+                "upstream": {"startup_s": 1},
+                "flag_sets": {"all_on": {"ok": True}},
+            }
+        )
+    )
+    b.write_text(
+        json.dumps(
+            {
+                **meta,
+                "provenance": {"device": "NVIDIA H200"},
+                "upstream": {"startup_s": 2},
+                "flag_sets": {"cap_3": {"ok": False}, "all_on": {"skipped": "budget"}},
+            }
+        )
+    )
+    assert sbs.main([str(a), str(b), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["provenance"] == {"device": "NVIDIA H200"}  # kept, not restamped
+    assert merged["flag_sets"]["cap_3"] == {"ok": False}
+    assert merged["flag_sets"]["all_on"] == {"upstream": {"startup_s": 1}, "ok": True}
 
 
 def test_each_flag_set_resolves_through_upstreams_pipeline(tiny_full):
@@ -503,3 +535,133 @@ def test_each_flag_set_resolves_through_upstreams_pipeline(tiny_full):
         for flag, value in row.flags.items():
             field = flag.removeprefix("--").replace("-", "_")
             assert getattr(view, field) not in (None, False), (row.name, flag, value)
+
+
+class _RunServer:
+    """A stand-in ``Server`` for the whole run: a fork server logs the fork-flags line and the
+    features' startup lines of its arguments; requests answer as ``_FakeServer`` does.
+    """
+
+    started: list = []
+
+    def __init__(self, model, args, *, env, log_path, **kw):
+        from e2e.matrix import _flags
+
+        self.args, self.log_path = list(args), log_path
+        fork = [a for a in args if a.startswith(("--dsv4-", "--speculative-dspark-"))]
+        self.fork = bool(fork)
+        i = args.index("--speculative-algorithm")
+        flags = _flags([a for a in args[i + 2 :]])
+        lines = ["$ launch_server"]
+        if self.fork:
+            lines.append(
+                "fork flags: " + " ".join(f"{k}={v}" for k, v in flags.items())
+            )
+            if "--dsv4-wo-a-fp8-twin" in flags:
+                lines.append(
+                    "--dsv4-wo-a-fp8-twin=mid (sm90): fp8 twins for 46 wo_a weights (1 MB)"
+                )
+            if "--speculative-dspark-draft-head-fp8" in flags:
+                lines.append("DSpark draft LM head in fp8")
+            if "--speculative-dspark-verify-cap" in flags:
+                lines.append("DSpark verify cap on")
+        self.text = "\n".join(lines)
+        self.startup_seconds = 1.0
+        self.calls: list = []
+        self.inner = _FakeServer(
+            "x", self.calls, 0.0005 if self.fork else 0.001, lambda p, n: [7] * n
+        )
+
+    def start(self):
+        _RunServer.started.append("fork" if self.fork else "upstream")
+        return self
+
+    def stop(self):
+        return 0
+
+    def log(self):
+        return self.text
+
+    def errors(self):
+        return []
+
+    def post(self, path, body, timeout=None):
+        return self.inner.post(path, body, timeout)
+
+
+def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
+    """The run's plumbing: one upstream server for every flag set, one fork server per set, the
+    startup checks (fork flags line, engaged lines), the batches, the profile's attribution, the
+    JSON with its provenance rewritten after each batch; past --sbs-deadline a set is skipped.
+    """
+    from e2e import matrix
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "draft.json").write_text(
+        json.dumps({"draft_runs": [2, 3], "intended_accepted_drafts_per_step": 2.504})
+    )
+    (model / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "fp8"}})
+    )
+    monkeypatch.setattr(sbs, "ensure_checkpoint", lambda *a: model)
+    monkeypatch.setattr(sbs, "Server", _RunServer)
+    _RunServer.started = []
+
+    def fake_profile(server, out_dir, prompts=None, tokens=64, all_kernels=False):
+        us = 100.0 if server.fork else 150.0
+        return {
+            "kernel_us": us,
+            "by_name": {
+                "_wo_a_fp8_mid_kernel" if server.fork else "sm90_xmma_gemm": [us, 2]
+            },
+            "spec": {"verify_steps": 10},
+            "requests": len(prompts),
+        }
+
+    monkeypatch.setattr(matrix, "profile", fake_profile)
+    argv = [
+        "--out",
+        str(tmp_path / "out"),
+        "--upstream",
+        str(tmp_path),
+        "--side-by-side",
+    ]
+    argv += [
+        "all_on,cap_3",
+        "--sbs-batches",
+        "1,2",
+        "--sbs-repeats",
+        "2",
+        "--sbs-tokens",
+        "14",
+    ]
+    assert matrix.main(argv + ["--sbs-profile", "2"]) == 0
+    assert _RunServer.started == ["upstream", "fork", "fork"]
+    (out,) = (tmp_path / "out").glob("e2e-full-depth-*.json")
+    report = json.loads(out.read_text())
+    assert (
+        report["provenance"]["fork_version"]
+        and report["upstream"]["checks"]["is_upstream"]
+    )
+    assert report["checkpoint"]["intended_accepted_drafts_per_step"] == 2.504
+    for name in ("all_on", "cap_3"):
+        rec = report["flag_sets"][name]
+        assert (
+            rec["ok"] and rec["checks"]["engaged"] and rec["checks"]["fork_flags_line"]
+        ), rec
+        assert set(rec["batches"]) == {"bs1", "bs2"}
+        assert rec["batches"]["bs1"]["step_ratio"]["mean"] < 1
+    prof = report["flag_sets"]["all_on"]["batches"]["bs2"]["profile"]
+    assert prof["kernel_saving_us"] == 10.0  # (150 - 100) us over 5 steps per request
+    assert "upstream" in prof and "by_name" not in prof["upstream"]
+
+    _RunServer.started = []
+    assert (
+        matrix.main(argv + ["--sbs-deadline", "0", "--out", str(tmp_path / "late")])
+        == 0
+    )
+    (late,) = (tmp_path / "late").glob("e2e-full-depth-*.json")
+    skipped = json.loads(late.read_text())["flag_sets"]
+    assert skipped["all_on"]["skipped"].startswith("over the time budget")
+    assert _RunServer.started == []

@@ -40,6 +40,7 @@ import json
 import math
 import random
 import re
+import signal
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -67,11 +68,12 @@ BATCHES = (1, 4, 8, 16, 32)
 REPEATS = 10
 OUTPUT_TOKENS = 64
 CHECKPOINT_SEED = 5
-# Two servers of ~37 GB of weights each (fp8 experts; the Hopper bf16 copies upstream keeps of its
-# block-fp8 dense weights included) start together: each sizes its KV pool as the memory free after
-# its load minus 30 % of the memory free before it (both loaded: ~65 GB free, ~23 GB left), and the
-# token cap keeps the pool itself small (32 requests x ~100 tokens need ~3,200).
-MEM_ARGS = ["--mem-fraction-static", "0.7", "--max-total-tokens", "65536"]
+# Two servers of ~37 GB of weights each (fp8 experts; ~50 GB with bf16 experts; the Hopper bf16
+# copies upstream keeps of its block-fp8 dense weights included) start together: each sizes its KV
+# pool as the memory free after its load minus 15 % of the memory free before it (both loaded, fp8:
+# ~67 GB free, ~46 GB left; bf16: ~41 GB free, ~20 GB left), and the token cap keeps the pool
+# itself small (32 requests x ~100 tokens need ~3,200), so the fraction reserves nothing.
+MEM_ARGS = ["--mem-fraction-static", "0.85", "--max-total-tokens", "65536"]
 GRAPH_ARGS = ["--cuda-graph-bs-decode", *map(str, BATCHES)] + [
     "--max-running-requests",
     str(max(BATCHES)),
@@ -500,11 +502,27 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
         env=row_env(up_row, env, trees),
         log_path=logs / "full_up.log",
     )
+    dest = args.out / f"e2e-full-depth-{device_label}.json"
+
+    def save() -> Path:
+        """The report so far (rewritten after every batch: a run cut short keeps its numbers)."""
+        done = json.loads(json.dumps(report))
+        if args.sbs_merge:
+            merge_flag_sets(done, json.loads(Path(args.sbs_merge).read_text()))
+        return write_result(dest, done, overwrite=args.overwrite, quiet=True)
+
+    def late() -> bool:
+        return (
+            args.sbs_deadline is not None
+            and time.monotonic() - t_start > args.sbs_deadline
+        )
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
     status = 0
     try:
         for i, name in enumerate(sets):
             elapsed = time.monotonic() - t_start
-            if i and elapsed > args.budget:
+            if (i and elapsed > args.budget) or late():
                 report["flag_sets"][name] = {
                     "skipped": f"over the time budget ({elapsed:.0f} s)"
                 }
@@ -528,15 +546,18 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             if i == 0:
                 report["upstream"] = startup_checks(up_row, upstream)
             rec: dict = {"args": FLAG_SETS[name]}
+            report["flag_sets"][name] = rec
             if row.name in errors:
                 rec.update(error=errors[row.name], ok=False)
-                report["flag_sets"][name] = rec
                 status = 1
                 continue
             try:
                 servers = {"upstream": upstream, "fork": fork}
                 rec["batches"] = {}
                 for bs in batches:
+                    if late():
+                        rec["batches"][f"bs{bs}"] = {"skipped": "past --sbs-deadline"}
+                        continue
                     rec["batches"][f"bs{bs}"] = b = measure_batch(
                         servers, bs, args.sbs_repeats, args.sbs_tokens, FLAG_SETS[name]
                     )
@@ -549,7 +570,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
                         f"{b['tokens_identical']}",
                         flush=True,
                     )
-                    if bs in profiled:
+                    if bs in profiled and not late():
                         b["profile"] = profile_pair(
                             servers,
                             bs,
@@ -560,31 +581,33 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
                                 1e3 * b["fork"]["step_ms"],
                             ),
                         )
+                    save()
             except (RuntimeError, OSError, ValueError) as e:
                 rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
             finally:
                 fork.stop()
             rec.update(startup_checks(row, fork))
-            rec["checks"]["measured"] = "error" not in rec
-            rec["checks"]["tokens_identical_to_upstream"] = bool(
-                rec.get("batches")
-            ) and all(b["tokens_identical"] for b in rec["batches"].values())
+            measured = [b for b in rec["batches"].values() if "skipped" not in b]
+            rec["checks"]["measured"] = "error" not in rec and bool(measured)
+            rec["checks"]["tokens_identical_to_upstream"] = bool(measured) and all(
+                b["tokens_identical"] for b in measured
+            )
             rec["ok"] = all(rec["checks"].values())
             status |= 0 if rec["ok"] else 1
-            report["flag_sets"][name] = rec
+            save()
     finally:
         upstream.stop()
+        signal.signal(signal.SIGTERM, previous)
     if "upstream" in report and "error" not in report["upstream"]:
         report["upstream"]["log_errors"] = upstream.errors()[:20]
-    if args.sbs_merge:
-        merge_flag_sets(report, json.loads(Path(args.sbs_merge).read_text()))
-    out = write_result(
-        args.out / f"e2e-full-depth-{device_label}.json",
-        report,
-        overwrite=args.overwrite,
-    )
+    out = save()
     print(f"wrote {out}")
     return status
+
+
+def _terminate(signum, frame):
+    """SIGTERM (a ``timeout``) ends the run through its ``finally``: both servers stopped."""
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def merge_flag_sets(report: dict, earlier: dict) -> None:
@@ -597,7 +620,29 @@ def merge_flag_sets(report: dict, earlier: dict) -> None:
             )
     for name, rec in earlier.get("flag_sets", {}).items():
         if name not in report["flag_sets"] or "skipped" in report["flag_sets"][name]:
-            report["flag_sets"][name] = rec
+            # the upstream server that flag set was measured against (another sitting's)
+            report["flag_sets"][name] = {"upstream": earlier.get("upstream"), **rec}
+
+
+def merge_files(paths: list[Path]) -> dict:
+    """Several sittings' ``e2e-full-depth-<device>.json`` as one (``python -m
+    e2e.side_by_side A.json B.json --out C.json``): a flag set measured in a later file replaces
+    an earlier one; every file must be of one build and device (their provenance is kept, not
+    restamped by the machine that merges)."""
+    merged = json.loads(Path(paths[-1]).read_text())
+    for path in reversed(paths[:-1]):
+        merge_flag_sets(merged, json.loads(Path(path).read_text()))
+    return merged
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="merge side-by-side result files (CPU)")
+    p.add_argument("files", type=Path, nargs="+")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    args.out.write_text(json.dumps(merge_files(args.files), indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -638,8 +683,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
         help="side by side: the routed experts' format in the checkpoint",
     )
     p.add_argument(
+        "--sbs-deadline",
+        type=float,
+        help="side by side: after this many seconds no batch or flag set starts; the servers "
+        "stop and the JSON is written (keep it below the machine's time limit)",
+    )
+    p.add_argument(
         "--sbs-merge",
         type=Path,
         help="side by side: an earlier e2e-full-depth JSON (same build and device) whose flag "
         "sets this run does not measure are kept",
     )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
