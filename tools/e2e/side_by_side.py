@@ -436,8 +436,11 @@ def start_servers(pairs: list[tuple[object, Server]]) -> dict[str, str]:
         except (ServerDied, OSError) as e:
             errors[row.name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
-    with ThreadPoolExecutor(len(pairs)) as pool:
+    pool = ThreadPoolExecutor(len(pairs))
+    try:
         list(pool.map(one, pairs))
+    finally:  # interrupted: the caller's finally stops the servers; do not wait for their start
+        pool.shutdown(wait=False)
     return errors
 
 
@@ -548,6 +551,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             rec: dict = {"args": FLAG_SETS[name]}
             report["flag_sets"][name] = rec
             if row.name in errors:
+                fork.stop()
                 rec.update(error=errors[row.name], ok=False)
                 status = 1
                 continue
