@@ -172,6 +172,22 @@ def test_the_tiny_full_depth_checkpoint_is_v41s_block_fp8_layout(tiny_full):
     )
 
 
+def test_upstream_reads_the_experts_as_e4m3_not_mxfp4(tiny_full, monkeypatch):
+    """Upstream's probe of the routed experts finds e4m3 (so not MXFP4), and both servers are
+    told so (``SERVE_ENV``), which the bf16 experts need (the probe does not know bf16).
+    """
+    from sglang.srt.configs.deepseek_v4 import try_detect_fp4_experts
+    from sglang.srt.model_loader.weight_utils import probe_routed_expert_weight_dtype
+
+    assert probe_routed_expert_weight_dtype(str(tiny_full)) == "F8_E4M3"
+    assert try_detect_fp4_experts(str(tiny_full)) is False
+    assert sbs.SERVE_ENV == {"SGLANG_DSV4_FP4_EXPERTS": "0"}
+    from sglang.srt.environ import envs
+
+    monkeypatch.setenv("SGLANG_DSV4_FP4_EXPERTS", "0")
+    assert envs.SGLANG_DSV4_FP4_EXPERTS.get() is False
+
+
 def test_bf16_experts_are_left_out_of_the_quantization(tmp_path):
     import torch
 

@@ -78,6 +78,9 @@ GRAPH_ARGS = ["--cuda-graph-bs-decode", *map(str, BATCHES)] + [
     "--max-running-requests",
     str(max(BATCHES)),
 ]
+# Upstream reads DeepSeek-V4 routed experts as MXFP4 unless told or unless it recognizes e4m3 in the
+# checkpoint; the full-depth checkpoint's experts are e4m3 or bf16, never MXFP4 (both servers).
+SERVE_ENV = {"SGLANG_DSV4_FP4_EXPERTS": "0"}
 # Kernel names -> groups, first match wins (case-insensitive). The stock wo_a on Hopper is a
 # torch einsum: its cuBLAS kernel lands in "gemm" with the LM heads' and other bf16 GEMMs.
 KERNEL_GROUPS = (
@@ -466,6 +469,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             "--sbs-repeats: at least 2 (a confidence interval needs two pairs)"
         )
     t_start = time.monotonic()
+    env = {**env, **SERVE_ENV}
     model = ensure_checkpoint(args.models, args.sbs_experts, _gen_device())
     draft = json.loads((model / "draft.json").read_text())
     logs = args.out / "e2e-logs"
@@ -495,6 +499,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             "ratios": "fork / upstream per repeat; mean with 95 % t and bootstrap intervals",
             "tokens": "greedy tokens identical to upstream's (the agree checkpoints' rule)",
             "server_args": server_args(upstream_row()),
+            "server_env": SERVE_ENV,
         },
         "flag_sets": {},
     }
@@ -521,6 +526,9 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
         )
 
     previous = signal.signal(signal.SIGTERM, _terminate)
+    live = [
+        upstream
+    ]  # every server started, stopped in the end whatever happens (idempotent)
     status = 0
     try:
         for i, name in enumerate(sets):
@@ -537,6 +545,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
                 env=row_env(row, env, trees),
                 log_path=logs / f"{row.name}.log",
             )
+            live.append(fork)
             print(f"==> {name}: {' '.join(FLAG_SETS[name])}", flush=True)
             errors = start_servers(
                 [(up_row, upstream), (row, fork)] if i == 0 else [(row, fork)]
@@ -600,7 +609,8 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             status |= 0 if rec["ok"] else 1
             save()
     finally:
-        upstream.stop()
+        for server in live:
+            server.stop()
         signal.signal(signal.SIGTERM, previous)
     if "upstream" in report and "error" not in report["upstream"]:
         report["upstream"]["log_errors"] = upstream.errors()[:20]
