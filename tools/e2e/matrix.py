@@ -27,7 +27,9 @@ to. Per row, every check is recorded under ``checks`` and the row passes when al
   at 0.7 T (a fault the harness injects, ``E2E_FAULT``; never a switch of the engine);
 * a reference row that did not serve fails the rows that compare with it.
 
-Rows on the real-shape checkpoint time decode instead (``timing`` rows). Results:
+Rows on the real-shape checkpoint time decode instead (``timing`` rows). ``--side-by-side SETS``
+serves no row: it times upstream and the fork at once on a full-depth checkpoint
+(``e2e.side_by_side``). Results:
 ``DIR/e2e-<device>.json`` (with the build, device, torch and triton) and one log per row.
 ``--standins`` adds the H200 harness (functional stand-ins for binary packages that do not load
 there, and the switches that keep the model off them); without it the check runs on a GPU machine
