@@ -514,7 +514,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
 
     def save() -> Path:
         """The report so far (rewritten after every batch: a run cut short keeps its numbers)."""
-        done = json.loads(json.dumps(report))
+        done = json.loads(json.dumps(report))  # not a result: a deep copy
         if args.sbs_merge:
             merge_flag_sets(done, json.loads(Path(args.sbs_merge).read_text()))
         return write_result(dest, done, overwrite=args.overwrite, quiet=True)
@@ -654,7 +654,10 @@ def main(argv=None) -> int:
     p.add_argument("files", type=Path, nargs="+")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    args.out.write_text(json.dumps(merge_files(args.files), indent=1) + "\n")
+    merged = merge_files(args.files)
+    args.out.write_text(  # not a result: GPU sittings merged, their provenance kept
+        json.dumps(merged, indent=1) + "\n"
+    )
     print(f"wrote {args.out}")
     return 0
 
