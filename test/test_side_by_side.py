@@ -681,3 +681,42 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
     skipped = json.loads(late.read_text())["flag_sets"]
     assert skipped["all_on"]["skipped"].startswith("over the time budget")
     assert _RunServer.started == []
+
+
+def test_the_docs_table_renders_a_run():
+    """docs_tables.e2e_full_depth (registered once the GPU run's file is committed) on a
+    synthetic run: one cell per flag set and batch, a skipped batch and differing tokens said.
+    """
+    import docs_tables
+
+    def batch(mean, identical=True):
+        return {
+            "step_ratio": {"mean": mean, "t95": [mean - 0.01, mean + 0.01]},
+            "tokens_identical": identical,
+            "upstream": {"step_ms": 31.5, "accepted_drafts_per_step": 2.5},
+        }
+
+    run = {
+        "flag_sets": {
+            "all_on": {
+                "batches": {
+                    "bs1": batch(0.9),
+                    "bs32": {"skipped": "past --sbs-deadline"},
+                }
+            },
+            "cap_3": {
+                "batches": {"bs1": batch(1.0, identical=False), "bs32": batch(0.99)}
+            },
+            "head_fp8": {"skipped": "over the time budget (400 s)"},
+        }
+    }
+    table = docs_tables.e2e_full_depth(run).splitlines()
+    assert table[0] == "| flags | bs 1 | bs 32 |"
+    assert table[2].startswith("| head fp8 | over the time budget")
+    assert (
+        table[3]
+        == "| cap 3 | 1.000 [0.990, 1.010] (tokens differ) | 0.990 [0.980, 1.000] |"
+    )
+    assert table[4] == "| all three | 0.900 [0.890, 0.910] | not measured |"
+    assert table[5] == "| upstream step (ms) | 31.5 | 31.5 |"
+    assert table[6] == "| accepted drafts per step, upstream | 2.5 | 2.5 |"
