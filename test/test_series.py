@@ -718,6 +718,7 @@ TOOL_TESTS = {
     "test/test_format.py",
     "test/test_e2e_cpu.py",
     "test/test_e2e_tools.py",
+    "test/test_side_by_side.py",
     "test/test_gpu_bundle_smoke.py",
     "test/test_docker.py",
     "test/test_gb10_validate.py",

@@ -336,6 +336,73 @@ def cost_model_gb10(d: dict) -> str:
     )
 
 
+# --- full-depth side by side (tools/e2e/side_by_side.py) --------------------------------------
+
+FULL_DEPTH_SETS = (
+    ("wo_a_mid", "wo_a mid"),
+    ("head_fp8", "head fp8"),
+    ("cap_3", "cap 3"),
+    ("all_on", "all three"),
+)
+
+
+def e2e_full_depth(d: dict) -> str:
+    """Step time fork / upstream per flag set and batch (mean of the paired repeats, 95 %
+    t-interval), the upstream step time and the accepted drafts per step beside it. Registered in
+    TABLES (page docs/performance.md, e2e-full-depth-NVIDIA_H200.json) once the run's file is
+    committed; until then the page holds a table marked not yet measured."""
+    sets = d.get("flag_sets", {})
+    batches = sorted(
+        {b for rec in sets.values() for b in rec.get("batches", {})},
+        key=lambda b: int(b[2:]),
+    )
+    head = "| flags | " + " | ".join(f"bs {b[2:]}" for b in batches) + " |"
+    lines = [head, "| --- |" + " ---: |" * len(batches)]
+
+    def cell(b: dict | None) -> str:
+        if not b or "skipped" in b:
+            return "not measured"
+        r = b["step_ratio"]
+        text = f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]"
+        return text if b["tokens_identical"] else text + " (tokens differ)"
+
+    for key, label in FULL_DEPTH_SETS:
+        if key in sets:
+            rec = sets[key]
+            if "batches" not in rec:
+                why = rec.get("skipped") or rec.get("error", "not measured")
+                lines.append(
+                    f"| {label} | " + " | ".join([why[:60]] * len(batches)) + " |"
+                )
+                continue
+            lines.append(
+                f"| {label} | "
+                + " | ".join(cell(rec["batches"].get(b)) for b in batches)
+                + " |"
+            )
+    for what, side, key in (
+        ("upstream step (ms)", "upstream", "step_ms"),
+        ("accepted drafts per step, upstream", "upstream", "accepted_drafts_per_step"),
+    ):
+        ref = next(
+            (
+                rec
+                for k, _ in FULL_DEPTH_SETS
+                if (rec := sets.get(k, {})).get("batches")
+            ),
+            None,
+        )
+        if ref is None:
+            continue
+        values = []
+        for b in batches:
+            m = ref["batches"].get(b, {})
+            v = m.get(side, {}).get(key) if "skipped" not in m else None
+            values.append("-" if v is None else f"{v:.3g}")
+        lines.append(f"| {what} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
 TABLES: dict[str, Table] = {
     "cost_model_h200_tp4": Table(
         "docs/performance.md", "cost_model-cpu.json", cost_model_h200_tp4

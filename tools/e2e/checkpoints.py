@@ -248,6 +248,27 @@ REAL_SHAPE_DSV4 = dict(
     gamma=5,
     draft_stages=3,
 )
+# DeepSeek-V4.1-Flash's widths at TP1 at full depth (43 layers, 3 draft stages), few experts: the
+# side-by-side decode timing (``e2e.side_by_side``). Dense linears (attention's wq_a, wkv, wq_b, wo_b,
+# the shared expert, the draft's main_proj) ship as e4m3 in 32 x 32 blocks with power-of-two scales
+# under a ``quantization_config`` as DeepSeek-V4.1 ships them (``fp8_quantization_config``); wo_a as
+# e4m3 with 32 x 32 power-of-two scales (the loader dequantizes it to bf16, as upstream does for
+# every DeepSeek-V4 checkpoint); the 8 routed experts as e4m3 32 x 32 blocks too (``experts``:
+# "fp8"), or bf16 left out of the quantization (``experts``: "bf16", the format the harness served
+# before). The DeepSeek-V4 architecture (no Engram): the V4.1 rows have not been served on the H200.
+# About 23 GB with fp8 experts (13 GB of it the experts), written in ``shards`` files.
+FULL_DEPTH_DSV4 = dict(
+    REAL_SHAPE_DSV4,
+    num_hidden_layers=43,
+    dense_fp8=True,
+    experts="fp8",
+    shards=8,
+)
+# The full-depth checkpoint's draft agrees with its target along runs of 2 and 3 tokens of the
+# successor cycle (``write_dsv4(..., draft_runs=...)``): greedy requests accept about 2.5 drafts
+# per verify step.
+FULL_DEPTH_DRAFT_RUNS = (2, 3)
+FP8_BLOCK = 32
 MASK_TOKEN_ID = len(char_vocab())  # the draft's mask token: the first <extra_i> token
 # The Engram layers of the tiny DeepSeek-V4.1 checkpoint (``write_dsv4(..., engram=TINY_ENGRAM)``):
 # two layers, n-grams of 2 to 4 tokens with 4 hash heads each (upstream's hash kernel takes powers
@@ -321,7 +342,33 @@ def dsv4_config(shape: dict) -> dict:
         "dspark_markov_rank": shape["markov_rank"],
         "dspark_n_routed_experts": shape["n_routed_experts"],
         "dspark_num_experts_per_tok": shape["num_experts_per_tok"],
+        **(
+            {"quantization_config": fp8_quantization_config(shape)}
+            if shape.get("dense_fp8")
+            else {}
+        ),
     }
+
+
+def fp8_quantization_config(shape: dict) -> dict:
+    """DeepSeek-V4.1's block-fp8 ``quantization_config``: e4m3 weights in 32 x 32 blocks, one
+    power-of-two fp32 scale per block (``scale_fmt`` ue8m0, stored as ``<name>.scale``, which
+    upstream's loader renames to ``weight_scale_inv``), activations quantized per token and group
+    of 32 at run time. Upstream's ``Fp8Config.from_config`` reads it; wo_a needs 128 x 128 blocks
+    for its fp8 GEMM, so upstream dequantizes it to bf16 at load. Experts kept in bf16
+    (``experts`` "bf16") are named in ``modules_to_not_convert``."""
+    config = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    }
+    if shape.get("experts", "fp8") == "bf16":
+        config["modules_to_not_convert"] = ["mlp.experts"]
+    elif shape.get("experts") != "fp8":
+        raise ValueError(f"experts: 'fp8' or 'bf16', not {shape.get('experts')!r}")
+    return config
 
 
 def engram_layout(engram: dict):
@@ -411,9 +458,24 @@ class _Weights:
         std = (1e-3 if (self.agree and out_proj) else 1.0) / inp**0.5
         self.tensors[name + ".weight"] = self.randn(out, inp, std=std)
 
-    def fp8_linear(self, name: str, out: int, inp: int):
-        q, scale = _e4m3_blocks(self.randn(out, inp, std=1.0 / inp**0.5))
+    def fp8_linear(self, name: str, out: int, inp: int, out_proj: bool = False):
+        std = (1e-3 if (self.agree and out_proj) else 1.0) / inp**0.5
+        q, scale = _e4m3_blocks(self.randn(out, inp, std=std))
         self.tensors[name + ".weight"], self.tensors[name + ".scale"] = q, scale
+
+    def dense(self, name: str, out: int, inp: int, out_proj: bool = False):
+        """A linear that the quantization config covers: block fp8 when the shape ships dense
+        linears in fp8 (``dense_fp8``), else bf16."""
+        if self.shape.get("dense_fp8"):
+            self.fp8_linear(name, out, inp, out_proj=out_proj)
+        else:
+            self.linear(name, out, inp, out_proj=out_proj)
+
+    def expert(self, name: str, out: int, inp: int, out_proj: bool = False):
+        if self.shape.get("dense_fp8") and self.shape.get("experts", "fp8") == "fp8":
+            self.fp8_linear(name, out, inp, out_proj=out_proj)
+        else:
+            self.linear(name, out, inp, out_proj=out_proj)
 
     def norm(self, name: str, dim: int):
         self.tensors[name + ".weight"] = self.torch.ones(
@@ -486,13 +548,13 @@ class _Weights:
         self.tensors[a + "attn_sink"] = self.randn(
             heads, std=0.5, dtype=self.torch.float32
         )
-        self.linear(a + "wq_a", s["q_lora_rank"], dim)
-        self.linear(a + "wkv", hd, dim)
+        self.dense(a + "wq_a", s["q_lora_rank"], dim)
+        self.dense(a + "wkv", hd, dim)
         self.norm(a + "q_norm", s["q_lora_rank"])
         self.norm(a + "kv_norm", hd)
-        self.linear(a + "wq_b", heads * hd, s["q_lora_rank"])
+        self.dense(a + "wq_b", heads * hd, s["q_lora_rank"])
         self.fp8_linear(a + "wo_a", groups * s["o_lora_rank"], heads // groups * hd)
-        self.linear(a + "wo_b", dim, groups * s["o_lora_rank"], out_proj=True)
+        self.dense(a + "wo_b", dim, groups * s["o_lora_rank"], out_proj=True)
         self.norm(prefix + "attn_norm", dim)
         self.norm(prefix + "ffn_norm", dim)
         f = prefix + "ffn."
@@ -512,12 +574,12 @@ class _Weights:
                 self.torch.int32
             )
         for e in range(experts):
-            self.linear(f"{f}experts.{e}.w1", inter, dim)
-            self.linear(f"{f}experts.{e}.w3", inter, dim)
-            self.linear(f"{f}experts.{e}.w2", dim, inter, out_proj=True)
-        self.linear(f + "shared_experts.w1", inter, dim)
-        self.linear(f + "shared_experts.w3", inter, dim)
-        self.linear(f + "shared_experts.w2", dim, inter, out_proj=True)
+            self.expert(f"{f}experts.{e}.w1", inter, dim)
+            self.expert(f"{f}experts.{e}.w3", inter, dim)
+            self.expert(f"{f}experts.{e}.w2", dim, inter, out_proj=True)
+        self.dense(f + "shared_experts.w1", inter, dim)
+        self.dense(f + "shared_experts.w3", inter, dim)
+        self.dense(f + "shared_experts.w2", dim, inter, out_proj=True)
 
 
 def write_dsv4(
@@ -530,6 +592,7 @@ def write_dsv4(
     target_margin: float = 6.4,
     draft_bias: float = 40.0,
     engram: dict | None = None,
+    draft_runs: tuple[int, ...] | None = None,
 ) -> Path:
     """A DeepSeek-V4 target with a bundled DSpark draft, from ``seed``.
 
@@ -553,9 +616,17 @@ def write_dsv4(
     ``engram`` (sizes as ``TINY_ENGRAM``) makes it a DeepSeek-V4.1 checkpoint (``dsv41_config``):
     Engram layers (``_Weights.engram``), and no ``hc_head`` tensors, target or draft (V4.1
     collapses the streams with the last sublayer's pre-mix; upstream's V4.1 modules have none).
+
+    ``draft_runs`` (with ``agree``) makes the draft agree only in part (``draft_miss_positions``):
+    along the successor cycle, runs of agreeing tokens of the given lengths, in turn, each followed
+    by one token whose Markov row points at another token (an unused ``<extra_i>`` token), so a
+    greedy verify step accepts the rest of the run its anchor starts and the bonus token then
+    starts the next run: (2, 3) accepts 2 and 3 drafts in turn, about 2.5 per step
+    (``draft.json`` records the runs and that figure). The shape's ``shards`` (default 1) splits
+    the weights over that many safetensors files with an index (written last, so a cut-short
+    write is not mistaken for a checkpoint: ``checkpoint_written``).
     """
     import torch
-    from safetensors.torch import save_file
 
     vocab = write_tokenizer(
         path,
@@ -591,7 +662,27 @@ def write_dsv4(
         code = markov_in.float() / markov_in.float().norm(dim=1, keepdim=True)
         markov_in = code.to(torch.bfloat16)
         markov_out = torch.zeros(vocab, rank, device=device)
-        markov_out[succ[cycle]] = draft_bias * code[cycle]
+        proposal = succ.clone()  # the draft's greedy next token after each cycle token
+        if draft_runs:
+            miss = draft_miss_positions(len(cycle), draft_runs)
+            spare = torch.arange(vocab - len(miss), vocab, device=device)
+            spare -= len(
+                DEEPSEEK_SPECIAL_TOKENS
+            )  # <extra_i> tokens, not the special ones
+            proposal[cycle[miss]] = spare
+            (path / "draft.json").write_text(
+                json.dumps(
+                    {
+                        "draft_runs": list(draft_runs),
+                        "miss_positions": miss,
+                        "miss_tokens": cycle[miss].tolist(),
+                        "intended_accepted_drafts_per_step": intended_acceptance(
+                            len(cycle), draft_runs, shape["gamma"]
+                        ),
+                    }
+                )
+            )
+        markov_out[proposal[cycle]] = draft_bias * code[cycle]
         (path / "succ.json").write_text(json.dumps(succ.tolist()))
     w.tensors.update({"embed.weight": embed, "head.weight": head})
     w.norm("norm", dim)
@@ -610,7 +701,7 @@ def write_dsv4(
         p = f"mtp.{stage}."
         w.block(p, hash_vocab=None)
         if stage == 0:
-            w.linear(p + "main_proj", dim, dim * stages)
+            w.dense(p + "main_proj", dim, dim * stages)
             w.norm(p + "main_norm", dim)
         if stage == stages - 1:
             w.norm(p + "norm", dim)
@@ -621,9 +712,94 @@ def write_dsv4(
     w.tensors["mtp.0.confidence_head.proj.weight"] = w.randn(
         1, dim + rank, std=2.0 / (dim + rank) ** 0.5, dtype=torch.float32
     )
-    save_file(
-        {k: v.contiguous().cpu() for k, v in w.tensors.items()},
-        str(path / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
+    save_shards(w.tensors, path, shape.get("shards", 1))
     return path
+
+
+def draft_miss_positions(cycle_len: int, runs: tuple[int, ...]) -> list[int]:
+    """Positions along the successor cycle where the draft proposes another token: after each run
+    of ``runs[i % len(runs)]`` agreeing positions, one miss; the tail that no full run fills
+    agrees (it joins the first run across the wrap)."""
+    if not runs or min(runs) < 1:
+        raise ValueError(f"draft_runs: lengths >= 1, not {runs!r}")
+    miss, pos, i = [], 0, 0
+    while pos + runs[i % len(runs)] < cycle_len:
+        pos += runs[i % len(runs)]
+        miss.append(pos)
+        pos, i = pos + 1, i + 1
+    return miss
+
+
+def intended_acceptance(
+    cycle_len: int, runs: tuple[int, ...], gamma: int, tokens: int = 64
+) -> float:
+    """Drafts accepted per greedy verify step that ``draft_runs`` gives, simulated: from every
+    start on the cycle, a request of ``tokens`` tokens (the first from the prefill), each step
+    accepting the agreeing positions from its anchor up to ``gamma`` and adding the bonus token.
+    """
+    miss = set(draft_miss_positions(cycle_len, runs))
+    accepted = steps = 0
+    for start in range(cycle_len):
+        pos, emitted = start, 1
+        while emitted < tokens:
+            k = 0
+            while k < gamma and (pos + k) % cycle_len not in miss:
+                k += 1
+            accepted, steps = accepted + k, steps + 1
+            emitted += k + 1
+            pos = (pos + k + 1) % cycle_len
+    return round(accepted / steps, 3)
+
+
+def checkpoint_written(path: Path) -> bool:
+    """A complete checkpoint is in ``path``: its one weight file, or its shards' index."""
+    path = Path(path)
+    return (path / "model.safetensors").exists() or (
+        path / "model.safetensors.index.json"
+    ).exists()
+
+
+def save_shards(tensors: dict, path: Path, shards: int = 1) -> list[Path]:
+    """``tensors`` (on any device) as ``model.safetensors``, or as ``shards`` files of about equal
+    bytes written by one thread each (device-to-host copy and write overlap) with the standard
+    ``model.safetensors.index.json``, written last."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if shards <= 1:
+        dest = path / "model.safetensors"
+        save_file(
+            {k: v.contiguous().cpu() for k, v in tensors.items()},
+            str(dest),
+            metadata={"format": "pt"},
+        )
+        return [dest]
+    names = list(tensors)
+    nbytes = {k: tensors[k].numel() * tensors[k].element_size() for k in names}
+    total, groups, acc = sum(nbytes.values()), [[] for _ in range(shards)], 0
+    for k in names:  # in order, cut at equal byte counts
+        groups[min(shards - 1, acc * shards // max(total, 1))].append(k)
+        acc += nbytes[k]
+    groups = [g for g in groups if g]
+    files = [
+        path / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        for i in range(len(groups))
+    ]
+
+    def write(i: int) -> None:
+        save_file(
+            {k: tensors[k].contiguous().cpu() for k in groups[i]},
+            str(files[i]),
+            metadata={"format": "pt"},
+        )
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        list(pool.map(write, range(len(groups))))
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {k: files[i].name for i, g in enumerate(groups) for k in g},
+    }
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    return files

@@ -27,7 +27,9 @@ to. Per row, every check is recorded under ``checks`` and the row passes when al
   at 0.7 T (a fault the harness injects, ``E2E_FAULT``; never a switch of the engine);
 * a reference row that did not serve fails the rows that compare with it.
 
-Rows on the real-shape checkpoint time decode instead (``timing`` rows). Results:
+Rows on the real-shape checkpoint time decode instead (``timing`` rows). ``--side-by-side SETS``
+serves no row: it times upstream and the fork at once on a full-depth checkpoint
+(``e2e.side_by_side``). Results:
 ``DIR/e2e-<device>.json`` (with the build, device, torch and triton) and one log per row.
 ``--standins`` adds the H200 harness (functional stand-ins for binary packages that do not load
 there, and the switches that keep the model off them); without it the check runs on a GPU machine
@@ -51,6 +53,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from . import side_by_side
 from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, TINY_ENGRAM, char_vocab, write_dsv4
 from .provenance import add_overwrite_arg
 from .provenance import provenance as build_provenance
@@ -855,10 +858,18 @@ PROFILE_TOKENS = 64
 PROFILE_TOP = 25
 
 
-def profile(server: Server, out_dir: Path) -> dict:
+def profile(
+    server: Server,
+    out_dir: Path,
+    prompts: list[str] | None = None,
+    tokens: int = PROFILE_TOKENS,
+    all_kernels: bool = False,
+) -> dict:
     """The GPU kernels of one batch-1 request of PROFILE_TOKENS greedy tokens, through upstream's
     ``/start_profile`` (torch profiler, GPU activity only; CUDA-graph replays included): time per
     kernel name summed, the top PROFILE_TOP kept. The trace itself is deleted (megabytes).
+    ``prompts`` sends those prompts as one batch instead, ``tokens`` each; ``all_kernels`` keeps
+    every kernel name's time and calls (``by_name``, ``kernel_times``); ``requests`` counts them.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     server.post_text(
@@ -871,28 +882,46 @@ def profile(server: Server, out_dir: Path) -> dict:
             "profile_id": "row",
         },
     )
-    outs = [
-        server.post(
-            "/generate",
-            {
-                "text": GREEDY_PROMPTS[0],
-                "sampling_params": {
-                    "temperature": 0,
-                    "max_new_tokens": PROFILE_TOKENS,
-                    "ignore_eos": True,
-                },
+    got = server.post(
+        "/generate",
+        {
+            "text": GREEDY_PROMPTS[0] if prompts is None else prompts,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": tokens,
+                "ignore_eos": True,
             },
-        )
-    ]
+        },
+    )
+    outs = got if isinstance(got, list) else [got]
     server.post_text("/stop_profile", {})
     traces = sorted(out_dir.glob("*.trace.json.gz"))
     if not traces:
         raise RuntimeError(f"/stop_profile wrote no trace under {out_dir}")
     summary = kernel_summary(traces[0])
+    if all_kernels:
+        summary["by_name"] = kernel_times(traces[0])
     summary["spec"] = spec_stats(outs)
+    summary["requests"] = len(outs)
     for t in traces:
         t.unlink()
     return summary
+
+
+def _kernel_events(trace: Path) -> list[dict]:
+    with gzip.open(trace, "rt") as f:
+        events = json.load(f).get("traceEvents", [])
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+
+
+def kernel_times(trace: Path) -> dict[str, list[float]]:
+    """A chrome trace's GPU kernels: {name: [total microseconds, calls]}."""
+    by_name: dict[str, list[float]] = {}
+    for e in _kernel_events(trace):
+        t = by_name.setdefault(e.get("name", "?"), [0.0, 0])
+        t[0] += float(e.get("dur", 0.0))
+        t[1] += 1
+    return by_name
 
 
 def kernel_summary(trace: Path, top: int = PROFILE_TOP) -> dict:
@@ -901,21 +930,13 @@ def kernel_summary(trace: Path, top: int = PROFILE_TOP) -> dict:
     first kernel's start to the last one's end; ``gpu_busy`` is the share of it covered by at
     least one kernel (overlapping streams counted once): a step that got slower while its
     kernels did not shows up as idle GPU time, i.e. time spent on the host."""
-    import gzip
-
-    with gzip.open(trace, "rt") as f:
-        events = json.load(f).get("traceEvents", [])
-    by_name: dict[str, list[float]] = {}
-    spans = []
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "kernel":
-            t = by_name.setdefault(e.get("name", "?"), [0.0, 0])
-            t[0] += float(e.get("dur", 0.0))
-            t[1] += 1
-            if "ts" in e:
-                spans.append(
-                    (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
-                )
+    events = _kernel_events(trace)
+    by_name = kernel_times(trace)
+    spans = [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)))
+        for e in events
+        if "ts" in e
+    ]
     total = sum(t[0] for t in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     busy, reach = 0.0, float("-inf")
@@ -1292,9 +1313,7 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float, meta: di
     """
     logs = args.out / "e2e-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    env = {"PYTHONUNBUFFERED": "1"}
-    if args.standins:
-        env.update(HARNESS_ENV)
+    env = harness_env(args.standins)
     import sglang
 
     trees = {
@@ -1448,8 +1467,11 @@ def main(argv=None) -> int:
         help="an earlier run's JSON (same build and device): its rows that "
         "this run does not serve are kept, so a matrix can be served in several sittings",
     )
+    side_by_side.add_args(p)
     add_overwrite_arg(p)
     args = p.parse_args(argv)
+    if args.side_by_side:
+        return serve_side_by_side(args)
 
     t_start = time.monotonic()
     selected = [r for r in rows() if not args.rows or r.name in args.rows.split(",")]
@@ -1496,6 +1518,36 @@ def main(argv=None) -> int:
     out_json = write_result(out_json, report, overwrite=args.overwrite)
     print(f"{report['passed']} passed, {report['failed']} failed")
     return 0 if report["failed"] == 0 else 1
+
+
+def harness_env(standins: bool) -> dict:
+    env = {"PYTHONUNBUFFERED": "1"}
+    if standins:
+        env.update(HARNESS_ENV)
+    return env
+
+
+def serve_side_by_side(args) -> int:
+    """``--side-by-side``: upstream and the fork timed side by side at full depth
+    (``e2e.side_by_side``), with the matrix's harness, trees and provenance."""
+    import sglang
+
+    if args.upstream is None:
+        raise SystemExit(
+            "--side-by-side needs --upstream PATH (the pinned release's tree)"
+        )
+    trees = {
+        "fork": Path(sglang.__file__).resolve().parents[1],
+        "upstream": args.upstream,
+    }
+    meta = {
+        **build_provenance(device=device_name()),
+        "standins": args.standins,
+        "upstream_tree": str(args.upstream),
+    }
+    return side_by_side.run(
+        args, harness_env(args.standins), trees, meta["device"], meta
+    )
 
 
 def write_raw(out: Path, meta: dict, succ: list[int] | None, recs: dict) -> None:

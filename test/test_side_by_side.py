@@ -1,0 +1,722 @@
+"""The full-depth side-by-side timing's own logic (tools/e2e/side_by_side.py), on CPU: the
+checkpoint's config and tensors at a tiny width and depth, read by upstream's config and
+quantization classes and its weight-name remap; the ratio statistics on synthetic numbers; the
+interleaving order; one batch measured against two stand-in servers; the kernel attribution on a
+fabricated trace; the command line's refusals."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+
+import pytest
+from e2e import side_by_side as sbs
+from e2e.checkpoints import (
+    FULL_DEPTH_DRAFT_RUNS,
+    FULL_DEPTH_DSV4,
+    SPECIAL_TOKENS,
+    char_vocab,
+    checkpoint_written,
+    draft_miss_positions,
+    intended_acceptance,
+    write_dsv4,
+)
+
+# FULL_DEPTH_DSV4's layout (block-fp8 dense linears, 3 draft stages, sharded) at a width and
+# depth a CPU writes in seconds; 64 heads in 8 output groups as FlashMLA's decode needs.
+TINY_FULL = dict(
+    FULL_DEPTH_DSV4,
+    hidden_size=256,
+    num_hidden_layers=3,
+    q_lora_rank=256,
+    o_lora_rank=128,
+    moe_intermediate_size=64,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    vocab_size=256,
+    markov_rank=32,
+    shards=3,
+)
+
+
+def test_the_full_depth_shape_is_v41_flash_at_tp1():
+    s = FULL_DEPTH_DSV4
+    assert (s["hidden_size"], s["num_attention_heads"], s["head_dim"]) == (
+        5120,
+        64,
+        512,
+    )
+    assert (s["q_lora_rank"], s["o_lora_rank"], s["o_groups"]) == (1280, 1024, 8)
+    assert (s["moe_intermediate_size"], s["vocab_size"]) == (2304, 129280)
+    assert (s["num_hidden_layers"], s["draft_stages"], s["gamma"]) == (43, 3, 5)
+    assert (s["n_routed_experts"], s["num_experts_per_tok"]) == (8, 6)
+    assert s["dense_fp8"] and s["experts"] == "fp8"
+
+
+def _params(shape: dict) -> dict:
+    """Parameter counts of the full-depth checkpoint by kind (no tensor is built)."""
+    d, layers = shape["hidden_size"], shape["num_hidden_layers"] + shape["draft_stages"]
+    heads, hd, g = shape["num_attention_heads"], shape["head_dim"], shape["o_groups"]
+    q, o, inter = (
+        shape["q_lora_rank"],
+        shape["o_lora_rank"],
+        shape["moe_intermediate_size"],
+    )
+    dense = q * d + hd * d + heads * hd * q + d * g * o + 3 * inter * d
+    return {
+        "dense": layers * dense + d * d * shape["draft_stages"],  # + main_proj
+        "wo_a": layers * g * o * heads // g * hd,
+        "experts": layers * shape["n_routed_experts"] * 3 * inter * d,
+        "vocab": 2 * shape["vocab_size"] * d,
+    }
+
+
+def test_the_full_depth_checkpoint_fits_two_servers_on_an_h200():
+    """About 23 GB written; a server holds ~37 GB (the Hopper bf16 copies of the dense weights
+    upstream keeps beside the fp8 ones, wo_a dequantized to bf16): two fit 141 GB with room.
+    """
+    p = _params(FULL_DEPTH_DSV4)
+    written = p["dense"] + p["wo_a"] + p["experts"] + 2 * p["vocab"]
+    assert 20e9 < written < 25e9
+    served = 3 * p["dense"] + 2 * p["wo_a"] + p["experts"] + 2 * p["vocab"]
+    assert 2 * served < 0.6 * 141e9
+
+
+@pytest.fixture(scope="module")
+def tiny_full(tmp_path_factory):
+    return write_dsv4(
+        tmp_path_factory.mktemp("full") / "full",
+        agree=True,
+        shape=TINY_FULL,
+        seed=5,
+        draft_runs=FULL_DEPTH_DRAFT_RUNS,
+    )
+
+
+def _tensors(path):
+    from safetensors import safe_open
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    out = {}
+    for name, file in index["weight_map"].items():
+        with safe_open(str(path / file), "pt") as f:
+            out[name] = f.get_tensor(name)
+    return index, out
+
+
+def test_the_tiny_full_depth_checkpoint_is_v41s_block_fp8_layout(tiny_full):
+    """Config: DeepSeek-V4 with V4.1's block-fp8 quantization_config, read by upstream's config
+    class and ``Fp8Config``; tensors: every dense linear e4m3 with one power-of-two fp32 scale
+    per 32 x 32 block, named ``.scale`` (upstream's remap makes it ``weight_scale_inv``), the
+    norms, gates, embeddings and heads bf16; the shards' index lists every tensor, written last.
+    """
+    import torch
+
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    config = json.loads((tiny_full / "config.json").read_text())
+    q = config["quantization_config"]
+    assert q == {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [32, 32],
+    }
+    hf = get_config(str(tiny_full), trust_remote_code=False)
+    assert hf.model_type == "deepseek_v4" and hf.num_hidden_layers == 3
+    assert hf.num_nextn_predict_layers == 3 and hf.dspark_block_size == 5
+    fp8 = Fp8Config.from_config(q)
+    assert fp8.weight_block_size == [32, 32] and fp8.scale_fmt == "ue8m0"
+    assert fp8.is_checkpoint_fp8_serialized and fp8.get_name() == "fp8"
+
+    assert checkpoint_written(tiny_full)
+    assert len(list(tiny_full.glob("model-*-of-00003.safetensors"))) == 3
+    index, t = _tensors(tiny_full)
+    assert index["metadata"]["total_size"] == sum(
+        v.numel() * v.element_size() for v in t.values()
+    )
+    fp8_names = {
+        n[: -len(".weight")] for n, v in t.items() if v.dtype == torch.float8_e4m3fn
+    }
+    dense = ("attn.wq_a", "attn.wkv", "attn.wq_b", "attn.wo_a", "attn.wo_b")
+    dense += ("ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3")
+    for layer in ["layers.0.", "layers.2.", "mtp.0.", "mtp.2."]:
+        for name in dense + ("ffn.experts.0.w1", "ffn.experts.3.w2"):
+            assert layer + name in fp8_names, layer + name
+    assert "mtp.0.main_proj" in fp8_names
+    for name in fp8_names:
+        w, s = t[name + ".weight"], t[name + ".scale"]
+        assert s.dtype == torch.float32 and s.shape == (
+            w.shape[0] // 32,
+            w.shape[1] // 32,
+        )
+        assert bool((torch.frexp(s)[0] == 0.5).all()), name  # powers of two
+        remapped = DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format(
+            name + ".scale"
+        )
+        if not name.startswith("mtp."):
+            assert remapped.endswith(".weight_scale_inv"), remapped
+    for name in (
+        "embed.weight",
+        "head.weight",
+        "layers.1.ffn.gate.weight",
+        "layers.1.attn_norm.weight",
+    ):
+        assert t[name].dtype == torch.bfloat16, name
+    assert not any(
+        n.endswith(".scale") and n[: -len(".scale")] not in fp8_names for n in t
+    )
+
+
+def test_upstream_reads_the_experts_as_e4m3_not_mxfp4(tiny_full, monkeypatch):
+    """Upstream's probe of the routed experts finds e4m3 (so not MXFP4), and both servers are
+    told so (``SERVE_ENV``), which the bf16 experts need (the probe does not know bf16).
+    """
+    from sglang.srt.configs.deepseek_v4 import try_detect_fp4_experts
+    from sglang.srt.model_loader.weight_utils import probe_routed_expert_weight_dtype
+
+    assert probe_routed_expert_weight_dtype(str(tiny_full)) == "F8_E4M3"
+    assert try_detect_fp4_experts(str(tiny_full)) is False
+    assert sbs.SERVE_ENV == {"SGLANG_DSV4_FP4_EXPERTS": "0"}
+    from sglang.srt.environ import envs
+
+    monkeypatch.setenv("SGLANG_DSV4_FP4_EXPERTS", "0")
+    assert envs.SGLANG_DSV4_FP4_EXPERTS.get() is False
+
+
+def test_bf16_experts_are_left_out_of_the_quantization(tmp_path):
+    import torch
+
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.utils import is_layer_skipped
+
+    path = write_dsv4(
+        tmp_path / "bf16",
+        agree=False,
+        shape=dict(
+            TINY_FULL, experts="bf16", num_hidden_layers=1, draft_stages=1, shards=1
+        ),
+    )
+    q = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert q["modules_to_not_convert"] == ["mlp.experts"]
+    ignored = Fp8Config.from_config(q).ignored_layers
+    assert is_layer_skipped("model.layers.0.mlp.experts", ignored)
+    assert not is_layer_skipped("model.layers.0.mlp.shared_experts.down_proj", ignored)
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("layers.0.ffn.experts.0.w1.weight").dtype == torch.bfloat16
+        assert (
+            f.get_tensor("layers.0.ffn.shared_experts.w1.weight").dtype
+            == torch.float8_e4m3fn
+        )
+    with pytest.raises(ValueError, match="experts"):
+        write_dsv4(tmp_path / "bad", agree=False, shape=dict(TINY_FULL, experts="fp4"))
+
+
+def test_the_draft_agrees_in_runs_of_two_and_three(tiny_full):
+    """The Markov head's greedy proposal after each cycle token: the target's successor except at
+    the miss positions, where it is an unused <extra_i> token; the greedy acceptance it gives is
+    about 2.5 drafts per verify step, recorded in draft.json."""
+    import torch
+
+    _, t = _tensors(tiny_full)
+    succ = json.loads((tiny_full / "succ.json").read_text())
+    draft = json.loads((tiny_full / "draft.json").read_text())
+    assert draft["draft_runs"] == [2, 3]
+    assert 2.4 <= draft["intended_accepted_drafts_per_step"] <= 2.7
+    code = t["mtp.0.markov_head.embed.weight"].float()
+    out = t["mtp.0.markov_head.head.weight"].float()
+    printable = range(len(SPECIAL_TOKENS), len(char_vocab()))
+    # walk the cycle from one printable token
+    start = len(SPECIAL_TOKENS)
+    cycle, tok = [], start
+    while True:
+        cycle.append(tok)
+        tok = succ[tok]
+        if tok == start:
+            break
+    assert sorted(cycle) == list(printable)
+    proposal = [int(torch.argmax(out @ code[c])) for c in cycle]
+    misses = [i for i, (c, p) in enumerate(zip(cycle, proposal)) if p != succ[c]]
+    assert {cycle[i] for i in misses} == set(draft["miss_tokens"])
+    assert draft["miss_positions"] == draft_miss_positions(len(cycle), (2, 3))
+    gaps = sorted(
+        b - a - 1 for a, b in zip(misses, misses[1:] + [misses[0] + len(cycle)])
+    )
+    assert (
+        set(gaps[:-1]) == {2, 3} and gaps[-1] <= 5
+    )  # runs of 2 and 3, one longer at the wrap
+    for i in misses:
+        assert proposal[i] >= len(
+            char_vocab()
+        )  # an <extra_i> token the target never emits
+
+
+def test_intended_acceptance():
+    assert draft_miss_positions(12, (2, 3)) == [2, 6, 9]
+    assert intended_acceptance(100, (2, 3), 5) == pytest.approx(2.5, abs=0.05)
+    assert intended_acceptance(100, (2,), 5) == pytest.approx(2.0, abs=0.05)
+    assert (
+        intended_acceptance(100, (9,), 5) == 5.0
+        or intended_acceptance(100, (9,), 5) < 5
+    )
+    with pytest.raises(ValueError):
+        draft_miss_positions(10, ())
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def test_t_quantiles():
+    assert sbs.t975(1) == 12.706 and sbs.t975(9) == 2.262 and sbs.t975(30) == 2.042
+    assert 2.0 < sbs.t975(40) < 2.03 and 1.96 < sbs.t975(1000) < 1.965
+    with pytest.raises(ValueError):
+        sbs.t975(0)
+
+
+def test_ratio_summary_on_synthetic_numbers():
+    up = [10.0, 10.2, 9.8, 10.1, 9.9, 10.0, 10.3, 9.7, 10.0, 10.0]
+    fork = [
+        u * r
+        for u, r in zip(up, [0.9, 0.92, 0.88, 0.91, 0.89, 0.9, 0.9, 0.9, 0.91, 0.89])
+    ]
+    s = sbs.ratio_summary(fork, up)
+    assert s["n"] == 10 and s["mean"] == pytest.approx(0.9, abs=1e-3)
+    assert s["t95"][0] < 0.9 < s["t95"][1] and s["t95"][1] - s["t95"][0] < 0.02
+    assert s["bootstrap95"][0] < 0.9 < s["bootstrap95"][1]
+    assert s["per_repeat"][0] == 0.9
+    # a constant ratio: a zero-width interval
+    same = sbs.ratio_summary([2.0] * 5, [4.0] * 5)
+    assert same["t95"] == [0.5, 0.5] and same["bootstrap95"] == [0.5, 0.5]
+    with pytest.raises(ValueError):
+        sbs.ratio_summary([1.0], [1.0])
+    with pytest.raises(ValueError):
+        sbs.ratio_summary([1.0, 2.0], [1.0])
+
+
+def test_the_t_interval_covers_the_true_ratio_about_95_percent_of_the_time():
+    rng = random.Random(3)
+    hits = 0
+    for _ in range(400):
+        ratios = [rng.gauss(0.95, 0.03) for _ in range(10)]
+        lo, hi = sbs.t_interval(ratios)
+        hits += lo <= 0.95 <= hi
+    assert 0.91 <= hits / 400 <= 0.99
+    # the bootstrap interval is deterministic (fixed seed) and near the t-interval at n = 10
+    ratios = [rng.gauss(1.1, 0.05) for _ in range(10)]
+    assert sbs.bootstrap_interval(ratios) == sbs.bootstrap_interval(ratios)
+    (tl, th), (bl, bh) = sbs.t_interval(ratios), sbs.bootstrap_interval(ratios)
+    assert abs((th - tl) - (bh - bl)) < 0.5 * (th - tl)
+
+
+def test_interleave_order_alternates_the_first_side():
+    order = sbs.interleave_order(4)
+    assert order == [
+        (0, "upstream"), (0, "fork"),
+        (1, "fork"), (1, "upstream"),
+        (2, "upstream"), (2, "fork"),
+        (3, "fork"), (3, "upstream"),
+    ]  # fmt: skip
+    ten = sbs.interleave_order(10)
+    assert len(ten) == 20 and sum(s == "fork" for _, s in ten) == 10
+    assert all(ten[2 * r][0] == ten[2 * r + 1][0] == r for r in range(10))
+
+
+class _FakeServer:
+    """Answers /generate as a DSpark server would: ``step_s`` per verify step, 2.5 drafts accepted
+    per step (3.5 tokens per step), tokens from ``tokens_of``; records the call order.
+    """
+
+    def __init__(self, name, calls, step_s, tokens_of):
+        self.name, self.calls, self.step_s, self.tokens_of = (
+            name,
+            calls,
+            step_s,
+            tokens_of,
+        )
+
+    def post(self, path, body, timeout=None):
+        import time
+
+        assert path == "/generate" and body["sampling_params"]["ignore_eos"]
+        n = body["sampling_params"]["max_new_tokens"]
+        steps = round(n / 3.5)
+        self.calls.append(self.name)
+        time.sleep(self.step_s * steps)
+        return [
+            {
+                "output_ids": self.tokens_of(p, n),
+                "meta_info": {
+                    "spec_verify_ct": steps,
+                    "spec_num_correct_drafts": round(2.5 * steps),
+                    "completion_tokens": n,
+                },
+            }
+            for p in body["text"]
+        ]
+
+
+def test_a_batch_is_measured_interleaved_with_its_ratios_and_token_check():
+    calls: list[str] = []
+    same = lambda p, n: [ord(c) for c in p][:1] * n  # noqa: E731
+    servers = {
+        "upstream": _FakeServer("upstream", calls, 0.002, same),
+        "fork": _FakeServer("fork", calls, 0.0016, same),
+    }
+    b = sbs.measure_batch(servers, 4, 3, 14, sbs.FLAG_SETS["all_on"])
+    # warm-up on both, then pairs whose first side alternates
+    assert calls == ["upstream", "fork"] + [s for _, s in sbs.interleave_order(3)]
+    assert b["bs"] == 4 and b["tokens_identical"] and b["upstream_repeatable"]
+    assert b["upstream"]["verify_steps_per_request"] == 4
+    assert b["upstream"]["accepted_drafts_per_step"] == 2.5
+    assert (
+        0.6 < b["step_ratio"]["mean"] < 0.95
+    )  # 0.8 of the sleep, plus HTTP-free overhead
+    assert b["throughput_ratio"]["mean"] > 1.05
+    assert b["cost_model"].startswith(
+        "python3 benchmark/e2e/cost_model.py --tp 1 --bs 4 "
+    )
+    assert (
+        "--dsv4-wo-a-fp8-twin mid --speculative-dspark-draft-head-fp8"
+        in b["cost_model"]
+    )
+    assert "--measured-step-us" in b["cost_model"]
+    # one differing token fails the check
+    calls.clear()
+    servers["fork"] = _FakeServer("fork", calls, 0.0, lambda p, n: [1] * n)
+    assert not sbs.measure_batch(servers, 2, 2, 7, [])["tokens_identical"]
+
+
+# ---------------------------------------------------------------------------- attribution
+
+
+def _trace(path, kernels):
+    """A chrome trace of GPU kernels: (name, us) each once, back to back."""
+    events, ts = [], 0.0
+    for name, us in kernels:
+        events.append({"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": us})
+        ts += us
+    events.append({"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 99})
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
+def test_attribution_groups_kernels_and_sums_the_savings(tmp_path):
+    from e2e.matrix import kernel_summary, kernel_times
+
+    common = [
+        ("fused_moe_kernel", 300.0),
+        ("_w8a8_block_fp8_matmul", 200.0),
+        ("per_token_group_quant_8bit", 20.0),
+        ("flash_fwd_splitkv_mla_kernel", 100.0),
+        ("_rms_norm_kernel", 10.0),
+        ("vectorized_elementwise_kernel<4, ...>", 5.0),
+    ]
+    up = _trace(
+        tmp_path / "up.trace.json.gz",
+        common
+        + [("sm90_xmma_gemm_bf16bf16_bf16f32", 400.0), ("_wo_a_bf16_gemv_kernel", 0.0)],
+    )
+    fork = _trace(
+        tmp_path / "fork.trace.json.gz",
+        common
+        + [
+            ("sm90_xmma_gemm_bf16bf16_bf16f32", 100.0),
+            ("_wo_a_fp8_mid_kernel", 150.0),
+            ("_draft_head_fp8_kernel", 30.0),
+        ],
+    )
+    by_up, by_fork = kernel_times(up), kernel_times(fork)
+    assert by_up["fused_moe_kernel"] == [300.0, 1] and "aten::mm" not in by_up
+    assert kernel_summary(up)["kernel_us"] == sum(v[0] for v in by_up.values())
+    groups = sbs.group_kernels(by_fork)
+    assert groups["wo_a"]["us"] == 150.0 and groups["draft_head_fp8"]["us"] == 30.0
+    assert groups["moe"]["us"] == 300.0 and groups["fp8_gemm"]["us"] == 200.0
+    assert groups["act_quant"]["us"] == 20.0 and groups["attention"]["us"] == 100.0
+    assert groups["gemm"]["us"] == 100.0 and groups["norm"]["us"] == 10.0
+    assert groups[sbs.OTHER]["us"] == 5.0
+
+    # two verify steps per request on each side: microseconds per step are halves
+    prof = lambda by: {
+        "by_name": by,
+        "spec": {"verify_steps": 4},
+        "requests": 2,
+    }  # noqa: E731
+    a = sbs.attribute(prof(by_up), prof(by_fork), measured_step_us=(1000.0, 900.0))
+    assert a["groups"]["gemm"]["saving_us"] == 150.0
+    assert a["groups"]["wo_a"]["saving_us"] == -75.0
+    assert a["groups"]["draft_head_fp8"]["saving_us"] == -15.0
+    assert a["groups"]["moe"]["saving_us"] == 0.0
+    assert (
+        a["kernel_saving_us"]
+        == 60.0
+        == (a["upstream_kernel_us_per_step"] - a["fork_kernel_us_per_step"])
+    )
+    assert a["measured_step_change_us"] == 100.0 and a["unexplained_us"] == 40.0
+    assert list(a["groups"])[0] == "gemm"  # ranked by the size of the change
+    assert sbs.kernel_group("SomethingElse") == sbs.OTHER
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def test_the_command_line_refuses_what_it_cannot_run(tmp_path, capsys):
+    from e2e.matrix import main
+
+    base = ["--out", str(tmp_path), "--models", str(tmp_path / "m")]
+    with pytest.raises(SystemExit, match="--upstream"):
+        main(base + ["--side-by-side", "all_on"])
+    up = ["--upstream", str(tmp_path)]
+    with pytest.raises(SystemExit, match="wo_a_mid, head_fp8, cap_3, all_on"):
+        main(base + up + ["--side-by-side", "all_on,bogus"])
+    with pytest.raises(SystemExit, match="--sbs-profile"):
+        main(base + up + ["--side-by-side", "all_on", "--sbs-profile", "2"])
+    with pytest.raises(SystemExit, match="--sbs-repeats"):
+        main(base + up + ["--side-by-side", "all_on", "--sbs-repeats", "1"])
+    assert not (tmp_path / "m").exists()  # refused before any checkpoint is written
+
+
+def test_merge_keeps_earlier_flag_sets_of_the_same_build():
+    report = {
+        "fork_version": "b",
+        "device": "D",
+        "standins": True,
+        "flag_sets": {"all_on": {"ok": True}},
+    }
+    earlier = {
+        "fork_version": "b",
+        "device": "D",
+        "standins": True,
+        "flag_sets": {"all_on": {"ok": False}, "cap_3": {"ok": True}},
+    }
+    sbs.merge_flag_sets(report, earlier)
+    assert report["flag_sets"] == {
+        "all_on": {"ok": True},
+        "cap_3": {"upstream": None, "ok": True},
+    }
+    with pytest.raises(SystemExit, match="fork_version"):
+        sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
+
+
+def test_sittings_merge_into_one_file(tmp_path):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    meta = {"fork_version": "b", "device": "NVIDIA H200", "standins": True}
+    a.write_text(
+        json.dumps(
+            {
+                **meta,
+                "upstream": {"startup_s": 1},
+                "flag_sets": {"all_on": {"ok": True}},
+            }
+        )
+    )
+    b.write_text(
+        json.dumps(
+            {
+                **meta,
+                "provenance": {"device": "NVIDIA H200"},
+                "upstream": {"startup_s": 2},
+                "flag_sets": {"cap_3": {"ok": False}, "all_on": {"skipped": "budget"}},
+            }
+        )
+    )
+    assert sbs.main([str(a), str(b), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert merged["provenance"] == {"device": "NVIDIA H200"}  # kept, not restamped
+    assert merged["flag_sets"]["cap_3"] == {"ok": False}
+    assert merged["flag_sets"]["all_on"] == {"upstream": {"startup_s": 1}, "ok": True}
+
+
+def test_each_flag_set_resolves_through_upstreams_pipeline(tiny_full):
+    """Every flag set's server arguments, as the side-by-side run starts the fork (and the
+    upstream row's, DSpark alone), resolve on the tiny full-depth checkpoint through the real
+    ``ServerArgs`` pipeline: the value forms are the ones the fork's parsers accept."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    for row in [sbs.upstream_row()] + [sbs.fork_row(n) for n in sbs.FLAG_SETS]:
+        argv = ["--model-path", str(tiny_full), "--device", "cuda"] + sbs.server_args(
+            row
+        )
+        sa = prepare_server_args(argv)
+        sa.resolve_once()
+        view = resolved_view(sa)
+        assert view.speculative_algorithm == "DSPARK", row.name
+        for flag, value in row.flags.items():
+            field = flag.removeprefix("--").replace("-", "_")
+            assert getattr(view, field) not in (None, False), (row.name, flag, value)
+
+
+class _RunServer:
+    """A stand-in ``Server`` for the whole run: a fork server logs the fork-flags line and the
+    features' startup lines of its arguments; requests answer as ``_FakeServer`` does.
+    """
+
+    started: list = []
+
+    def __init__(self, model, args, *, env, log_path, **kw):
+        from e2e.matrix import _flags
+
+        self.args, self.log_path = list(args), log_path
+        fork = [a for a in args if a.startswith(("--dsv4-", "--speculative-dspark-"))]
+        self.fork = bool(fork)
+        i = args.index("--speculative-algorithm")
+        flags = _flags([a for a in args[i + 2 :]])
+        lines = ["$ launch_server"]
+        if self.fork:
+            lines.append(
+                "fork flags: " + " ".join(f"{k}={v}" for k, v in flags.items())
+            )
+            if "--dsv4-wo-a-fp8-twin" in flags:
+                lines.append(
+                    "--dsv4-wo-a-fp8-twin=mid (sm90): fp8 twins for 46 wo_a weights (1 MB)"
+                )
+            if "--speculative-dspark-draft-head-fp8" in flags:
+                lines.append("DSpark draft LM head in fp8")
+            if "--speculative-dspark-verify-cap" in flags:
+                lines.append("DSpark verify cap on")
+        self.text = "\n".join(lines)
+        self.startup_seconds = 1.0
+        self.calls: list = []
+        self.inner = _FakeServer(
+            "x", self.calls, 0.0005 if self.fork else 0.001, lambda p, n: [7] * n
+        )
+
+    def start(self):
+        _RunServer.started.append("fork" if self.fork else "upstream")
+        return self
+
+    def stop(self):
+        return 0
+
+    def log(self):
+        return self.text
+
+    def errors(self):
+        return []
+
+    def post(self, path, body, timeout=None):
+        return self.inner.post(path, body, timeout)
+
+
+def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
+    """The run's plumbing: one upstream server for every flag set, one fork server per set, the
+    startup checks (fork flags line, engaged lines), the batches, the profile's attribution, the
+    JSON with its provenance rewritten after each batch; past --sbs-deadline a set is skipped.
+    """
+    from e2e import matrix
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "draft.json").write_text(
+        json.dumps({"draft_runs": [2, 3], "intended_accepted_drafts_per_step": 2.504})
+    )
+    (model / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "fp8"}})
+    )
+    monkeypatch.setattr(sbs, "ensure_checkpoint", lambda *a: model)
+    monkeypatch.setattr(sbs, "Server", _RunServer)
+    _RunServer.started = []
+
+    def fake_profile(server, out_dir, prompts=None, tokens=64, all_kernels=False):
+        us = 100.0 if server.fork else 150.0
+        return {
+            "kernel_us": us,
+            "by_name": {
+                "_wo_a_fp8_mid_kernel" if server.fork else "sm90_xmma_gemm": [us, 2]
+            },
+            "spec": {"verify_steps": 10},
+            "requests": len(prompts),
+        }
+
+    monkeypatch.setattr(matrix, "profile", fake_profile)
+    argv = [
+        "--out",
+        str(tmp_path / "out"),
+        "--upstream",
+        str(tmp_path),
+        "--side-by-side",
+    ]
+    argv += [
+        "all_on,cap_3",
+        "--sbs-batches",
+        "1,2",
+        "--sbs-repeats",
+        "2",
+        "--sbs-tokens",
+        "14",
+    ]
+    assert matrix.main(argv + ["--sbs-profile", "2"]) == 0
+    assert _RunServer.started == ["upstream", "fork", "fork"]
+    (out,) = (tmp_path / "out").glob("e2e-full-depth-*.json")
+    report = json.loads(out.read_text())
+    assert (
+        report["provenance"]["fork_version"]
+        and report["upstream"]["checks"]["is_upstream"]
+    )
+    assert report["checkpoint"]["intended_accepted_drafts_per_step"] == 2.504
+    for name in ("all_on", "cap_3"):
+        rec = report["flag_sets"][name]
+        assert (
+            rec["ok"] and rec["checks"]["engaged"] and rec["checks"]["fork_flags_line"]
+        ), rec
+        assert set(rec["batches"]) == {"bs1", "bs2"}
+        assert rec["batches"]["bs1"]["step_ratio"]["mean"] < 1
+    prof = report["flag_sets"]["all_on"]["batches"]["bs2"]["profile"]
+    assert prof["kernel_saving_us"] == 10.0  # (150 - 100) us over 5 steps per request
+    assert "upstream" in prof and "by_name" not in prof["upstream"]
+
+    _RunServer.started = []
+    assert (
+        matrix.main(argv + ["--sbs-deadline", "0", "--out", str(tmp_path / "late")])
+        == 0
+    )
+    (late,) = (tmp_path / "late").glob("e2e-full-depth-*.json")
+    skipped = json.loads(late.read_text())["flag_sets"]
+    assert skipped["all_on"]["skipped"].startswith("over the time budget")
+    assert _RunServer.started == []
+
+
+def test_the_docs_table_renders_a_run():
+    """docs_tables.e2e_full_depth (registered once the GPU run's file is committed) on a
+    synthetic run: one cell per flag set and batch, a skipped batch and differing tokens said.
+    """
+    import docs_tables
+
+    def batch(mean, identical=True):
+        return {
+            "step_ratio": {"mean": mean, "t95": [mean - 0.01, mean + 0.01]},
+            "tokens_identical": identical,
+            "upstream": {"step_ms": 31.5, "accepted_drafts_per_step": 2.5},
+        }
+
+    run = {
+        "flag_sets": {
+            "all_on": {
+                "batches": {
+                    "bs1": batch(0.9),
+                    "bs32": {"skipped": "past --sbs-deadline"},
+                }
+            },
+            "cap_3": {
+                "batches": {"bs1": batch(1.0, identical=False), "bs32": batch(0.99)}
+            },
+            "head_fp8": {"skipped": "over the time budget (400 s)"},
+        }
+    }
+    table = docs_tables.e2e_full_depth(run).splitlines()
+    assert table[0] == "| flags | bs 1 | bs 32 |"
+    assert table[2].startswith("| head fp8 | over the time budget")
+    assert (
+        table[3]
+        == "| cap 3 | 1.000 [0.990, 1.010] (tokens differ) | 0.990 [0.980, 1.000] |"
+    )
+    assert table[4] == "| all three | 0.900 [0.890, 0.910] | not measured |"
+    assert table[5] == "| upstream step (ms) | 31.5 | 31.5 |"
+    assert table[6] == "| accepted drafts per step, upstream | 2.5 | 2.5 |"

@@ -1,0 +1,717 @@
+"""Side-by-side decode timing at full depth: unpatched upstream and the fork, served at once.
+
+    python -m e2e.matrix --side-by-side all_on[,wo_a_mid,...] --out DIR [--standins]
+        --upstream PATH [--sbs-batches 1,4,8,16,32] [--sbs-repeats 10] [--sbs-profile 1,32]
+
+Two real ``launch_server`` processes share the GPU for the whole measurement: upstream's release
+(``--upstream PATH``, the tree the matrix's ``up_*`` rows serve) with DSpark, and the fork with one
+flag set (``FLAG_SETS``). Upstream stays up; the flag sets run one after another against it, one
+fork server at a time, so never more than two servers hold the GPU. Both serve the full-depth
+checkpoint (``checkpoints.FULL_DEPTH_DSV4``: DeepSeek-V4.1-Flash widths at TP1, 43 layers, 3
+draft stages, block-fp8 dense linears, a draft that agrees in runs of 2 and 3 tokens), written
+from a seed on the GPU machine.
+
+Per batch size (``bs`` concurrent requests, one ``/generate`` of ``bs`` prompts, greedy,
+``--sbs-tokens`` output tokens with ``ignore_eos``): one warm-up request on each server (it
+compiles the batch's kernels), then ``--sbs-repeats`` interleaved pairs, the first of each pair
+alternating (upstream, fork | fork, upstream | ...: ``interleave_order``), so a slow drift of the
+machine falls on both sides alike. A request is timed from its POST to its answer; its **decode
+step time** is that wall time over the verify steps a request took (``spec_verify_ct`` of the
+server's answer, summed over the batch, over ``bs``), so it includes the prefill of the batch
+and the HTTP round trip, once per request, on both sides alike; output tokens/s is ``bs x
+tokens`` over the wall time. Per repeat, the ratio fork / upstream of each (step time: below 1 is
+faster; tokens/s: above 1 is faster), with a 95 % t-interval and a bootstrap percentile interval
+of the mean ratio (``ratio_summary``). Greedy tokens are held to the matrix's rule for the agree
+checkpoints: identical to upstream's (``tokens_identical``), every repeat.
+
+``--sbs-profile 1,32`` also records, at those batch sizes, both servers' GPU kernels of one
+request (upstream's ``/start_profile``, ``matrix.profile``), one server after the other, and
+attributes the change: kernel names grouped (``KERNEL_GROUPS``), time per decode step of each
+group on each side, and the sum of the groups' savings beside the measured step change
+(``attribute``). The JSON, ``DIR/e2e-full-depth-<device>.json``, carries the provenance block
+(build, device, torch, triton) and, per batch, the cost model's command for that measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import re
+import signal
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .checkpoints import (
+    FULL_DEPTH_DRAFT_RUNS,
+    FULL_DEPTH_DSV4,
+    checkpoint_written,
+    write_dsv4,
+)
+from .provenance import write_result
+from .server import Server, ServerDied
+
+TWIN_MID = ["--dsv4-wo-a-fp8-twin", "mid"]
+HEAD_FP8 = ["--speculative-dspark-draft-head-fp8"]
+CAP_3 = ["--speculative-dspark-verify-cap", "3"]
+FLAG_SETS = {
+    "wo_a_mid": TWIN_MID,
+    "head_fp8": HEAD_FP8,
+    "cap_3": CAP_3,
+    "all_on": TWIN_MID + HEAD_FP8 + CAP_3,
+}
+BATCHES = (1, 4, 8, 16, 32)
+REPEATS = 10
+OUTPUT_TOKENS = 64
+CHECKPOINT_SEED = 5
+# Two servers of ~37 GB of weights each (fp8 experts; ~50 GB with bf16 experts; the Hopper bf16
+# copies upstream keeps of its block-fp8 dense weights included) start together: each sizes its KV
+# pool as the memory free after its load minus 15 % of the memory free before it (both loaded, fp8:
+# ~67 GB free, ~46 GB left; bf16: ~41 GB free, ~20 GB left), and the token cap keeps the pool
+# itself small (32 requests x ~100 tokens need ~3,200), so the fraction reserves nothing.
+MEM_ARGS = ["--mem-fraction-static", "0.85", "--max-total-tokens", "65536"]
+GRAPH_ARGS = ["--cuda-graph-bs-decode", *map(str, BATCHES)] + [
+    "--max-running-requests",
+    str(max(BATCHES)),
+]
+# Upstream reads DeepSeek-V4 routed experts as MXFP4 unless told or unless it recognizes e4m3 in the
+# checkpoint; the full-depth checkpoint's experts are e4m3 or bf16, never MXFP4 (both servers).
+SERVE_ENV = {"SGLANG_DSV4_FP4_EXPERTS": "0"}
+# Kernel names -> groups, first match wins (case-insensitive). The stock wo_a on Hopper is a
+# torch einsum: its cuBLAS kernel lands in "gemm" with the LM heads' and other bf16 GEMMs.
+KERNEL_GROUPS = (
+    ("wo_a", r"wo_a"),
+    ("draft_head_fp8", r"draft_head"),
+    ("moe", r"fused_moe|moe|expert"),
+    ("fp8_gemm", r"w8a8|block_fp8"),
+    ("act_quant", r"quant"),
+    ("attention", r"flash_?mla|mla|attn|attention|sparse|splitkv|combine"),
+    ("gemm", r"gemm|gemv|cutlass|cublas|xmma|nvjet|matmul|sm90_"),
+    ("norm", r"norm"),
+    ("hc", r"hc_|mhc|sinkhorn"),
+    ("sampling", r"sampl|argmax|softmax|verify|accept|top_?k|multinomial"),
+    ("rope", r"rope|rotary"),
+)
+OTHER = "other"
+# two-sided 95 % Student t quantiles, df 1..30; beyond, z + (z^3 + z) / (4 df)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+_T975 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+_T975 += (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def t975(df: int) -> float:
+    if df < 1:
+        raise ValueError("a t-interval needs at least two values")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df)
+
+
+def t_interval(values: list[float]) -> tuple[float, float]:
+    """The 95 % t-interval of the mean of ``values``."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    half = t975(n - 1) * statistics.stdev(values) / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def bootstrap_interval(
+    values: list[float], draws: int = 4000, seed: int = 0
+) -> tuple[float, float]:
+    """The 95 % bootstrap percentile interval of the mean of ``values`` (fixed seed)."""
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(statistics.fmean(rng.choices(values, k=n)) for _ in range(draws))
+    return means[int(0.025 * draws)], means[min(draws - 1, int(0.975 * draws))]
+
+
+def ratio_summary(fork: list[float], upstream: list[float]) -> dict:
+    """Per-repeat ratios fork / upstream (paired by repeat) and their mean's 95 % intervals."""
+    if len(fork) != len(upstream) or len(fork) < 2:
+        raise ValueError(
+            f"paired repeats needed: {len(fork)} fork, {len(upstream)} upstream"
+        )
+    ratios = [f / u for f, u in zip(fork, upstream)]
+    lo, hi = t_interval(ratios)
+    blo, bhi = bootstrap_interval(ratios)
+    return {
+        "mean": round(statistics.fmean(ratios), 4),
+        "median": round(statistics.median(ratios), 4),
+        "t95": [round(lo, 4), round(hi, 4)],
+        "bootstrap95": [round(blo, 4), round(bhi, 4)],
+        "n": len(ratios),
+        "per_repeat": [round(r, 4) for r in ratios],
+    }
+
+
+def interleave_order(repeats: int) -> list[tuple[int, str]]:
+    """(repeat, side) in the order requests go: pairs whose first side alternates,
+    upstream-fork, fork-upstream, ... (a drift over the run falls on both sides alike).
+    """
+    order = []
+    for r in range(repeats):
+        pair = ("upstream", "fork") if r % 2 == 0 else ("fork", "upstream")
+        order += [(r, side) for side in pair]
+    return order
+
+
+# ---------------------------------------------------------------------------- attribution
+
+
+def kernel_group(name: str) -> str:
+    for group, pattern in KERNEL_GROUPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return group
+    return OTHER
+
+
+def group_kernels(by_name: dict[str, list[float]]) -> dict[str, dict]:
+    """{kernel name: [us, calls]} -> {group: {"us", "calls", "kernels": distinct names}}."""
+    groups: dict[str, dict] = {}
+    for name, (us, calls) in by_name.items():
+        g = groups.setdefault(kernel_group(name), {"us": 0.0, "calls": 0, "kernels": 0})
+        g["us"] += us
+        g["calls"] += calls
+        g["kernels"] += 1
+    return groups
+
+
+def attribute(
+    upstream: dict, fork: dict, measured_step_us: tuple[float, float] | None = None
+) -> dict:
+    """Fork vs upstream GPU time per decode step and kernel group, from two profiles
+    (``matrix.profile(..., all_kernels=True)``: ``by_name`` and ``spec``). Each side's group time
+    is divided by its verify steps per request; ``saving_us`` is upstream minus fork (positive:
+    the fork spends less). ``measured_step_us`` (upstream, fork) adds the measured step change
+    beside the sum of the groups' savings, and what the kernels leave unexplained (host time,
+    idle GPU, the prefill both profiles include)."""
+
+    def per_step(profile: dict) -> tuple[dict, float]:
+        spec = profile.get("spec") or {}
+        steps = spec.get("verify_steps", 0) / max(profile.get("requests", 1), 1)
+        return group_kernels(profile["by_name"]), steps or 1.0
+
+    up, up_steps = per_step(upstream)
+    fk, fk_steps = per_step(fork)
+    rows = {}
+    for g in sorted(set(up) | set(fk)):
+        u = up.get(g, {}).get("us", 0.0) / up_steps
+        f = fk.get(g, {}).get("us", 0.0) / fk_steps
+        rows[g] = {
+            "upstream_us": round(u, 2),
+            "fork_us": round(f, 2),
+            "saving_us": round(u - f, 2),
+            "upstream_calls": up.get(g, {}).get("calls", 0),
+            "fork_calls": fk.get(g, {}).get("calls", 0),
+        }
+    ranked = dict(sorted(rows.items(), key=lambda kv: -abs(kv[1]["saving_us"])))
+    out = {
+        "groups": ranked,
+        "kernel_saving_us": round(sum(r["saving_us"] for r in rows.values()), 2),
+        "upstream_kernel_us_per_step": round(
+            sum(r["upstream_us"] for r in rows.values()), 2
+        ),
+        "fork_kernel_us_per_step": round(sum(r["fork_us"] for r in rows.values()), 2),
+    }
+    if measured_step_us is not None:
+        change = measured_step_us[0] - measured_step_us[1]
+        out["measured_step_change_us"] = round(change, 2)
+        out["unexplained_us"] = round(change - out["kernel_saving_us"], 2)
+    return out
+
+
+# ---------------------------------------------------------------------------- serving
+
+
+def prompts_for(bs: int) -> list[str]:
+    from .matrix import GREEDY_PROMPTS
+
+    return [f"{GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)]} {i}" for i in range(bs)]
+
+
+def timed_request(server: Server, prompts: list[str], tokens: int) -> dict:
+    from .matrix import spec_stats
+
+    body = {
+        "text": prompts,
+        "sampling_params": {
+            "temperature": 0,
+            "max_new_tokens": tokens,
+            "ignore_eos": True,
+        },
+    }
+    t0 = time.perf_counter()
+    outs = server.post("/generate", body, timeout=600)
+    seconds = time.perf_counter() - t0
+    bs = len(prompts)
+    stats = spec_stats(outs) or {}
+    steps = stats.get("verify_steps", 0) / bs or tokens
+    return {
+        "seconds": seconds,
+        "step_ms": 1e3 * seconds / steps,
+        "tokens_per_s": bs * tokens / seconds,
+        "verify_steps_per_request": steps,
+        "accepted_drafts_per_step": stats.get("accepted_drafts_per_step"),
+        "tokens": [o["output_ids"] for o in outs],
+    }
+
+
+def _side(runs: list[dict]) -> dict:
+    accepted = [r["accepted_drafts_per_step"] for r in runs]
+    return {
+        "step_ms": round(statistics.median(r["step_ms"] for r in runs), 3),
+        "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
+        "accepted_drafts_per_step": (
+            None if None in accepted else round(statistics.fmean(accepted), 3)
+        ),
+        "verify_steps_per_request": round(
+            statistics.fmean(r["verify_steps_per_request"] for r in runs), 2
+        ),
+        "step_ms_runs": [round(r["step_ms"], 3) for r in runs],
+        "tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in runs],
+    }
+
+
+def cost_model_command(flags: list[str], bs: int, up_ms: float, fork_ms: float) -> str:
+    return (
+        f"python3 benchmark/e2e/cost_model.py --tp 1 --bs {bs} {' '.join(flags)} "
+        f"--measured-step-us {1e3 * up_ms:.0f} {1e3 * fork_ms:.0f}"
+    )
+
+
+def measure_batch(
+    servers: dict[str, Server], bs: int, repeats: int, tokens: int, flags: list[str]
+) -> dict:
+    """One batch size: warm-up on both, then ``repeats`` interleaved pairs (``interleave_order``)."""
+    prompts = prompts_for(bs)
+    for side in ("upstream", "fork"):
+        timed_request(servers[side], prompts, tokens)
+    runs: dict[str, list[dict]] = {"upstream": [], "fork": []}
+    for _, side in interleave_order(repeats):
+        runs[side].append(timed_request(servers[side], prompts, tokens))
+    reference = runs["upstream"][0]["tokens"]
+    up, fork = _side(runs["upstream"]), _side(runs["fork"])
+    return {
+        "bs": bs,
+        "upstream": up,
+        "fork": fork,
+        "step_ratio": ratio_summary(
+            [r["step_ms"] for r in runs["fork"]],
+            [r["step_ms"] for r in runs["upstream"]],
+        ),
+        "throughput_ratio": ratio_summary(
+            [r["tokens_per_s"] for r in runs["fork"]],
+            [r["tokens_per_s"] for r in runs["upstream"]],
+        ),
+        "tokens_identical": all(r["tokens"] == reference for r in runs["fork"]),
+        "upstream_repeatable": all(r["tokens"] == reference for r in runs["upstream"]),
+        "cost_model": cost_model_command(flags, bs, up["step_ms"], fork["step_ms"]),
+    }
+
+
+def profile_pair(
+    servers: dict[str, Server], bs: int, tokens: int, out_dir: Path, measured
+) -> dict:
+    """Both servers' kernels of one request of ``bs`` prompts, one server after the other."""
+    from .matrix import profile
+
+    profiles = {
+        side: profile(
+            servers[side],
+            out_dir / f"{side}-bs{bs}",
+            prompts=prompts_for(bs),
+            tokens=tokens,
+            all_kernels=True,
+        )
+        for side in ("upstream", "fork")
+    }
+    result = attribute(profiles["upstream"], profiles["fork"], measured)
+    for side, p in profiles.items():
+        result[side] = {k: v for k, v in p.items() if k != "by_name"}
+    return result
+
+
+def ensure_checkpoint(models: Path, experts: str, device: str) -> Path:
+    path = models / ("full" if experts == "fp8" else f"full-{experts}")
+    if not checkpoint_written(path):
+        t0 = time.monotonic()
+        write_dsv4(
+            path,
+            agree=True,
+            shape=dict(FULL_DEPTH_DSV4, experts=experts),
+            seed=CHECKPOINT_SEED,
+            device=device,
+            draft_runs=FULL_DEPTH_DRAFT_RUNS,
+        )
+        gc.collect()
+        try:
+            import torch
+
+            torch.cuda.empty_cache()  # the servers size their pools from free memory
+        except (ImportError, RuntimeError):
+            pass
+        print(
+            f"==> wrote the full-depth checkpoint ({experts} experts) in "
+            f"{time.monotonic() - t0:.0f} s",
+            flush=True,
+        )
+    return path
+
+
+def checkpoint_size_gb(path: Path) -> float:
+    return round(sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9, 2)
+
+
+def fork_row(name: str):
+    from .matrix import DSPARK, L_CAP, L_HEAD, L_TWIN, Row, _flags
+
+    flags = FLAG_SETS[name]
+    engaged = tuple(
+        line
+        for line, flag in ((L_TWIN, TWIN_MID), (L_HEAD, HEAD_FP8), (L_CAP, CAP_3))
+        if flag[0] in flags
+    )
+    # No probes: a probe wraps the feature's function in Python, which a timing must not pay.
+    return Row(
+        f"full_{name}",
+        DSPARK + flags,
+        model="full",
+        greedy=False,
+        timing=True,
+        flags=_flags(flags),
+        engaged=engaged,
+    )
+
+
+def upstream_row():
+    from .matrix import DSPARK, Row
+
+    return Row(
+        "full_up",
+        list(DSPARK),
+        model="full",
+        tree="upstream",
+        greedy=False,
+        timing=True,
+    )
+
+
+def startup_checks(row, server: Server) -> dict:
+    """The matrix's startup checks of a row (fork flags line or none, no log errors, engaged)."""
+    from .matrix import evaluate, evidence, feature_lines, fork_flags_line
+
+    log = server.log()
+    line = fork_flags_line(log)
+    rec = {
+        "startup_s": round(server.startup_seconds or 0.0, 1),
+        "fork_flags_line": None if line is None else line.split("fork flags: ", 1)[-1],
+        "log_errors": server.errors()[:20],
+        "feature_lines": feature_lines(log),
+        "_evidence": {e: bool(re.search(e, log)) for e in evidence(row)},
+    }
+    evaluate(row, rec, {})
+    rec.pop("_evidence", None)
+    return rec
+
+
+def server_args(row) -> list[str]:
+    from .matrix import SERVE_ARGS
+
+    return SERVE_ARGS + MEM_ARGS + GRAPH_ARGS + row.args
+
+
+def start_servers(pairs: list[tuple[object, Server]]) -> dict[str, str]:
+    """Start the servers together; {row name: error} for those that did not come up."""
+    errors = {}
+
+    def one(pair):
+        row, server = pair
+        try:
+            server.start()
+        except (ServerDied, OSError) as e:
+            errors[row.name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+
+    pool = ThreadPoolExecutor(len(pairs))
+    try:
+        list(pool.map(one, pairs))
+    finally:  # interrupted: the caller's finally stops the servers; do not wait for their start
+        pool.shutdown(wait=False)
+    return errors
+
+
+def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
+    """The side-by-side measurement (``--side-by-side``); returns the exit status."""
+    from .matrix import _gen_device, row_env
+
+    sets = [s for s in args.side_by_side.split(",") if s]
+    unknown = [s for s in sets if s not in FLAG_SETS]
+    if unknown or not sets:
+        raise SystemExit(
+            f"--side-by-side: {', '.join(unknown) or '(none)'}: expected a comma-separated "
+            f"list of {', '.join(FLAG_SETS)}"
+        )
+    batches = [int(b) for b in args.sbs_batches.split(",")]
+    profiled = {int(b) for b in args.sbs_profile.split(",") if b}
+    if not profiled <= set(batches):
+        raise SystemExit(
+            f"--sbs-profile: {sorted(profiled)} not all in --sbs-batches {batches}"
+        )
+    if args.sbs_repeats < 2:
+        raise SystemExit(
+            "--sbs-repeats: at least 2 (a confidence interval needs two pairs)"
+        )
+    t_start = time.monotonic()
+    env = {**env, **SERVE_ENV}
+    model = ensure_checkpoint(args.models, args.sbs_experts, _gen_device())
+    draft = json.loads((model / "draft.json").read_text())
+    logs = args.out / "e2e-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    report = {
+        **meta,
+        "checkpoint": {
+            "shape": {**FULL_DEPTH_DSV4, "experts": args.sbs_experts},
+            "seed": CHECKPOINT_SEED,
+            "architecture": "DeepseekV4ForCausalLM (model_type deepseek_v4, no Engram)",
+            "quantization_config": json.loads((model / "config.json").read_text()).get(
+                "quantization_config"
+            ),
+            "draft_runs": draft["draft_runs"],
+            "intended_accepted_drafts_per_step": draft[
+                "intended_accepted_drafts_per_step"
+            ],
+            "size_gb": checkpoint_size_gb(model),
+        },
+        "method": {
+            "batches": batches,
+            "repeats": args.sbs_repeats,
+            "output_tokens": args.sbs_tokens,
+            "order": "pairs, first side alternating (upstream-fork, fork-upstream, ...)",
+            "step_time": "wall time of one /generate of bs prompts over the verify steps per "
+            "request (spec_verify_ct summed / bs): prefill and HTTP included",
+            "ratios": "fork / upstream per repeat; mean with 95 % t and bootstrap intervals",
+            "tokens": "greedy tokens identical to upstream's (the agree checkpoints' rule)",
+            "server_args": server_args(upstream_row()),
+            "server_env": SERVE_ENV,
+        },
+        "flag_sets": {},
+    }
+    up_row = upstream_row()
+    upstream = Server(
+        model,
+        server_args(up_row),
+        env=row_env(up_row, env, trees),
+        log_path=logs / "full_up.log",
+    )
+    dest = args.out / f"e2e-full-depth-{device_label}.json"
+
+    def save() -> Path:
+        """The report so far (rewritten after every batch: a run cut short keeps its numbers)."""
+        done = json.loads(json.dumps(report))  # not a result: a deep copy
+        if args.sbs_merge:
+            merge_flag_sets(done, json.loads(Path(args.sbs_merge).read_text()))
+        return write_result(dest, done, overwrite=args.overwrite, quiet=True)
+
+    def late() -> bool:
+        return (
+            args.sbs_deadline is not None
+            and time.monotonic() - t_start > args.sbs_deadline
+        )
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    live = [
+        upstream
+    ]  # every server started, stopped in the end whatever happens (idempotent)
+    status = 0
+    try:
+        for i, name in enumerate(sets):
+            elapsed = time.monotonic() - t_start
+            if (i and elapsed > args.budget) or late():
+                report["flag_sets"][name] = {
+                    "skipped": f"over the time budget ({elapsed:.0f} s)"
+                }
+                continue
+            row = fork_row(name)
+            fork = Server(
+                model,
+                server_args(row),
+                env=row_env(row, env, trees),
+                log_path=logs / f"{row.name}.log",
+            )
+            live.append(fork)
+            print(f"==> {name}: {' '.join(FLAG_SETS[name])}", flush=True)
+            errors = start_servers(
+                [(up_row, upstream), (row, fork)] if i == 0 else [(row, fork)]
+            )
+            if up_row.name in errors:
+                report["upstream"] = {"error": errors[up_row.name]}
+                fork.stop()
+                status = 1
+                break
+            if i == 0:
+                report["upstream"] = startup_checks(up_row, upstream)
+            rec: dict = {"args": FLAG_SETS[name]}
+            report["flag_sets"][name] = rec
+            if row.name in errors:
+                fork.stop()
+                rec.update(error=errors[row.name], ok=False)
+                status = 1
+                continue
+            try:
+                servers = {"upstream": upstream, "fork": fork}
+                rec["batches"] = {}
+                for bs in batches:
+                    if late():
+                        rec["batches"][f"bs{bs}"] = {"skipped": "past --sbs-deadline"}
+                        continue
+                    rec["batches"][f"bs{bs}"] = b = measure_batch(
+                        servers, bs, args.sbs_repeats, args.sbs_tokens, FLAG_SETS[name]
+                    )
+                    print(
+                        f"    bs {bs:>2}: step {b['upstream']['step_ms']:.2f} -> "
+                        f"{b['fork']['step_ms']:.2f} ms (x{b['step_ratio']['mean']:.3f} "
+                        f"{b['step_ratio']['t95']}), accepted "
+                        f"{b['upstream']['accepted_drafts_per_step']} / "
+                        f"{b['fork']['accepted_drafts_per_step']}, tokens identical "
+                        f"{b['tokens_identical']}",
+                        flush=True,
+                    )
+                    if bs in profiled and not late():
+                        b["profile"] = profile_pair(
+                            servers,
+                            bs,
+                            args.sbs_tokens,
+                            logs / f"{row.name}-profile",
+                            (
+                                1e3 * b["upstream"]["step_ms"],
+                                1e3 * b["fork"]["step_ms"],
+                            ),
+                        )
+                    save()
+            except (RuntimeError, OSError, ValueError) as e:
+                rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+            finally:
+                fork.stop()
+            rec.update(startup_checks(row, fork))
+            measured = [b for b in rec["batches"].values() if "skipped" not in b]
+            rec["checks"]["measured"] = "error" not in rec and bool(measured)
+            rec["checks"]["tokens_identical_to_upstream"] = bool(measured) and all(
+                b["tokens_identical"] for b in measured
+            )
+            rec["ok"] = all(rec["checks"].values())
+            status |= 0 if rec["ok"] else 1
+            save()
+    finally:
+        for server in live:
+            server.stop()
+        signal.signal(signal.SIGTERM, previous)
+    if "upstream" in report and "error" not in report["upstream"]:
+        report["upstream"]["log_errors"] = upstream.errors()[:20]
+    out = save()
+    print(f"wrote {out}")
+    return status
+
+
+def _terminate(signum, frame):
+    """SIGTERM (a ``timeout``) ends the run through its ``finally``: both servers stopped."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def merge_flag_sets(report: dict, earlier: dict) -> None:
+    """Keep ``earlier``'s flag sets that this run did not measure (same build and device)."""
+    for key in ("fork_version", "device", "standins"):
+        if earlier.get(key) != report.get(key):
+            raise SystemExit(
+                f"--sbs-merge: the earlier run's {key} is {earlier.get(key)!r}, this run's "
+                f"{report.get(key)!r}"
+            )
+    for name, rec in earlier.get("flag_sets", {}).items():
+        if name not in report["flag_sets"] or "skipped" in report["flag_sets"][name]:
+            # the upstream server that flag set was measured against (another sitting's)
+            report["flag_sets"][name] = {"upstream": earlier.get("upstream"), **rec}
+
+
+def merge_files(paths: list[Path]) -> dict:
+    """Several sittings' ``e2e-full-depth-<device>.json`` as one (``python -m
+    e2e.side_by_side A.json B.json --out C.json``): a flag set measured in a later file replaces
+    an earlier one; every file must be of one build and device (their provenance is kept, not
+    restamped by the machine that merges)."""
+    merged = json.loads(Path(paths[-1]).read_text())
+    for path in reversed(paths[:-1]):
+        merge_flag_sets(merged, json.loads(Path(path).read_text()))
+    return merged
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="merge side-by-side result files (CPU)")
+    p.add_argument("files", type=Path, nargs="+")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    merged = merge_files(args.files)
+    args.out.write_text(  # not a result: GPU sittings merged, their provenance kept
+        json.dumps(merged, indent=1) + "\n"
+    )
+    print(f"wrote {args.out}")
+    return 0
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--side-by-side",
+        default="",
+        metavar="SETS",
+        help="instead of the matrix: time upstream and the fork side by side on the full-depth "
+        f"checkpoint, one fork server per flag set ({', '.join(FLAG_SETS)}), against one "
+        "upstream server (e2e.side_by_side); --budget stops starting flag sets",
+    )
+    p.add_argument(
+        "--sbs-batches",
+        default=",".join(map(str, BATCHES)),
+        help="side by side: batch sizes (concurrent requests)",
+    )
+    p.add_argument(
+        "--sbs-repeats",
+        type=int,
+        default=REPEATS,
+        help="side by side: interleaved pairs per batch",
+    )
+    p.add_argument(
+        "--sbs-tokens",
+        type=int,
+        default=OUTPUT_TOKENS,
+        help="side by side: output tokens per request",
+    )
+    p.add_argument(
+        "--sbs-profile",
+        default="",
+        help="side by side: batch sizes whose kernels are profiled on both servers and attributed",
+    )
+    p.add_argument(
+        "--sbs-experts",
+        choices=("fp8", "bf16"),
+        default="fp8",
+        help="side by side: the routed experts' format in the checkpoint",
+    )
+    p.add_argument(
+        "--sbs-deadline",
+        type=float,
+        help="side by side: after this many seconds no batch or flag set starts; the servers "
+        "stop and the JSON is written (keep it below the machine's time limit)",
+    )
+    p.add_argument(
+        "--sbs-merge",
+        type=Path,
+        help="side by side: an earlier e2e-full-depth JSON (same build and device) whose flag "
+        "sets this run does not measure are kept",
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
