@@ -90,19 +90,10 @@ def test_validate_refuses_where_it_would_do_nothing():
     )
     assert (
         ep.validate_engram_prefetch(
-            with_model(
-                SimpleNamespace(**{**cfg, "engram_prefetch": "check"}),
-                "DeepseekV4ForCausalLM",
-                v41,
-            )
-        )
-        == "check"
-    )
-    # on: refused where it would apply (the H200 matrix saw it leave upstream's tokens)
-    with pytest.raises(ValueError, match="--engram-prefetch=on is refused"):
-        ep.validate_engram_prefetch(
             with_model(SimpleNamespace(**cfg), "DeepseekV4ForCausalLM", v41)
         )
+        == "on"
+    )
     assert (
         ep.validate_engram_prefetch(
             with_model(SimpleNamespace(**{**cfg, "engram_prefetch": "off"}), "X", None)

@@ -12,11 +12,6 @@ never ends with unjoined side-stream work; ``rows`` allocated on the side stream
 ``record_stream``-ed onto the main stream at the join. ``check`` serves the synchronous
 lookup's values and counts, on the device (graph-safe), the gathers whose bits differ from the
 prefetched ones; the count is logged at most once a minute from an eager forward.
-
-REFUSED: ``on``. Served end to end on the H200 (the GPU matrix's tiny DeepSeek-V4.1, CUDA-graph
-decode), ``on`` left upstream's greedy tokens in some requests while ``check`` and flags off kept
-them (docs/engram_prefetch.md): the served rows are not always the synchronous lookup's, and the
-cause is not found. Until it is, ``on`` refuses at startup and ``check`` is the only served mode.
 """
 
 from __future__ import annotations
@@ -91,13 +86,6 @@ def validate_engram_prefetch(server_args) -> str:
         raise ValueError(
             f"--engram-prefetch={mode} with DP attention: the Engram lookup gathers every DP "
             "rank's hash ids first (a collective per layer), which the side stream does not move"
-        )
-    if mode == "on":
-        raise ValueError(
-            "--engram-prefetch=on is refused: served end to end it did not always give the "
-            "synchronous lookup's rows (upstream's tokens changed; docs/engram_prefetch.md). "
-            "--engram-prefetch=check serves the synchronous lookup and counts the prefetched "
-            "gathers that differ"
         )
     return mode
 
