@@ -120,6 +120,9 @@ def test_the_matrix_table_counts_the_v41_rows_apart():
     """V4.1 rows get a line of their own (judged against upstream's V4.1 rows); a matrix served
     before they existed renders as it did."""
     data = json.loads((REPO / docs_tables.RESULTS / "e2e-NVIDIA_H200.json").read_text())
+    data["rows"] = {
+        name: rec for name, rec in data["rows"].items() if not name.startswith("v41_")
+    }
     before = docs_tables.e2e_last_run(data)
     assert "V4.1" not in before
     same = {"tokens_identical": True, "logprobs_identical": True}
