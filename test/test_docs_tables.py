@@ -135,3 +135,55 @@ def test_the_matrix_table_counts_the_v41_rows_apart():
         "| greedy, DeepSeek-V4.1 (random weights) | 3 | 2 | 1 of 2 fork"
     )
     assert table.replace(line + "\n", "") == before
+
+
+def _rendered(name: str) -> list[str]:
+    """The table of a block rendered from the committed result file, one string per line."""
+    return docs_tables.render(name).splitlines()
+
+
+def test_the_twin_table_gives_each_cell_its_rows_min_to_max():
+    lines = _rendered("wo_a_fp8")
+    assert lines[0].startswith("| G | 2..8 rows (`small`) | 9..16 rows (`mid`) |")
+    assert lines[2].startswith(
+        "| 2 | 4.36-4.40 us: 2.01-2.03x the einsum, 1.82-1.84x the small-batch kernel "
+        "(7.97-8.06 us); MXFP8 calls 1.30-1.32x |"
+    )
+    assert lines[4] == "| 8 | 1.73-1.83x | 1.57-1.66x | 1.23-1.24x | 0.65-1.05x |"
+
+
+def test_the_verify_cap_table_leaves_out_the_cap_of_gamma():
+    lines = _rendered("verify_cap_moe")
+    assert lines[0] == "| bs | no cap | k = 1 | k = 2 | k = 3 | k = 4 |"
+    assert "| 4 | 481 us, 121.5 experts | 218 us (2.20x), 45.6 |" in lines[3]
+
+
+def test_the_router_table_has_one_column_per_batch():
+    lines = _rendered("router_live")
+    assert lines[0].endswith("| 32 (192) | 64 (384) |")
+    assert lines[2].endswith("| 3.06 | 3.29 |")
+    assert lines[3].endswith("| 0.99x | 0.98x |")
+
+
+def test_the_fence_table_shows_stock_and_the_ring():
+    assert "| 1 | 8.5 us | 4.6 us | 1.07 us |" in _rendered("folded_result_fence")
+
+
+def test_the_row_store_table_has_a_line_per_workload():
+    lines = _rendered("engram_row_store")
+    assert (
+        "| zipf | 5 % (25 MiB) | decode bs4 | 64 | 178 | 1535 | 1222 | 0.54 | 124 |"
+        in lines
+    )
+    assert sum(line.startswith(("| zipf", "| uniform")) for line in lines) == 18
+
+
+def test_the_loop_abort_table_gives_ns_per_token():
+    assert "| 32, 128 | 8192 | 1110 | 1496 | 386 | 4743 |" in _rendered("loop_abort")
+
+
+def test_the_serial_load_table_lists_every_process():
+    assert (
+        "| stock (pool) | 129.9, 209.6, 138.0 | 138.0 | 0.08, 0.071, 0.062 | 0.071 |"
+        in _rendered("serial_weight_load")
+    )

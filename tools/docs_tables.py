@@ -403,6 +403,148 @@ def e2e_full_depth(d: dict) -> str:
     return "\n".join(lines)
 
 
+# --- measured tables of the feature pages --------------------------------------------------
+
+
+def _span(values: list[float], unit: str = "x") -> str:
+    """A cell's rows as min-max (one figure where they agree at 2 decimals)."""
+    lo, hi = f"{min(values):.2f}", f"{max(values):.2f}"
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+# (first row, last row, the level serving them): the twin's levels by row count
+WO_A_BINS = ((2, 8, "small"), (9, 16, "mid"), (17, 32, "mid"), (33, 192, "drop"))
+
+
+def wo_a_fp8(d: dict) -> str:
+    """The twin against the einsum per G and level; at G = 2 and 2..8 rows also its time, the
+    small-batch kernel (stock there) and the MXFP8-epilogue calls. Ranges over the rows measured.
+    """
+    out = [
+        "| G | "
+        + " | ".join(f"{lo}..{hi} rows (`{lvl}`)" for lo, hi, lvl in WO_A_BINS)
+        + " |",
+        "| --- |" + " --- |" * len(WO_A_BINS),
+    ]
+    for g in sorted({r["G"] for r in d["rows"]}):
+        cells = []
+        for lo, hi, level in WO_A_BINS:
+            rows = [r for r in d["rows"] if r["G"] == g and lo <= r["M"] <= hi]
+            assert rows and {r["served_by"] for r in rows} == {level}, (g, lo, hi)
+            cell = _span([r["over_einsum"] for r in rows])
+            small = [r for r in rows if r["stock"] == "wo_a_bf16_small_batch"]
+            if small:
+                cell = (
+                    f"{_span([r['twin_us'] for r in small], ' us')}: {cell} the einsum, "
+                    f"{_span([r['speedup'] for r in small])} the small-batch kernel "
+                    f"({_span([r['stock_us'] for r in small], ' us')}); MXFP8 calls "
+                    f"{_span([r['stock_mx_us'] / r['twin_mx_us'] for r in small])}"
+                )
+            cells.append(cell)
+        out.append(f"| {g} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def verify_cap_moe(d: dict) -> str:
+    """MoE time per layer and distinct experts, no cap and cap k (k below gamma)."""
+    by = {(r["bs"], r["k"]): r for r in d["rows"]}
+    gamma = max(k for _, k in by)
+    caps = sorted({k for _, k in by if k < gamma})
+    out = [
+        "| bs | no cap | " + " | ".join(f"k = {k}" for k in caps) + " |",
+        "| --- | --- |" + " --- |" * len(caps),
+    ]
+    for bs in sorted({bs for bs, _ in by}):
+        first = by[bs, caps[0]]
+        cols = [
+            f"{first['moe_us_no_cap']:.0f} us, {first['experts_no_cap']:.1f} experts"
+        ] + [
+            f"{by[bs, k]['moe_us_cap']:.0f} us ({by[bs, k]['speedup']:.2f}x), "
+            f"{by[bs, k]['experts_cap']:.1f}"
+            for k in caps
+        ]
+        out.append(f"| {bs} | " + " | ".join(cols) + " |")
+    return "\n".join(out)
+
+
+def router_live(d: dict) -> str:
+    """Stock moe_fused_gate per call and the live-aware router's time over it."""
+    rows = sorted(d["rows"], key=lambda r: r["bs"])
+    return "\n".join(
+        [
+            "| bs (rows) | " + " | ".join(f"{r['bs']} ({r['M']})" for r in rows) + " |",
+            "| --- |" + " --- |" * len(rows),
+            "| stock, us | " + " | ".join(f"{r['stock_us']:.2f}" for r in rows) + " |",
+            "| with live lengths | "
+            + " | ".join(f"{r['ratio']:.2f}x" for r in rows)
+            + " |",
+        ]
+    )
+
+
+def folded_result_fence(d: dict) -> str:
+    """Host time per step of stock's views and the ring, and the ring's copy on the GPU."""
+    by = {(r["bs"], r["variant"]): r for r in d["rows"]}
+    out = [
+        "| bs | stock views, host | ring, host | ring, GPU (in the graph) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for bs in sorted({bs for bs, _ in by}):
+        stock, ring = by[bs, "stock views"], by[bs, "ring (in-graph copy)"]
+        out.append(
+            f"| {bs} | {stock['host_us']:.1f} us | {ring['host_us']:.1f} us "
+            f"| {ring['gpu_us']:.2f} us |"
+        )
+    return "\n".join(out)
+
+
+def engram_row_store(d: dict) -> str:
+    out = [
+        "| ids | cache | step | rows | stock us | store us | store host us "
+        "| hit rate (unique rows) | KiB read / step |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['dist']} | {r['cache_frac'] * 100:.0f} % ({r['cache_mib']:.0f} MiB) "
+            f"| {r['shape']} | {r['rows_per_step']} | {r['stock_us']:.0f} | {r['store_us']:.0f} "
+            f"| {r['store_host_us']:.0f} | {r['hit_rate']:.2f} | {r['read_kib_per_step']:.0f} |"
+        )
+    return "\n".join(out)
+
+
+def loop_abort(d: dict) -> str:
+    """Medians over the repeats, ns per generated token."""
+    out = [
+        "| max period P, min tokens N | output tokens | stock ns/token | on ns/token | added "
+        "| every-period rescan (reference) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['max_period']}, {r['min_tokens']} | {r['output_tokens']} "
+            f"| {r['stock_ns_per_token']} | {r['on_ns_per_token']} | {r['added_ns_per_token']} "
+            f"| {r['rescan_ns_per_token']} |"
+        )
+    return "\n".join(out)
+
+
+def serial_weight_load(d: dict) -> str:
+    runs = len(d["rows"][0]["load_seconds"])
+    out = [
+        f"| load | peak RSS above baseline, MiB ({runs} fresh processes) | median "
+        "| load time, s | median |",
+        "| --- | --- | ---: | --- | ---: |",
+    ]
+    for r in d["rows"]:
+        out.append(
+            f"| {r['mode']} | {', '.join(f'{x:.1f}' for x in r['peak_rss_above_baseline_mib'])} "
+            f"| {r['median_peak_rss_mib']:.1f} | {', '.join(f'{x:g}' for x in r['load_seconds'])} "
+            f"| {r['median_load_seconds']:g} |"
+        )
+    return "\n".join(out)
+
+
 TABLES: dict[str, Table] = {
     "cost_model_h200_tp4": Table(
         "docs/performance.md", "cost_model-cpu.json", cost_model_h200_tp4
@@ -437,6 +579,25 @@ TABLES: dict[str, Table] = {
     ),
     "fast_load_h200_repeat": Table(
         "docs/fast-load.md", "fast_load_ep4_repeat-NVIDIA_H200.json", fast_load
+    ),
+    "wo_a_fp8": Table("docs/wo-a-fp8-twin.md", "wo_a_fp8-NVIDIA_H200.json", wo_a_fp8),
+    "verify_cap_moe": Table(
+        "docs/verify-cap.md", "verify_cap_moe-NVIDIA_H200.json", verify_cap_moe
+    ),
+    "router_live": Table(
+        "docs/verify-cap.md", "router_live-NVIDIA_H200.json", router_live
+    ),
+    "folded_result_fence": Table(
+        "docs/result-fence.md",
+        "folded_result_fence-NVIDIA_H200.json",
+        folded_result_fence,
+    ),
+    "engram_row_store": Table(
+        "docs/engram-row-store.md", "engram_row_store-cpu-2core.json", engram_row_store
+    ),
+    "loop_abort": Table("docs/loop-abort.md", "loop_abort-cpu.json", loop_abort),
+    "serial_weight_load": Table(
+        "docs/serial-weight-load.md", "serial_weight_load-cpu.json", serial_weight_load
     ),
 }
 
