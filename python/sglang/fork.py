@@ -1,15 +1,9 @@
 """What this engine is: sglang <upstream release> plus the fork's patch series.
 
-The fork's build (``tools/fork``) stamps the version into ``sglang/_version.py``
-(``<release>+fork.<patches>.<series digest>``) and the series into ``_fork_manifest.json``
-beside this module. ``--version`` (``launch_server``, ``sglang serve``), ``sglang version``,
-the startup line and ``--fork-expect-version`` read them from here, so a running server always
-says which patches it carries and which fork flags are set.
-
-Every fork flag is declared as CONTRIBUTING.md's "The flag pattern" says (a field in the upstream
-namespace of its area, one public ``parse_<flag>``, one ``validate_<feature>`` called from its
-resolution hook); the patch's ``Server-Args:`` trailer lists it, which is how this module finds
-the fork flags.
+The build stamps the version (``<release>+fork.<patches>.<series digest>``) and the series
+(``_fork_manifest.json``) beside this module; ``--version``, ``sglang version``, the startup line
+and ``--fork-expect-version`` read them here (docs/fork-identity.md). The fork flags are those
+the patches' ``Server-Args:`` trailers list.
 """
 
 from __future__ import annotations
@@ -80,10 +74,7 @@ class PrintVersion(argparse.Action):
 def place_fork_flags(
     parser: argparse.ArgumentParser, namespaces: Iterable[type]
 ) -> None:
-    """Show each fork flag in ``--help`` beside its area's flags: right after the upstream
-    field its patch declares it after, in its namespace class. Upstream lists fields not in
-    ``field_order.py`` at the end; only the help order moves (parsing and ServerArgs' field
-    order stay upstream's)."""
+    """Show each fork flag in ``--help`` after the upstream field its patch names (help order only)."""
     try:
         ours = {flag_field(f) for f in fork_flags()}
     except RuntimeError:  # an unassembled tree: no manifest, upstream's order

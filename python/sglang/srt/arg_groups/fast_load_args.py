@@ -1,6 +1,4 @@
-"""Flags of --weight-loader-fast-load (sglang/srt/model_loader/fast_load.py): the
-accepted forms, the measured defaults, and the model namespace's check.
-
+"""Flags of --weight-loader-fast-load: the accepted forms, the defaults, the model namespace's check.
 Kept apart from the loader so that the ``model`` fields can import it without
 importing the model loader package (which imports the server arguments).
 """
@@ -40,8 +38,7 @@ def parse_fast_load_slab_mb(value) -> int:
 
 
 def validate_fast_load(server_args) -> None:
-    """The model namespace's check (Engine(...) bypasses argparse): refuses every
-    combination where a fast-load flag would do nothing or read the checkpoint twice."""
+    """Model namespace check: refused where a flag does nothing or reads the checkpoint twice."""
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)

@@ -16,8 +16,7 @@ MAX_PERIOD_LIMIT = 4096
 def positive_int(
     name: str, value: Any, limit: Optional[int] = None, error: type = ValueError
 ) -> int:
-    """``value`` as an integer in 1..``limit``, or ``error`` naming ``name`` (a flag, or a
-    request's custom parameter, whose bad value is a 400)."""
+    """``value`` as an integer in 1..``limit``, or ``error`` naming ``name`` (flag or parameter)."""
     try:
         ok = not isinstance(value, bool) and int(value) == float(value)
     except (TypeError, ValueError):

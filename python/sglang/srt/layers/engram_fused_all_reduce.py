@@ -1,10 +1,8 @@
 """--engram-fused-all-reduce: at TP > 1, the lookups of every Engram layer of a decode /
 target-verify forward reduced with ONE TP all-reduce instead of one per layer; the same bits.
 
-``--engram-prefetch`` (required) gathers every layer's owned rows right after the hasher on a
-side stream; with this flag those rows are copied there into one buffer, the first Engram
-layer of the forward joins the side stream and all-reduces the buffer once with upstream's own
-call (``EngramEmbedding._reduce_owned_rows``), and every layer reads its slice.
+The prefetched rows (``--engram-prefetch``, required) go into one buffer that the first Engram
+layer all-reduces with upstream's own call; every layer reads its slice.
 
 INVARIANTS (argued in docs/engram-fused-all-reduce.md). The same bits: every table row is owned
 by exactly one rank (``check_rows_partition``, at startup) and the others add an exact +0.0.
@@ -27,8 +25,7 @@ FLAG = "--engram-fused-all-reduce"
 
 
 def validate_engram_fused_all_reduce(server_args) -> bool:
-    """Resolution-hook check: refuses every configuration where the flag would do nothing or
-    could not give upstream's bits."""
+    """Resolution-hook check: refused where it would do nothing or not give upstream's bits."""
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
@@ -82,9 +79,8 @@ def validate_engram_fused_all_reduce(server_args) -> bool:
 
 
 def check_rows_partition(hf_config, tp_size: int) -> None:
-    """Every Engram table's rows owned by exactly one of ``tp_size`` ranks under upstream's
-    ``shard_range`` (the invariant the bitwise argument rests on), else ValueError naming the
-    layer and the ranges found."""
+    """Every Engram table's rows owned by exactly one of ``tp_size`` ranks (the bitwise
+    argument rests on it), else ValueError naming the layer and the ranges."""
     from sglang.srt.layers.engram import EngramLayout, shard_range
 
     layout = EngramLayout.from_config(hf_config)
@@ -112,8 +108,7 @@ class FusedEngramAllReduce:
         self.prefetch = prefetch
 
     def issue(self, hash_ids: torch.Tensor, forward_batch) -> Optional["FusedRows"]:
-        """The prefetch's gathers, then their copy into one buffer on its side stream; None
-        (upstream's per-layer lookup) wherever the prefetch serves none."""
+        """The gathers copied into one buffer; None where the prefetch serves none."""
         got = self.prefetch.issue(hash_ids, forward_batch)
         return None if got is None else FusedRows(self.prefetch, got)
 
@@ -149,8 +144,7 @@ class FusedRows:
         self.reduced = False
 
     def rows(self, engram, hash_ids: torch.Tensor, forward_batch) -> torch.Tensor:
-        """The layer's rows; the first call joins the side stream and runs the one all-reduce
-        (upstream's call, on the main stream)."""
+        """The layer's rows; the first call joins the side stream and runs the one all-reduce."""
         if not self.reduced:
             self._reduce_all()
         return self.got.rows(engram, hash_ids, forward_batch)
@@ -176,9 +170,7 @@ class FusedRows:
 
 
 def fuse_engram_all_reduce(enabled: bool, prefetch, layout):
-    """The model's prefetch, wrapped when ``--engram-fused-all-reduce`` is on (``prefetch``
-    unchanged when off). Refuses to load where a layer's lookup is not the sharded one the
-    startup check approved."""
+    """The model's prefetch, wrapped when the flag is on."""
     if not enabled:
         return prefetch
     if prefetch is None:

@@ -1,17 +1,13 @@
 """--engram-prefetch: every Engram layer's table gather issued right after the hasher on a side
 stream, joined at the layer that reads it; the same bits as the synchronous lookup.
 
-Decode and target-verify batches (the CUDA-graph modes) fork a side stream after the hasher,
-gather every Engram layer's rows there in layer order and record one event per layer; the layer
-waits for its event instead of gathering. Only the local gather moves: TP all-reduces stay on the
-main stream at the layer, and extend batches keep upstream's lookup (docs/engram_prefetch.md).
+Only the local gather moves (decode and target-verify batches); TP all-reduces stay at the layer
+and extend batches keep upstream's lookup (docs/engram_prefetch.md).
 
 INVARIANTS. Every event recorded on the side stream is waited on by the main stream in the same
 forward (each Engram layer of a decode / verify forward runs once), so a CUDA-graph capture
 never ends with unjoined side-stream work; ``rows`` allocated on the side stream are
-``record_stream``-ed onto the main stream at the join. ``check`` serves the synchronous
-lookup's values and counts, on the device (graph-safe), the gathers whose bits differ from the
-prefetched ones; the count is logged at most once a minute from an eager forward.
+``record_stream``-ed onto the main stream at the join.
 """
 
 from __future__ import annotations
@@ -170,8 +166,7 @@ class Prefetched:
         self.owner, self.pending, self.main = owner, pending, main
 
     def rows(self, engram, hash_ids: torch.Tensor, forward_batch) -> torch.Tensor:
-        """The layer's rows: wait for its gather, then the TP reduce where the lookup has one
-        (main stream, upstream's position)."""
+        """The layer's rows: wait for its gather, then the TP reduce at upstream's position."""
         rows, reduce, event = self.pending.pop(engram.layer_hash_index)
         if event is not None:
             self.main.wait_event(event)
@@ -195,8 +190,7 @@ class Prefetched:
 
 
 def _local_rows(embed, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The rows this rank gathers itself, as EngramEmbedding.forward does, and whether the TP
-    all-reduce must still assemble them."""
+    """The rows this rank gathers itself, and whether the TP all-reduce must still assemble them."""
     if ids.shape[0] == 0:
         return embed.new_rows(ids), False
     if embed.peer is not None:
@@ -219,9 +213,7 @@ def _local_rows(embed, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def build_engram_prefetch(mode: str, layers, device=None) -> Optional[EngramPrefetch]:
-    """The model's prefetch for ``--engram-prefetch`` (None when off or without Engram layers
-    on this rank), on ``device`` (default: the current CUDA device); logs what it serves.
-    """
+    """The model's prefetch (None when off or without Engram layers on this rank)."""
     mode = parse_engram_prefetch(mode)
     if mode == "off":
         return None

@@ -1,17 +1,12 @@
 """Engram rows on local storage (NVMe) behind a bounded RAM cache (``--engram-row-store-dir``).
 
-Each rank writes its shard of each Engram table to a file under the flag's directory at load
-(one record per row: its e4m3 bytes then its e8m0 scales, read with O_DIRECT where the
-filesystem allows) and serves lookups from a CLOCK cache of rows in RAM, reading misses from the
-file: for machines whose memory cannot hold the tables. Why, the layout and the cache policy:
-docs/engram-row-store.md.
+Each rank writes its shard of each Engram table to a file at load and serves lookups from a RAM
+cache of rows, reading misses from the file (why, layout, cache policy: docs/engram-row-store.md).
 
-INVARIANTS. The bytes a lookup returns are the checkpoint's bytes (written at load, read back
-verbatim), and rows are dequantized by the same arithmetic as the device table (on CUDA the same
-``engram_gather`` kernel, with unowned rows masked by its own range check; on CPU upstream's torch
-expression), so the output is bitwise the device table's (``test/test_engram_row_store.py``). The
-host work runs at a breakable-CUDA-graph break (``eager_on_graph``); a full CUDA graph capture of
-the lookup refuses, naming the flag. Figures: docs/engram-row-store.md.
+INVARIANTS. A lookup returns the checkpoint's bytes, dequantized by the device table's own
+arithmetic (on CUDA the same ``engram_gather`` kernel), so the output is bitwise the device
+table's. The host work runs at a breakable-CUDA-graph break (``eager_on_graph``); a full CUDA
+graph capture of the lookup refuses, naming the flag.
 """
 
 from __future__ import annotations
@@ -39,8 +34,7 @@ FLAG = "--engram-row-store-dir"
 
 
 def validate_engram_row_store(server_args) -> None:
-    """Resolution-hook check (``Engine(...)`` bypasses argparse); the model is read only when
-    the flag is on."""
+    """Resolution-hook check; the model is read only when the flag is on."""
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
@@ -87,8 +81,7 @@ def validate_engram_row_store(server_args) -> None:
 
 
 def parse_engram_row_store_cache_gib(value) -> float:
-    """type_parser of --engram-row-store-cache-gib: a finite number of GiB >= 0, or
-    ArgumentTypeError listing the accepted form."""
+    """type_parser of --engram-row-store-cache-gib: a finite number of GiB >= 0."""
     try:
         gib = float(value)
     except (TypeError, ValueError):
@@ -128,10 +121,8 @@ def maybe_engram_row_store(
 
 
 class EngramRowStore:
-    """One Engram table shard (global rows [row_start, row_start + rows)) in a record file, with a
-    RAM cache. ``cache_bytes`` is the budget of the whole process, shared by every store
-    registered before this one's ``finish_load`` in proportion to their rows (``share=False``:
-    this store alone)."""
+    """One Engram table shard in a record file, with a RAM cache; ``cache_bytes`` is the process's
+    budget, shared by the stores by their rows (``share=False``: this store alone)."""
 
     def __init__(
         self,
@@ -185,9 +176,8 @@ class EngramRowStore:
 
     # ---------------------------------------------------------------- load
     def load_rows(self, loaded: torch.Tensor, *, scale: bool) -> None:
-        """The checkpoint's full table (e4m3 [num_embeddings, dim], or with ``scale`` its e8m0
-        [num_embeddings, dim / 32]); once both arrived, this shard's rows are written as records.
-        The loader may call it from several threads."""
+        """The checkpoint's full table (or with ``scale`` its e8m0 scales); once both arrived, this
+        shard's rows are written. The loader may call it from several threads."""
         kind = "scale" if scale else "weight"
         width = self.dim // SCALE_BLOCK if scale else self.dim
         if (
@@ -267,9 +257,7 @@ class EngramRowStore:
 
     # ---------------------------------------------------------------- lookup
     def read_records(self, local: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Records of shard-local rows ``local`` (int64, all in [0, rows)): (unique records
-        [u, rec] uint8, inverse [n] int64) with ``records[inverse]`` the rows of ``local``.
-        """
+        """(unique records [u, rec] uint8, inverse) with ``records[inverse]`` the rows of ``local``."""
         t0 = time.perf_counter()
         with self.lock:
             out = self._read_records(local)
@@ -379,8 +367,7 @@ class EngramRowStore:
         return recs
 
     def owned_rows(self, indices: torch.Tensor) -> torch.Tensor:
-        """bf16 rows [*indices.shape, dim] of global ids ``indices``: this shard's rows
-        dequantized, zero for ids it does not own (what the TP all-reduce sums)."""
+        """bf16 rows of global ids ``indices``; zero for ids this shard does not own."""
         out = torch.empty(
             *indices.shape, self.dim, dtype=torch.bfloat16, device=indices.device
         )
@@ -439,8 +426,7 @@ class EngramRowStore:
 def dequant_rows_cpu(
     w: torch.Tensor, s: torch.Tensor, pos: torch.Tensor
 ) -> torch.Tensor:
-    """Upstream's CPU expression (EngramEmbedding._owned_rows) over compact rows: w [u, dim] and
-    s [u, dim/32] as uint8, pos [n] (-1: not owned, zero row)."""
+    """Upstream's CPU expression (EngramEmbedding._owned_rows) over compact rows."""
     owned = pos >= 0
     local = pos.masked_fill(~owned, 0)
     if w.shape[0] == 0:

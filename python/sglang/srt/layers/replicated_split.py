@@ -1,23 +1,17 @@
 """Split a replicated linear's output tiles over the TP ranks at small M (``--replicated-linear-split``).
 
-WHAT. A ``ReplicatedLinear`` whose prefix ends with a listed suffix (e.g. DeepSeek-V4's ``wqkv_a``,
-the DSpark draft's ``main_proj``), called with at most ``max_rows`` rows, runs on each TP rank on
-its own 128-row tiles of the output (tile counts differ by at most one, 4/4/3/3 of 14): the same
-quant method's ``apply`` on a view of the weight and its scales for those rows, then one TP
-all-gather (padded to the widest slice) and the concat. Each rank streams 1/TP of the weight; the
-all-gather is what it costs. Larger calls (prefill) and pre-quantized (tuple) inputs stay stock.
+Each TP rank runs the layer's own ``apply`` on its 128-row tiles of the output, then one TP
+all-gather; larger calls and pre-quantized inputs stay stock (how: docs/replicated-split.md).
 
 EXACTNESS AND COST ARE CHECKED, NEVER ASSUMED. The first eager call of each layer at each row
-count compares the gathered split output with the stock layer bit for bit and times both; the
-ranks agree with MIN all-reduces, so a (layer, rows) pair is split on every rank or on none,
-and a failed check or a split that is not faster keeps it stock (logged). Why a narrower slice
-can change the bits, and the timing rule: docs/replicated-split.md.
+count compares the split output with stock bit for bit and times both; the ranks agree with MIN
+all-reduces, so a (layer, rows) pair is split on every rank or on none.
 
 CUDA GRAPHS. Decisions are made on eager calls only (the warm-up runs before capture); a capture
 replays the decided path, and a row count first seen inside a capture is captured stock on every
 rank (no collective can run inside a capture to agree on anything else). FlashInfer's autotune
-pass decides nothing (it runs stock): a check is only as good as the tactics it ran with. The slices are views
-taken on the deciding call: a later weight update that rebinds a parameter's storage is not seen.
+pass decides nothing (it runs stock). The slices are views taken on the deciding call: a later
+weight update that rebinds a parameter's storage is not seen.
 """
 
 from __future__ import annotations
@@ -54,8 +48,7 @@ _matched: Dict[str, int] = {}
 
 
 def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]:
-    """``(suffixes, max_rows)`` the flag's text names, or None for off; ArgumentTypeError listing
-    the accepted forms."""
+    """``(suffixes, max_rows)`` the flag's text names, or None for off."""
     text = "off" if value is None else str(value).strip()
     if text.lower() in ("", "off"):
         return None
@@ -82,8 +75,7 @@ def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]
 
 
 def parse_replicated_linear_split(value) -> str:
-    """type_parser of the flag: its canonical text (the server argument stays text; the layers
-    read it with ``replicated_linear_split_rule``)."""
+    """type_parser of the flag: its canonical text."""
     return _canonical(replicated_linear_split_rule(value))
 
 
@@ -92,8 +84,7 @@ def _canonical(parsed) -> str:
 
 
 def validate_replicated_linear_split(server_args) -> None:
-    """Resolution-hook check (``Engine(...)`` bypasses argparse): refused where it does nothing
-    or where the ranks could disagree on the row count."""
+    """Resolution-hook check: refused where it does nothing or ranks could disagree on rows."""
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)
@@ -203,10 +194,8 @@ def tile_ranges(n: int, world: int) -> List[Tuple[int, int]]:
 def _slice_tensor(
     name: str, t: torch.Tensor, n: int, lo: int, hi: int, what: str
 ) -> torch.Tensor:
-    """``t``'s part for output rows [lo, hi): a dim of size n is row-indexed, a dim of size
-    ceil(n / g) for g dividing 128 is indexed by g-row blocks (block scales), a flat scale buffer
-    of ceil(n / 128) equal parts is 128-row-tile-major (the 128x4-swizzled MXFP8 scales); a
-    tensor with no dim of those sizes does not depend on the row (per-tensor scales)."""
+    """``t``'s part for output rows [lo, hi): by rows, by g-row blocks, or by 128-row tiles (the
+    swizzled MXFP8 scales); a tensor with no such dim does not depend on the row."""
     if t.dim() == 0 or t.numel() == 1:
         return t
     tiles = -(-n // TILE)
@@ -234,8 +223,7 @@ def _slice_tensor(
 
 
 def slice_layer(layer: nn.Module, lo: int, hi: int, what: str = "layer") -> nn.Module:
-    """A shallow twin of ``layer`` whose weight, scales and bias are views of rows [lo, hi), so
-    the layer's own quant method runs on them unchanged."""
+    """A shallow twin of ``layer`` whose weight, scales and bias are views of rows [lo, hi)."""
     n = layer.output_size
     sub = nn.Module.__new__(type(layer))
     sub.__dict__.update(layer.__dict__)
@@ -308,8 +296,7 @@ Timer = Callable[[str, Callable[[], object], torch.device], float]
 
 
 class ReplicatedSplit:
-    """One layer's split: its tile ranges, this rank's slice (built on the first decision) and
-    the decision per row count."""
+    """One layer's split: its tile ranges, this rank's slice and the decision per row count."""
 
     def __init__(
         self,

@@ -1,12 +1,8 @@
 """Finish a request whose output has fallen into a repetition loop (``--enable-loop-abort``).
 
-A request loops when its last ``L`` output tokens repeat a pattern of period ``p <= P``
-(``--loop-abort-max-period``) and ``L`` reaches ``N`` (``--loop-abort-min-tokens``). Such a
-request is finished with its own reason (``FINISH_LOOP``, finish_reason ``"loop"``), which
-frees its KV like any finish, instead of decoding to ``max_new_tokens``.
-
-A ``LoopGuard`` checks one candidate period per token (O(1) amortized, independent of the
-output length and of ``P``; the argument: docs/loop-abort.md).
+A request whose last ``L >= N`` (``--loop-abort-min-tokens``) output tokens repeat a period
+``p <= P`` (``--loop-abort-max-period``) is finished with ``FINISH_LOOP``. A ``LoopGuard`` checks
+one candidate period per token (O(1) amortized; docs/loop-abort.md).
 
 THE INVARIANT THAT MAKES IT EXACT. With ``N >= 3P`` a loop is found on the very token where
 its periodic tail first reaches ``N``, as a rescan of every period would find it: a probe
@@ -91,9 +87,7 @@ def resolve_limits(
 
 
 def validate_loop_abort(server_args: Any) -> None:
-    """The resolution hook's check (``handle_other_validations``): the limits parsed once
-    (``Engine(...)`` bypasses argparse) and the flags refused where they would do nothing.
-    """
+    """The resolution hook's check: the limits parsed once (``Engine(...)`` bypasses argparse)."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     cfg = resolving_view(server_args)
@@ -132,9 +126,8 @@ def validate_loop_abort(server_args: Any) -> None:
 
 
 class LoopAbort:
-    """The scheduler's loop abort, built once from the resolved flags by ``build_loop_abort``
-    and held by the scheduler: the server's limits and the finish counter. It gives each new
-    request its ``LoopGuard`` (``attach``); the guard reports a finish back to it."""
+    """The scheduler's loop abort: the limits and the finish counter; ``attach`` gives each new
+    request its ``LoopGuard``."""
 
     def __init__(
         self, max_period: Optional[int] = None, min_tokens: Optional[int] = None
@@ -144,8 +137,7 @@ class LoopAbort:
         self._counter = None  # created at the first finish a metrics collector counts
 
     def attach(self, req: Any) -> None:
-        """Give a new request its ``LoopGuard``, or none where it is exempt (the exemptions,
-        per-request limits and the 400 a bad value gets: docs/loop-abort.md)."""
+        """Give a new request its ``LoopGuard``, or none where exempt (docs/loop-abort.md)."""
         params = req.sampling_params
         custom = params.custom_params if isinstance(params.custom_params, dict) else {}
         override = custom.get(CUSTOM_PARAMS_KEY)
@@ -210,8 +202,7 @@ class LoopAbort:
 
 
 def build_loop_abort(cfg: Any) -> Optional[LoopAbort]:
-    """The scheduler's ``LoopAbort`` from the resolved ``schedule`` namespace
-    (``get_schedule()``), or None with ``--enable-loop-abort`` off (upstream's path)."""
+    """The scheduler's ``LoopAbort``, or None with ``--enable-loop-abort`` off."""
     if not cfg.enable_loop_abort:
         return None
     max_period, min_tokens = cfg.loop_abort_max_period, cfg.loop_abort_min_tokens

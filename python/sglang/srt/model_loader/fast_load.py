@@ -1,20 +1,12 @@
 """Read a safetensors checkpoint at disk speed, and only the bytes this rank keeps.
 
-``--weight-loader-fast-load``: a pool of ``pread`` threads reads, file by file in offset order,
-the byte ranges of the tensors this rank will copy (``checkpoint_owner()``, a
-:class:`CheckpointOwner`) into pageable slabs, and the model gets views of them; a contiguous
-slice a rank keeps of a tensor is read alone and handed over as a :class:`RankSliceTensor`.
-How it reads and why, with figures: docs/fast-load.md.
+``--weight-loader-fast-load``: ``pread`` threads read the tensors this rank copies
+(``checkpoint_owner()``) into slabs the model gets views of. How and why: docs/fast-load.md.
 
-INVARIANTS (each argued in docs/fast-load.md)
-* Bitwise: a yielded tensor holds exactly the bytes ``safetensors.safe_open`` returns; the
-  header is checked as strictly as safetensors checks it, a short read is an error, and every
-  failure is a :class:`CheckpointError` naming the file and the tensor.
-* Only kept bytes: no byte outside a kept range is read, except the headers.
-* Memory: the slabs read ahead and those the model still holds stay within
-  ``budget = 2 x threads x slab``, but for the one slab the model waits for (``_head_may_go``),
-  so the reads never deadlock a model that keeps tensors.
-* A slab is released only once no tensor views its storage (its use count).
+INVARIANTS (argued in docs/fast-load.md): a yielded tensor holds exactly the bytes
+``safetensors.safe_open`` returns (else :class:`CheckpointError`); no byte outside a kept range
+is read but the headers; held slabs stay within ``2 x threads x slab`` but for the one the model
+waits for (``_head_may_go``: no deadlock); a slab is released only once no tensor views it.
 
 THE TRAP: skipping a tensor is safe only when the model would never copy it. A
 wrong ``keeps()`` leaves a parameter at its initial values and upstream's loaders
@@ -123,8 +115,7 @@ def _pread_exact(
 
 def read_header(path: str, fd: Optional[int] = None) -> Tuple[List[TensorEntry], int]:
     """The tensors of one shard in file order, checked as safetensors checks them, and
-    where their data starts (= the header's size). Raises CheckpointError naming the
-    file and the first tensor found wrong.
+    where their data starts; CheckpointError names the file and the first tensor found wrong.
     """
     own_fd = fd is None
     if own_fd:
@@ -258,11 +249,7 @@ class RankSlice:
 
 
 class CheckpointOwner:
-    """What of a checkpoint this rank copies; a model supplies one from ``checkpoint_owner()``.
-
-    Names are the checkpoint's own (before any renaming by the loader). This base
-    keeps every tensor whole (a model without a hook still gets the parallel reads).
-    """
+    """What of a checkpoint this rank copies (names as in the checkpoint); this base keeps all."""
 
     def keeps(self, name: str) -> bool:
         """False only if the model never reads a byte of ``name`` on this rank."""
@@ -417,8 +404,7 @@ class _Slab:
 
 @dataclasses.dataclass
 class FastLoadStats:
-    """What a load read (``bytes_read``: tensor data, ``header_bytes``: headers) and where its
-    ``seconds`` went in the loading thread (docs/fast-load.md reads them)."""
+    """What a load read and where its ``seconds`` went (docs/fast-load.md reads them)."""
 
     files: int = 0
     files_opened: int = 0
@@ -440,9 +426,7 @@ class FastLoadStats:
 def _kept_range(
     entry: TensorEntry, s: Optional[RankSlice]
 ) -> Tuple[int, int, Tuple[int, ...], Optional[RankSlice]]:
-    """(file offset, nbytes, kept shape, slice) of what is read for ``entry``: a slice alone only
-    where it is contiguous or empty; a strided one is read whole, for the model to narrow.
-    """
+    """(file offset, nbytes, kept shape, slice) read for ``entry``; a strided slice is read whole."""
     shape = entry.shape
     if s is None or not shape:
         return entry.begin, entry.nbytes, shape, None
@@ -476,11 +460,7 @@ def _align(pos: int, to: int = 64) -> int:
 
 
 class FastLoader:
-    """Iterate ``(name, tensor)`` over the kept tensors of ``files``, read by a pread pool.
-
-    ``index_path``: a ``model.safetensors.index.json`` naming every file of
-    ``files``; when given, a file holding no kept tensor is not opened at all.
-    """
+    """Iterate ``(name, tensor)`` over the kept tensors of ``files`` (``index_path``: skip others)."""
 
     def __init__(
         self,
@@ -717,9 +697,7 @@ class FastLoader:
             slab.futures.append(pool.submit(self._read, slab, slab.base, task))
 
     def _poll_released(self) -> None:
-        """Release the yielded slabs no tensor views any more; pageable ones of slab size
-        go back to the pool while reading (safe: nothing can still be copying from them).
-        """
+        """Release the yielded slabs no tensor views any more (pageable ones back to the pool)."""
         with self._lock:
             still = []
             for slab in self._held:
@@ -740,10 +718,7 @@ class FastLoader:
             self._held = still
 
     def _head_may_go(self, blocked_since: float) -> bool:
-        """Whether the slab the model waits for may be read over the budget: once nothing
-        is held, or once no slab was released for ``head_wait_s`` plus 1 s per GB held
-        (up to 5 s: time for the copies queued to finish; a model that keeps the slabs
-        twice in a row turns pacing off for the rest of the load, logged)."""
+        """Whether the slab the model waits for may be read over the budget (docs/fast-load.md)."""
         in_use = self._in_use()
         if not self._paced or in_use == 0:
             return True
@@ -887,9 +862,7 @@ class FastLoader:
         )
 
     def _release_when_unused(self) -> None:
-        """After the last yield the model may still hold slabs (queued copies): a
-        watcher releases them as their use counts drop, then empties torch's pinned cache.
-        """
+        """Release the slabs the model still holds after the last yield as their uses drop."""
         self._poll_released()
         if not self._held:
             self._empty_pinned_cache()

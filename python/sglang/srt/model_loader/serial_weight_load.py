@@ -1,11 +1,7 @@
 """DeepSeek-V4 weights copied one tensor at a time (``--weight-loader-disable-async-load``).
 
-``DeepseekV4ForCausalLM.load_weights`` hands each checkpoint tensor that sits on the CPU to a
-thread pool (``maybe_executor_submit``) and reads on: every tensor still queued keeps its CPU
-pages alive, so host memory grows with the queue. On unified-memory machines (DGX Spark /
-GB10) those pages and the CUDA allocations come out of the same RAM. With the flag the loader
-copies each tensor before it reads the next: the same copies in the same order (bitwise the
-same weights), at most one tensor in flight (``docs/serial-weight-load.md``).
+The loader copies each tensor before it reads the next: the same copies in the same order
+(bitwise the same weights), at most one tensor's CPU pages alive (why: docs/serial-weight-load.md).
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 
 
 def async_weight_load_enabled() -> bool:
-    """False under ``--weight-loader-disable-async-load``; True (upstream) otherwise,
-    including where no server configuration is published (offline loading)."""
+    """False under ``--weight-loader-disable-async-load``; True (upstream) otherwise."""
     from sglang.srt.runtime_context import get_context, get_model
 
     if not get_context().is_config_namespace_published("model"):

@@ -1,7 +1,6 @@
 """DeepSeek-V4's ``checkpoint_owner()``: what of the checkpoint a rank copies (--weight-loader-fast-load).
 
-The target keeps every tensor but those another rank, stage or model loads; the drafts keep
-only their own; where a rank copies a slice, only the slice is read (the rules: docs/fast-load.md).
+The rules: docs/fast-load.md.
 
 INVARIANT: every rule here mirrors the model's own ``load_weights`` and the weight
 loader of the parameter the tensor lands in; whatever it cannot prove is kept
@@ -33,8 +32,7 @@ from sglang.srt.model_loader.fast_load import CheckpointOwner, RankSlice
 
 def _layout_method(moe) -> object:
     """The method whose weight layout FusedMoE's loaders follow (upstream's private
-    ``_weight_layout_method``, restated: releases without paged experts have no
-    ``weight_load_method`` and no such function)."""
+    ``_weight_layout_method``, restated for releases without it)."""
     return getattr(moe, "weight_load_method", None) or moe.quant_method
 
 

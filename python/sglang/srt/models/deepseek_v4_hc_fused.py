@@ -1,14 +1,10 @@
 """--dsv4-hc-fused-stats: DeepSeek-V4.1's hyper-connection mix statistics in one pass over K
 for prefill-size inputs, the same bits as upstream's split-K kernels.
 
-Upstream's K slices are walked in the same order per row tile and the summed slice goes to
-upstream's own reduce (kernels/ops/layernorm/mhc_one_pass.py): the same bits. It serves from a
-row threshold, measured per GPU (``MEASURED_MIN_ROWS``) or given; an unmeasured GPU or a threshold
-no prefill forward reaches refuses to load. The model builds one ``HcFusedStats`` and hands it to
-its layers; upstream's mix-statistics functions take it as ``fused_stats=`` and call one method
-of it first (upstream's mhc.py imports nothing of ours). The first eager call of each kernel
-variant is compared bit for bit with upstream's (stock for good on a difference, never captured
-unverified). Figures and the argument: docs/hc_fused.md.
+Upstream's K slices are walked in the same order per row tile and go to upstream's own reduce.
+Serves from a row threshold (``MEASURED_MIN_ROWS``); an unmeasured GPU refuses to load. The first
+eager call of each kernel variant is compared bit for bit with upstream's (stock for good on a
+difference, never captured unverified). How and figures: docs/hc_fused.md.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ MEASURED_MIN_ROWS: dict[tuple[str, str], Optional[int]] = {
 
 
 def parse_hc_fused_stats(value) -> str:
-    """type_parser of the flag: "off", "auto" or a row count as a string, or ArgumentTypeError
-    listing the accepted forms."""
+    """type_parser of the flag: "off", "auto" or a row count."""
     v = str(value).strip().lower()
     if v in ("off", "auto"):
         return v
@@ -49,8 +44,7 @@ def parse_hc_fused_stats(value) -> str:
 
 
 def validate_hc_fused_stats(server_args) -> str:
-    """Resolution-hook check (Engine(...) bypasses argparse): the value, and every configuration
-    where the flag would do nothing, refused with the reason."""
+    """Resolution-hook check: refused where the flag would do nothing, with the reason."""
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
@@ -86,9 +80,7 @@ def validate_hc_fused_stats(server_args) -> str:
 
 
 class HcFusedStats:
-    """The feature of one model (``build_hc_fused_stats``), held by its decoder layers: the
-    threshold per route and each kernel variant's self-check state ("verified" or "stock").
-    """
+    """One model's feature: the threshold per route and each variant's self-check state."""
 
     def __init__(self, mode: str, device_name: str):
         self.mode, self.device_name = mode, device_name
@@ -303,9 +295,7 @@ def _differing_bits(a, b) -> tuple[int, int]:
 def build_hc_fused_stats(
     mode: str, previous: Optional[HcFusedStats] = None
 ) -> Optional[HcFusedStats]:
-    """The model's feature from the flag's value, at model load (None when off); logs what
-    serves. ``previous`` (the model's own, at a later ``post_load_weights``: a weight update)
-    is kept when the mode is unchanged, its self-checks included."""
+    """The model's feature at load (None when off); ``previous`` is kept when the mode is unchanged."""
     mode = parse_hc_fused_stats(mode)
     if mode == "off":
         return None
@@ -334,9 +324,7 @@ def build_hc_fused_stats(
 
 
 def _prefill_rows_ceiling() -> Optional[int]:
-    """The most rows (tokens) one prefill forward can hold: upstream's prefill buffer ceiling
-    (the chunked prefill size). None without one (chunked prefill off) or without a server's
-    configuration (a bare process: tests, benchmarks)."""
+    """The most rows one prefill forward can hold (the chunked prefill size), else None."""
     from sglang.srt.runtime_context import max_prefill_buffer_tokens
 
     try:
@@ -351,9 +339,7 @@ def _prefill_rows_ceiling() -> Optional[int]:
 def _reduce_sinkhorn(
     part, sq, scale, base, mix, k, hc_mult, sinkhorn_iters, rms_eps, hc_eps
 ):
-    """Upstream's reduce + Sinkhorn kernel over one-pass partials (one slice): the second half of
-    both Sinkhorn routes, launched exactly as upstream launches it on its own partials.
-    """
+    """Upstream's reduce + Sinkhorn kernel over one-pass partials, launched as upstream does."""
     from sglang.kernels.ops.layernorm import mhc
 
     m = sq.shape[-1]  # sq: [1 slice, m rows]

@@ -1,24 +1,14 @@
 """DeepSeek-V4 wo_a from an fp8 twin (``--dsv4-wo-a-fp8-twin``): building the twins, routing, drop.
 
-V4.1's wo_a is e4m3 with one ue8m0 scale per 32x32 block, dequantized to bf16 at load. After the
-weights load every bf16 ``wo_a`` of the target and of the DSpark draft gets a twin (e4m3 values +
-one exponent per 32x32 block), kept only when dequantizing it gives the bf16 weight back bit for
-bit. The attention layer holds its twin (``wo_a_twin``, None without one) and
-``_apply_wo_a_bf16_matmul`` calls it first; the levels (small, mid, drop), the kernels they use
-and the calls that stay stock: docs/wo-a-fp8-twin.md.
+Every bf16 ``wo_a`` (target and DSpark draft) gets a twin (e4m3 + one exponent per 32x32 block),
+kept only when it dequantizes to the weight bit for bit; ``_apply_wo_a_bf16_matmul`` calls the
+layer's ``wo_a_twin`` first. Levels, kernels and refusals: docs/wo-a-fp8-twin.md.
 
-DROP'S INVARIANTS. The released parameter holds a stand-in (one NaN seen through zero strides),
-so a reader the dispatch did not catch cannot produce plausible numbers (``_stand_in``).
-Every call the twin does not serve (prefill, MXFP8 at mid rows, > 192 rows) multiplies
-``stock_weight``: the weight rebuilt into a fresh buffer per call (one shared scratch buffer
-would race between the target's and the draft's streams). Layers whose wo_a another reader
-takes (the fused rope + wo_a kernel, mega attention, the NPU MXFP8 and bf16 paths, the DSpark
-draft's einsum) refuse to boot under drop, naming it, and writing into the stand-in raises.
-
-REFUSED (the reasons: docs/wo-a-fp8-twin.md): --enable-deterministic-inference,
---enable-torch-compile and ROCm builds of torch at every level; online weight updates of a
-layer with a twin (upstream's ``_derived_weight_cache_error``) and, under drop, weight export
-of a released layer (upstream's ``_weight_export_error``).
+DROP'S INVARIANTS. The released parameter holds a NaN stand-in (``_stand_in``), so a reader the
+dispatch did not catch cannot produce plausible numbers. Every call the twin does not serve
+multiplies ``stock_weight``, rebuilt into a fresh buffer per call (a shared scratch would race
+between the target's and the draft's streams). Layers whose wo_a another reader takes (listed in
+``_BYPASSES``) refuse to boot under drop.
 """
 
 from __future__ import annotations
@@ -61,8 +51,7 @@ TWIN_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
 def parse_wo_a_fp8_twin(value) -> str:
-    """type_parser of the flag: its value, or ArgumentTypeError listing the accepted forms (exact,
-    as argparse's choices)."""
+    """type_parser of the flag: its value, exact, as argparse's choices."""
     if value not in MODES:
         raise argparse.ArgumentTypeError(f"--dsv4-wo-a-fp8-twin={value!r}: {_USAGE}")
     return value
@@ -98,9 +87,7 @@ _DROP_REFUSED_WITH = (
 
 
 def validate_wo_a_fp8_twin(server_args) -> str:
-    """Resolution-hook check for every target (Engine(...) bypasses argparse): the flag's value,
-    refused where no twin would be built (another architecture) and with the server arguments
-    the twin cannot serve under, each with the reason."""
+    """Resolution-hook check (Engine(...) bypasses argparse): the refusals of docs/wo-a-fp8-twin.md."""
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
@@ -139,8 +126,7 @@ def validate_wo_a_fp8_twin(server_args) -> str:
 
 def _weight_export_honours_refusals() -> bool:
     """Whether upstream's weight export refuses a layer that sets ``_weight_export_error``
-    (drop relies on it: a released layer must not be exported; 0.5.23 has it, 0.5.22 not).
-    """
+    (drop relies on it: a released layer must not be exported)."""
     from sglang.srt.model_executor.model_runner_components.weight_exporter import (
         WeightExporter,
     )
@@ -149,12 +135,8 @@ def _weight_export_honours_refusals() -> bool:
 
 
 class WoAFp8Twin:
-    """One layer's twin, held by the layer as ``wo_a_twin``. On Hopper ``packed`` holds the
-    fragment-major words both Hopper kernels read, with their arrival ``counters``; elsewhere
-    ``weight8`` (row-major e4m3) feeds the portable Triton kernel. ``weight_ptr``: the address
-    of the weight it serves (after drop, the stand-in's); a call on any other tensor is stock.
-    ``dropped``: the bf16 weight is released and ``dequant`` rebuilds it.
-    """
+    """One layer's twin (``wo_a_twin``): Hopper's ``packed`` words or portable ``weight8``. A call
+    on any tensor but ``weight_ptr``'s (after drop, the stand-in's) is stock."""
 
     __slots__ = (
         "name",
@@ -267,17 +249,14 @@ _BYPASSES = (
 
 
 def _stand_in(w: torch.Tensor) -> torch.Tensor:
-    """What a dropped weight's parameter holds: its shape over one NaN (an address of its own, so
-    the dispatch finds the twin; zero strides, so it is not contiguous and no fast path takes it;
-    NaN, so a reader the dispatch did not catch cannot produce plausible numbers)."""
+    """A dropped weight's shape over one NaN: its own address (the dispatch finds the twin), zero
+    strides (no fast path takes it), NaN (no missed reader gives plausible numbers)."""
     one = torch.full((1,), float("nan"), dtype=w.dtype, device=w.device)
     return one.as_strided(tuple(w.shape), (0,) * w.ndim)
 
 
 def _drop(entries: list, label: str) -> tuple[int, int]:
-    """Release the bf16 weight of every twin whose dequantisation (the one prefill uses) gives it
-    back bit for bit (``resize_(0)``: the storage is freed, docs/wo-a-fp8-twin.md says why); a
-    twin that does not keeps its weight, and the log says so."""
+    """Free the bf16 weight of every twin that gives it back bit for bit (docs/wo-a-fp8-twin.md)."""
     released = failed = 0
     for name, mod, view, twin in entries:
         old = mod.wo_a.weight.data
@@ -311,9 +290,8 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
 
 
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
-    """After load: a twin for every bf16 wo_a of ``model`` (target or DSpark draft), set as its
-    layer's ``wo_a_twin``; logs one line. A later call (weight-update session) changes no layer:
-    CUDA graphs captured since hold what each layer had (docs/wo-a-fp8-twin.md)."""
+    """After load: a twin for every bf16 wo_a of ``model``. A later call changes no layer: CUDA
+    graphs captured since hold what each layer had (docs/wo-a-fp8-twin.md)."""
     mode = parse_wo_a_fp8_twin(mode)
     if mode == "off":
         return 0, 0  # upstream's path: no kernel of ours is imported
@@ -447,9 +425,7 @@ def apply_wo_a_fp8_twin(
     is_prefill: bool,
     fuse_mxfp8_quant: bool,
 ):
-    """The twin's result for this call (bf16, or upstream's MXFP8 pair when the call asks for the
-    fused epilogue), or None for the stock path (which ``stock_weight`` then feeds); which calls
-    each level serves: docs/wo-a-fp8-twin.md."""
+    """The twin's result for this call (bf16, or upstream's MXFP8 pair), or None for stock."""
     if (
         wo_a.data_ptr() != twin.weight_ptr
         or tuple(wo_a.shape) != twin.shape
@@ -496,9 +472,7 @@ def apply_wo_a_fp8_twin(
 
 
 def stock_weight(twin: WoAFp8Twin, wo_a: torch.Tensor) -> torch.Tensor:
-    """The weight the stock path multiplies: ``wo_a`` itself, or for a dropped weight its bf16
-    rebuilt from the twin into a fresh buffer (bit-identical, checked before the release).
-    """
+    """The weight the stock path multiplies: ``wo_a``, or a dropped one rebuilt into a fresh buffer."""
     if not twin.dropped or wo_a.data_ptr() != twin.weight_ptr:
         return wo_a
     if tuple(wo_a.shape) != twin.shape:

@@ -1,5 +1,4 @@
-"""The b12x release the fork's b12x backends are written and contract-tested against, and the
-startup check each of them runs before it is used.
+"""The b12x release the fork's b12x backends are written against, and their startup check.
 
 b12x's plan / bind / run API changes between releases, so every b12x path refuses to start
 unless the GPU is SM12x and ``b12x`` imports at exactly ``B12X_VERSION``, naming what it found;
@@ -30,8 +29,7 @@ def found_device() -> tuple[Optional[tuple[int, int]], str]:
 
 
 def found_b12x(api: str, attr: str) -> tuple[Optional[str], str]:
-    """(installed version, what went wrong or "") for ``b12x.<api>`` and one of its lazy
-    attributes, loaded for real (b12x resolves its public API on first access)."""
+    """(installed version, what went wrong or "") for ``b12x.<api>``, its lazy attribute loaded."""
     from importlib import metadata
 
     try:

@@ -1,15 +1,10 @@
-"""WO-A (``einsum('tgd,grd->tgr')``) read from an fp8 twin of the bf16 weight: the portable Triton
-kernel (GPUs other than Hopper; Hopper runs ``dsv4_wo_a_fp8_sm90``) and the dequantisers.
-
-The twin is e4m3 values plus one ue8m0 exponent per 32x32 block; the kernel rebuilds each bf16
-tile in registers (exact: the twin is kept only when it reproduces the weight bit for bit) and
-feeds ``tl.dot`` as upstream's ``_wo_a_partial`` does; split partials are summed in split order
-by the last CTA of a column tile (deterministic). How, per path: docs/wo-a-fp8-twin.md.
+"""WO-A (``einsum('tgd,grd->tgr')``) from an fp8 twin of the bf16 weight: the portable Triton
+kernel (Hopper runs ``dsv4_wo_a_fp8_sm90``) and the dequantisers. How: docs/wo-a-fp8-twin.md.
 
 NOT BITWISE UPSTREAM: Triton lays out an operand upcast from fp8 with kWidth 4 (upstream's bf16
 operands: kWidth 2), which reorders K inside each MMA, so the partials differ from
 ``_wo_a_partial``'s in the last bits and callers keep upstream's kernel for the MXFP8 epilogue.
-Results are within the fp32 accumulation bound of the exact product. Measurements: docs/wo-a-fp8-twin.md.
+Results are within the fp32 accumulation bound of the exact product.
 """
 
 from __future__ import annotations
@@ -112,8 +107,7 @@ def _wo_a_fp8_small_kernel(
     REDUCE: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
-    """Upstream's split (8 x 512) and dots (4 x [16, 128] @ [128, BN], accumulated in order);
-    every load of the CTA (16 KB of e4m3 at BN = 32) is issued before the first dot."""
+    """Upstream's split (8 x 512) and dots, every load of the CTA issued before the first dot."""
     tile, group, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = tl.arange(0, 16)
     n = tile * BN + tl.arange(0, BN)
@@ -272,9 +266,7 @@ def _launch(x, weight8, exp, counters, split, bm, bn, warps, stages, reduce):
 
 
 def wo_a_fp8_matmul(x, weight8, exp, counters, cfg=None):
-    """``einsum('tgd,grd->tgr', x, twin)`` for 2..192 rows in one launch, bf16 token-major out.
-    Partial sums stay in FP32 and are added in split order until the final BF16 store.
-    """
+    """``einsum('tgd,grd->tgr', x, twin)`` for 2..192 rows in one launch, bf16 token-major out."""
     _check(x, weight8, exp, counters)
     m = x.shape[0]
     assert 2 <= m <= MID_ROWS[1]
@@ -286,9 +278,7 @@ def wo_a_fp8_matmul(x, weight8, exp, counters, cfg=None):
 
 
 def wo_a_fp8_partial(x, weight8, exp, counters):
-    """The per-split FP32 partials ``[8, M, G, R]`` (2..8 rows) from the twin. Not bit-identical to
-    ``_wo_a_partial``'s on the H200 (last-bit differences), so not used for the MXFP8 epilogue.
-    """
+    """The per-split FP32 partials ``[8, M, G, R]`` (2..8 rows); not ``_wo_a_partial``'s bits."""
     _check(x, weight8, exp, counters)
     assert 2 <= x.shape[0] <= 8
     return _launch(
@@ -326,10 +316,7 @@ def wo_a_fp8_dequant(weight8: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _dequant_packed_kernel(P, E, OUT, D: tl.constexpr):
-    """One 8-row group x one 128-K chunk of the Hopper kernels' fragment-major words
-    ([G, R/8, chunk 4, block 4, split 8, row 8, word 8]; word 2 t + w holds, byte b, the logical
-    k = 16 w + 8 (b // 2) + 2 t + b % 2 of its 32-block, see ``pack_twin``) -> bf16 rows.
-    """
+    """One 8-row group x one 128-K chunk of ``pack_twin``'s fragment-major words -> bf16 rows."""
     rg, q = tl.program_id(0), tl.program_id(1)
     s, c = q // 4, q % 4
     blk = tl.arange(0, 4)[:, None, None, None]

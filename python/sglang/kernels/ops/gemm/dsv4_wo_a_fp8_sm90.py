@@ -1,13 +1,11 @@
-"""WO-A (``einsum('tgd,grd->tgr')``) from the fp8 twin on Hopper: two Gluon kernels that read the
-same fragment-major words (``pack_twin``). ``wo_a_fp8_small_sm90`` (1..64 rows; served up to 32)
-is bitwise identical to upstream's ``wo_a_bf16_small_batch`` (and, through ``partials``, to its
-MXFP8 variant); ``wo_a_fp8_mid_sm90`` (9..192 rows) is a wgmma kernel within the fp32 bound of
-the exact result. Measurements and the configurations they chose: docs/wo-a-fp8-twin.md,
-benchmark/results/wo_a_fp8-NVIDIA_H200.json.
+"""WO-A (``einsum('tgd,grd->tgr')``) from the fp8 twin on Hopper: two Gluon kernels reading
+``pack_twin``'s words. ``wo_a_fp8_small_sm90`` is bitwise upstream's ``wo_a_bf16_small_batch``;
+``wo_a_fp8_mid_sm90`` (wgmma) is within the fp32 bound of the exact result. How and why, with
+figures: docs/wo-a-fp8-twin.md.
 
-SMALL: EXACT. Each warp's MMA chain and the reduction of the partials reproduce upstream's
-``_wo_a_partial`` and ``_wo_a_reduce`` operand for operand and in their order; the argument (and
-what must not change) is in docs/wo-a-fp8-twin.md, and the GPU test compares every bit.
+SMALL: EXACT. Each warp's MMA chain and the partials' reduction reproduce upstream's
+``_wo_a_partial`` and ``_wo_a_reduce`` operand for operand and in order (what must not change:
+docs/wo-a-fp8-twin.md; the GPU test compares every bit).
 
 FORWARD PROGRESS (mid): each CTA of a tile spins until the tile's S split partials arrived, so
 it relies on a tile's S CTAs being consecutive in the grid (split = pid % S) and on the block
@@ -15,8 +13,6 @@ scheduler's in-order dispatch (which CUB's decoupled look-back relies on too): a
 per launch is partly resident while its CTAs wait, even with the target's and the draft's
 launches side by side. Keep the grid one wave on an idle GPU and the split the fastest-varying
 index.
-
-How both kernels work: docs/wo-a-fp8-twin.md.
 """
 
 from __future__ import annotations
@@ -96,11 +92,7 @@ def available(device: torch.device) -> bool:
 
 
 def pack_twin(weight8: torch.Tensor) -> torch.Tensor:
-    """e4m3 [G, R, 4096] -> int32 words in the kernel's fragment-major order
-    [G, R/8, chunk 4, block 4, split 8, row 8, quad thread 4, word 2]: K permuted inside each
-    32-block (``permute_k``) and each warp's A fragment of one 32-K block contiguous (256 B),
-    so a thread loads its 8 bytes of one block with one LDG.64 and a warp reads whole lines.
-    """
+    """e4m3 [G, R, 4096] -> int32 words in the kernels' fragment-major order (``permute_k``)."""
     g, r, d = weight8.shape
     assert d == D and r % ROWS == 0, (g, r, d)
     wp = permute_k(weight8.reshape(g * r, d)).view(torch.int32)
@@ -169,8 +161,7 @@ _OUT16_LAYOUT = gl.BlockedLayout(
 
 @gluon.jit
 def _dequant(w32, sb):
-    """[S, 8, 8] words of a K-permuted e4m3 32-block of 8 rows + per-split bf16x2 scale words ->
-    the logical [S, 8, 32] bf16 rows, the permutation undone by renaming."""
+    """Words of a K-permuted e4m3 32-block + scale words -> logical [S, 8, 32] bf16 rows."""
     sb = gl.expand_dims(gl.expand_dims(sb, 1), 2) + gl.zeros_like(w32)
     o0, o1 = gl.inline_asm_elementwise(
         _E4M3X4_TO_BF16_PRMT_ASM,
@@ -198,8 +189,7 @@ def _a_operand(lo, hi, A_L: gl.constexpr):
 
 @gluon.jit
 def _x_tiles(L: gl.constexpr, XN: gl.constexpr, KW: gl.constexpr, group, SX, M):
-    """Offsets into x of its [split, XN rows, KW] copy tiles at K 512 split, and their mask (rows
-    past M: cp.async zero-fills them without traffic)."""
+    """Offsets into x of its copy tiles and their mask (cp.async zero-fills rows past M)."""
     s = gl.arange(0, SPLITS, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
     t = gl.arange(0, XN, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))
     k = gl.arange(0, KW, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
@@ -390,8 +380,7 @@ def _wo_a_fp8_small_kernel(
 def small_config(
     m: int, g: int, r: int, sms: int, rows_per_cta: int | None = None
 ) -> tuple[int, int, bool]:
-    """(weight rows per CTA, stage, x_ring) the small kernel serves for ``m`` rows of x: the fastest
-    measured (docs/wo-a-fp8-twin.md says which probes chose it and why)."""
+    """(rows per CTA, stage, x_ring) for ``m`` rows: the fastest measured (docs/wo-a-fp8-twin.md)."""
     rows = rows_per_cta or (16 if g * r // 16 <= sms else 32)
     one_per_sm = g * r // rows <= sms
     if m <= 8:
@@ -407,8 +396,7 @@ def _x_rows(m: int) -> int:
 
 
 def ring_fit(rows_per_cta: int, m: int) -> int:
-    """Most 32-K blocks in flight that shared memory holds with x in the ring: its buffers (one
-    more than in flight) carry a block of the weights and of x each."""
+    """Most 32-K blocks in flight that shared memory holds with x in the ring."""
     return (_SM_SMEM - 1024) // (rows_per_cta * 256 + _x_rows(m) * 512) - 1
 
 
@@ -422,10 +410,8 @@ def wo_a_fp8_small_sm90(
     stage: int | None = None,
     x_ring: bool | None = None,
 ) -> torch.Tensor:
-    """``einsum('tgd,grd->tgr', x, twin)`` for 1..64 rows from ``pack_twin``'s words: bf16
-    [M, G, R], or with ``partials`` the fp32 split partials of ``_wo_a_partial``. The tuning
-    arguments default to ``small_config``'s; every configuration gives the same bits (the
-    arguments: docs/wo-a-fp8-twin.md)."""
+    """``einsum('tgd,grd->tgr', x, twin)`` for 1..64 rows: bf16 [M, G, R], or with ``partials``
+    ``_wo_a_partial``'s; every configuration, the same bits (docs/wo-a-fp8-twin.md)."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert (
@@ -496,9 +482,7 @@ MAX_SPLITS = gl.constexpr(16)  # K splits of the mid kernel: a power of two up t
 def mid_stages(
     g: int, r: int, split: int, np_: int, sms: int, bv: int = 64, ntiles: int = 1
 ) -> int:
-    """Pipeline depth for one wave: every CTA of the grid resident at once (the split-K wait needs
-    a tile's CTAs together), as deep as shared memory then allows, 2..8 steps of 128 K.
-    """
+    """Pipeline depth keeping every CTA resident at once (the split-K wait needs it), 2..8 steps."""
     ctas_per_sm = -(-(g * r // bv * split * ntiles) // sms)
     stage = 4 * bv * 8 * 4 + np_ * 128 * 2
     fit = (_SM_SMEM // ctas_per_sm - 1024) // stage
@@ -532,9 +516,7 @@ _MID_TILES = {
 def mid_config(
     m: int, g: int, r: int, sms: int = 132
 ) -> tuple[int, int, int, int, int]:
-    """(weight rows per CTA, warps, K splits, rows of x per CTA NP, pipeline stages) for ``m`` rows
-    on a device with ``sms`` SMs; x's rows go to ceil(m / NP) CTAs per weight tile and split.
-    """
+    """(weight rows per CTA, warps, K splits, rows of x per CTA, stages) for ``m`` rows, ``sms`` SMs."""
     full = max(16, 1 << (m - 1).bit_length())
     split, np_ = _MID_TILES.get((g, full), (None, full)) if r == 1024 else (None, full)
     if (
@@ -567,9 +549,7 @@ def mid_counters(g: int, r: int, device) -> torch.Tensor:
 def _mid_refill(
     W, w_off, x_desc, bar, w_s, x_s, st, kg, n0, xcol, XBYTES: gl.constexpr
 ):
-    """Stage st <- global 128-K step kg: the weights by cp.async (the fragment-major words of one
-    step are 256-byte pieces, not a box TMA can read), x by TMA on the stage's mbarrier.
-    """
+    """Stage st <- 128-K step kg: weights by cp.async (256-byte pieces, no TMA box), x by TMA."""
     # packed [.., row group, chunk c, block b, split s, 64 words]: step kg = 4 s + c
     async_copy.async_copy_global_to_shared(
         w_s.index(st), W + w_off + (kg % 4) * 2048 + (kg // 4) * 64
@@ -747,10 +727,7 @@ def wo_a_fp8_mid_sm90(
     counters: torch.Tensor,
     cfg: tuple | None = None,
 ) -> torch.Tensor:
-    """``einsum('tgd,grd->tgr', x, twin)`` for 9..192 rows from ``pack_twin``'s words, bf16 [M, G, R];
-    the split-K partials of a tile are added in split order by its CTAs, each its own rows
-    (deterministic). ``counters``: ``mid_counters`` of this twin, never shared between streams.
-    """
+    """``einsum('tgd,grd->tgr', x, twin)`` for 9..192 rows; ``counters`` never shared by streams."""
     m = x.shape[0]
     g, r = packed.shape[0], packed.shape[1] * ROWS
     assert 1 <= m <= 256 and x.shape[1:] == (g, D) and x.dtype == torch.bfloat16

@@ -22,8 +22,7 @@ def row_bases(bv: int, nw: int) -> list[list[int]]:
 
 
 def words_layout(bv: int, nw: int) -> gl.DistributedLinearLayout:
-    """[bv, 8] int32 words of one 32-K block: 2 consecutive words per thread and row, rows as in
-    the wgmma A fragment (lane // 4, + 8, warps by 16)."""
+    """[bv, 8] int32 words of one 32-K block in the wgmma A fragment's row order."""
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1], [8, 0]] + row_bases(bv, nw),
         lane_bases=[[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
@@ -43,8 +42,7 @@ def bf16_pair(word):
 
 @gluon.jit
 def dequant_block(w32, s, A_L: gl.constexpr, BV: gl.constexpr):
-    """[BV, 8] words of a K-permuted e4m3 block + its per-row fp32 scale -> the logical [BV, 32]
-    bf16 block in the wgmma A layout (the permutation undone by renaming registers)."""
+    """K-permuted e4m3 words + per-row scale -> the logical [BV, 32] bf16 block, wgmma A layout."""
     sb = (
         (s * 5.192296858534828e33)
         .to(gl.bfloat16)

@@ -1,10 +1,8 @@
 """Hyper-connection mix statistics in one pass over K: each row tile walks every K slice of
 upstream's split-K kernels in order and adds the slice partials in registers, so the sums are
 upstream's, bit for bit, without the [slices, M, MIX] partials round trip.
-
-The bodies are upstream's partial kernels (mhc.py) with an outer loop over slices; the one
-slice they return (``0 + p0 + p1 + ...`` in slice order) goes to upstream's own reduce with
-NUM_SLICES = 1. Tile sizes, warps, stages and dot precision are imported from upstream's.
+The one slice returned (``0 + p0 + p1 + ...`` in slice order) goes to upstream's own reduce
+(docs/hc_fused.md).
 """
 
 from __future__ import annotations
@@ -125,9 +123,7 @@ def _hc_mix_one_pass_kernel(
 def hc_mix_one_pass_bf16x3(
     x: torch.Tensor, weight_parts, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] bf16 contiguous, the three bf16 parts [MIX, K] of the mixing weight ->
-    (mix [1, M, MIX], sq [1, M]) fp32: upstream's 16-slice bf16x3 partials already summed in
-    slice order (one slice for upstream's reduce)."""
+    """bf16x3 route: (mix [1, M, MIX], sq [1, M]) fp32, upstream's 16 slices summed in order."""
     from sglang.kernels.ops.layernorm import mhc
 
     m, k = x.shape
@@ -163,9 +159,7 @@ def hc_mix_one_pass_bf16x3(
 def hc_mix_one_pass(
     x_flat: torch.Tensor, hc_fn: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x_flat [M, K] (unit K stride), hc_fn [MIX, K] fp32 -> (mix [1, M, MIX], sq [1, M]) fp32:
-    upstream's split-K tf32x3 partials (hc_mix_stats, hc_mix_stats_sinkhorn) summed in slice
-    order."""
+    """tf32x3 route: (mix [1, M, MIX], sq [1, M]) fp32, upstream's slices summed in order."""
     from sglang.kernels.ops.layernorm import mhc
 
     assert x_flat.dim() == 2 and hc_fn.dim() == 2

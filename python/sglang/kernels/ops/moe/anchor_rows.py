@@ -38,8 +38,7 @@ def _anchor_rows_kernel(
 def anchor_rows_(
     a: torch.Tensor, b: torch.Tensor, live_lens: torch.Tensor, stride: int
 ) -> None:
-    """In place on ``a`` and ``b`` ([M, *] each, rows contiguous): rows past their request's
-    live length become a copy of the request's first row."""
+    """In place: rows past their request's live length become a copy of its first row."""
     m = a.shape[0]
     assert (
         b.shape[0] == m and a.ndim == b.ndim == 2

@@ -1,15 +1,8 @@
 """TP all-gathers over b12x's RoCE one-shot runtime (``--enable-b12x-roce-all-gather``).
 
-On a DGX Spark (GB10) line of one GPU per node over RoCE, b12x's runtime writes each rank's
-shard straight into every peer's pinned host memory in one launch instead of NCCL's ring. The
-TP group's coordinator builds it before any CUDA-graph capture and
 ``GroupCoordinator._all_gather_into_tensor`` asks ``gather_into`` first: a dim-0 gather that
-fits the runtime runs on RoCE, anything else keeps upstream's path. Gathers are exact copies.
-Why and how: docs/b12x-roce-all-gather.md.
-
-Refused at startup, naming what was found: not SM12x or b12x not at the pinned release, TP 1,
-TP ranks on one node (--nnodes 1: RoCE is for ranks on different nodes), more than 16 ranks.
-Docs: docs/b12x-roce-all-gather.md.
+fits the runtime runs on RoCE (built before any CUDA-graph capture), anything else keeps
+upstream's path. Gathers are exact copies. Why, how and refusals: docs/b12x-roce-all-gather.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Map the thinking switches clients send onto ``thinking`` (``--enable-thinking-aliases``).
 
-DeepSeek-V3 / V4 / V4.1 think only when the chat-template argument ``thinking`` is true; clients
-written for other models send other switches, which upstream ignores for these models. This
-module writes the one answer the request's switches give into ``chat_template_kwargs["thinking"]``
-before the server's default kwargs are merged (the switches: docs/thinking-alias.md).
+DeepSeek-V3 / V4 / V4.1 think only when the chat-template argument ``thinking`` is true; the
+switches other clients send are written into it (the switches: docs/thinking-alias.md).
 
 THE RULES. The request's own switches decide; only when it carries none do the same switches
 in ``--default-chat-template-kwargs`` decide (so a client's ``enable_thinking: false`` beats a
@@ -105,10 +103,8 @@ def _decide(votes: list[tuple[str, bool]]) -> Optional[bool]:
 
 
 def apply_thinking_aliases(request: Any, default_kwargs: Optional[dict]) -> None:
-    """Write the request's thinking decision into ``chat_template_kwargs["thinking"]``.
-
-    Runs before ``--default-chat-template-kwargs`` are merged (they fill only unset keys).
-    Raises ValueError (a 400) on disagreeing or malformed switches.
+    """Write the request's thinking decision into ``chat_template_kwargs["thinking"]``, before
+    the server's defaults are merged; ValueError (a 400) on disagreeing or malformed switches.
     """
     ctk = dict(request.chat_template_kwargs or {})
     # getattr: a release whose request model has no top-level ``thinking`` drops the field.

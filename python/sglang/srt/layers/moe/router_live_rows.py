@@ -1,14 +1,8 @@
 """Live rows of a target-verify router call: dead verify rows take their anchor row's routing.
 
-A request's verify block is ``stride`` consecutive rows (anchor, then drafts); a feature that
-verifies fewer drafts (the DSpark verify cap) opens ``live_rows_scope`` around the target's
-verify forward, and rows at or past a request's live length route as its anchor. Upstream's
-routers call one of three public functions, each a no-op outside a scope:
-
-* ``router_live_kwargs(gating_output)``: ``moe_fused_gate``'s ``live_lens=`` / ``live_stride=``;
-* ``anchor_dead_rows_(weights, ids)``: routers without that input (hash layers), one launch after;
-* ``refuse_dead_rows(route, layer_id)``: a route that can do neither raises (CUDA-graph capture
-  runs every route first, so this refuses at startup, naming the layer).
+Inside ``live_rows_scope`` rows at or past a request's live length route as its anchor. Upstream's
+routers call ``router_live_kwargs``, ``anchor_dead_rows_`` or ``refuse_dead_rows``, each a no-op
+outside a scope (which router calls which: docs/verify-cap.md).
 
 INVARIANTS. Upstream code reads nothing else of this module. A scope (the one module-level value,
 docs/verify-cap.md says why not an object) is opened only by the target model's verify cap around

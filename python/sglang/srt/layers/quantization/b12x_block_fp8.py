@@ -1,14 +1,9 @@
 """Block-fp8 linears served as MXFP8 on b12x's ``gemm.block_fp8_linear`` (``--block-fp8-mxfp8-backend b12x``).
 
-On SM120 / SM121 (RTX Blackwell, GB10) upstream runs DeepSeek-V4.1's 32x32-block e4m3 linears on
-the Triton block kernel. After load each eligible layer's weight is packed once by b12x and two
-plans are prepared (decode / verify rows, prefill chunk); a call runs the smaller plan that holds
-its rows. Layers the model reads directly (``keep_plain_weight_layout``), other block shapes and
-pre-quantized inputs stay on upstream's path. Details and figures: docs/b12x-mxfp8-linear.md.
-
-Refused at startup, naming what was found: not SM12x or b12x not at the pinned release
-(``sglang.srt.utils.b12x_pin``), and a checkpoint without 32-wide ue8m0 block-fp8 linears (the
-flag would do nothing). Docs: docs/b12x-mxfp8-linear.md.
+On SM12x each eligible layer's weight is packed once by b12x after load and a call runs the
+smaller of two prepared plans that holds its rows. Layers the model reads directly
+(``keep_plain_weight_layout``), other block shapes and pre-quantized inputs stay on upstream's
+path. How, figures and refusals: docs/b12x-mxfp8-linear.md.
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ def serves_block_fp8_as_mxfp8(block_size, scale_fmt) -> bool:
 
 
 def validate_block_fp8_mxfp8_backend(server_args) -> None:
-    """Resolution-hook check (``Engine(...)`` bypasses argparse); the checkpoint's
-    quantization_config is read only when the flag is set."""
+    """Resolution-hook check; the quantization_config is read only when the flag is set."""
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
@@ -101,8 +95,7 @@ class B12xBlockFp8Linear:
         self.capacities = capacities
 
     def prepare(self, layer) -> bool:
-        """Pack the layer's weight and prepare its plans; False (upstream path) where b12x does
-        not take the layer."""
+        """Pack the weight and prepare its plans; False (upstream) where b12x cannot take it."""
         layer.b12x_block_fp8 = None
         if getattr(layer, "keep_plain_weight_layout", False):
             return False

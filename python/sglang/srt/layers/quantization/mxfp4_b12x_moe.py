@@ -1,16 +1,9 @@
 """DeepSeek-V4 MXFP4 routed experts on b12x's fused MoE (``--moe-runner-backend b12x``).
 
-On SM120 / SM121 (RTX Blackwell, GB10) upstream's FlashInfer CUTLASS path needs the per-rank
-expert width to be a multiple of 128, so V4.1-Flash at TP4 (576-wide experts per rank) cannot
-start; b12x (``b12x.moe.fused_moe``, recipe ``w4a8_mx``) runs them. The checkpoint's bytes are
-b12x's source bytes (FC1 loaded as [up; gate]), the experts are prepared once after load and held
-once, and an execution plan is prepared before CUDA-graph capture for every row count the engine
-runs (a call pads up to the next planned count with expert id -1). How the plans and expert ids
-work: docs/b12x-moe.md.
-
-Refused at startup, naming what was found: not SM12x, b12x missing or not at the pinned release
-(``sglang.srt.utils.b12x_pin``), an all-to-all MoE backend, unbounded prefill chunks, and at model
-construction experts that are not MXFP4 or fused shared experts. Docs: docs/b12x-moe.md.
+On SM12x upstream's CUTLASS path needs per-rank expert widths that are multiples of 128; b12x
+runs the others. The experts are held once, and an execution plan is prepared before CUDA-graph
+capture for every row count the engine runs (a call pads up to the next planned count with
+expert id -1). Why, how, and what is refused: docs/b12x-moe.md.
 """
 
 from __future__ import annotations
@@ -69,8 +62,7 @@ def wants_b12x_moe(is_fp4_experts: bool, backend_value: str, prefix: str) -> boo
 def plan_token_counts(
     decode_bs: list[int], rows_per_request: list[int], chunk: int
 ) -> tuple[int, ...]:
-    """Row counts to prepare: every decode / verify graph batch size times its rows per request,
-    and a prefill ladder (16, 32, ... up to ``chunk``, and ``chunk``)."""
+    """Row counts to prepare: each graph batch size x its rows per request, and a prefill ladder."""
     counts = {bs * r for bs in decode_bs for r in rows_per_request if bs > 0 and r > 0}
     rung = LADDER_MIN
     while rung < chunk:
@@ -103,8 +95,7 @@ def pinned_config(rows: int, intermediate_per_rank: int) -> Optional[dict]:
 def plan_groups(
     counts: tuple[int, ...], intermediate_per_rank: int
 ) -> list[tuple[tuple[int, ...], Optional[dict]]]:
-    """Counts grouped by their pin: one b12x declaration per group (an override is per
-    declaration)."""
+    """Counts grouped by their pin (an override is per b12x declaration)."""
     groups: dict[Optional[tuple], list[int]] = {}
     for c in counts:
         pin = pinned_config(c, intermediate_per_rank)

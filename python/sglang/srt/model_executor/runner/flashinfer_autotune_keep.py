@@ -1,15 +1,10 @@
 """Keep a valid FlashInfer autotune cache across TP ranks (``--flashinfer-autotune-keep-cache``).
 
-Upstream's gate (``_drop_diverged_autotune_cache``) hashes each rank's cache file and drops
-every rank's cache unless the hashes agree. Ranks that tuned different shapes (expert
-parallelism: each rank its own experts) never agree, so a valid cache is dropped on every
-boot and the tactics are re-drawn from timing noise (sglang#40320; the digest part is
-sglang#40420). What the ranks must agree on is not the bytes but what they do with them:
-
-Each rank checks that its cache passes FlashInfer's own load decision in this environment and
-that the launch that wrote it had this configuration (a fingerprint written next to it); all
-ranks gather these records in one collective and all keep, or all drop and retune. Dropping
-costs a retune, never a desync (the two checks in full: docs/flashinfer-autotune-keep.md).
+Upstream's gate drops every rank's cache unless the files' hashes agree, which ranks that tuned
+different shapes (EP) never do. Here each rank checks that its cache passes FlashInfer's own load
+decision and was written by a launch of this configuration; all ranks gather these records in one
+collective and all keep, or all drop and retune. Dropping costs a retune, never a desync
+(why and the checks: docs/flashinfer-autotune-keep.md).
 """
 
 from __future__ import annotations
@@ -43,9 +38,8 @@ def _digest(obj: Any) -> str:
 
 
 def launch_fingerprint(server_args: Any, environ: Optional[dict] = None) -> str:
-    """sha256 of the resolved configuration that reaches kernels, the engine build and its
-    SGLANG_* / FLASHINFER_* environment; equal for two launches of the same configuration.
-    """
+    """sha256 of the configuration that reaches kernels, the build and the SGLANG_* / FLASHINFER_*
+    environment; equal for two launches of the same configuration."""
     from sglang.srt.arg_groups.arg_utils import namespace_of
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.version import __version__

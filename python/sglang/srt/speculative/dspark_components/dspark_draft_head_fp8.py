@@ -1,21 +1,15 @@
 """The DSpark draft's block logits from an fp8 copy of the target's LM head
 (--speculative-dspark-draft-head-fp8).
 
-When the draft attaches the target's vocab-parallel bf16 LM head it builds (before CUDA-graph
-capture) an e4m3 copy with one power-of-two scale per 32x32 block, held by the draft; the draft's
-logits for up to ``MAX_ROWS[kernel]`` rows come from it (Hopper: draft_head_fp8_wgmma.py; SM89:
-draft_head_fp8.py), larger calls keep the bf16 head. Why, and what the copy costs in memory:
-docs/draft-head-fp8.md.
+The draft's logits for up to ``MAX_ROWS[kernel]`` rows come from an e4m3 copy of the head (one
+power-of-two scale per 32x32 block); larger calls keep the bf16 head. Why and the memory it
+costs: docs/draft-head-fp8.md.
 
 INVARIANTS. A row's logits are the same bits whatever the row count (exact bf16 products,
 fixed K order) and one device uses one kernel for every call, so batching within
 1..MAX_ROWS[kernel] never changes a draft token. The target keeps its bf16 head: the output stays
 lossless because the draft samples and computes q from the same fp8 logits (rejection
 sampling is exact for any proposal).
-
-Refuses at startup (naming what it found) where it cannot apply: the draft's own vocab
-modules, a quantized head, SGLANG_DSPARK_FP32_LM_HEAD, the NVIDIA megakernel draft
-sampler, not CUDA or below SM89, a non-bf16/fp16 head or K not a multiple of 32.
 """
 
 from __future__ import annotations
@@ -89,8 +83,7 @@ class DraftHeadFp8:
 
 
 def _wgmma_available(device: torch.device) -> bool:
-    """The Hopper kernel: SM90 with Triton's Gluon dialect (one kernel per device, so a row's
-    logits never depend on which kernel a call took)."""
+    """The Hopper kernel: SM90 with Gluon (one kernel per device: row logits never depend on it)."""
     try:
         from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import available
     except ImportError:  # a Triton without Gluon: the mma.sync kernel
@@ -148,9 +141,7 @@ FP8_HEAD_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
 def validate_draft_head_fp8(server_args) -> None:
-    """Resolution-hook check: where no draft would build the copy, the flag is refused, not
-    ignored (the dense DSpark draft and the other algorithms keep the bf16 head); so is
-    deterministic inference, which the copy would break."""
+    """Resolution-hook check: refused where no draft builds the copy, and if deterministic."""
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,

@@ -1,10 +1,8 @@
 """Fence the folded DSpark accept results from the next graph replay
 (--speculative-dspark-fence-accept-results): an in-graph copy into a two-slot ring.
 
-On the folded paths ``DsparkVerifyEpilogue.read_accept`` hands the scheduler views of persistent
-graph buffers whose device-to-host copy the next replay does not wait for. The epilogue's accept
-buffers are re-bound to one byte arena before any capture, and inside the graph ``copy_in(gate)``
-copies it into ring slot ``counter % 2``; the host reads cached views of its slot (docs/result-fence.md).
+The next replay does not wait for the host's copy of the folded accept buffers; inside the graph
+``copy_in(gate)`` copies them into ring slot ``counter % 2`` (how: docs/result-fence.md).
 
 INVARIANTS (argued in docs/result-fence.md). Two slots suffice: step N's slot is rewritten by
 step N + 2 at the earliest, and every folding scheduler loop synchronizes step N's
@@ -214,8 +212,7 @@ def _view(arena: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.
 
 
 def validate_fence_accept_results(server_args) -> None:
-    """Resolution-hook check: only DSpark folds its accept results into graph buffers, so the
-    flag would do nothing with another algorithm (or none): refused, not ignored."""
+    """Resolution-hook check: only DSpark folds its accept results; refused, not ignored."""
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)
@@ -237,10 +234,8 @@ def refuse_fence_without_fold(
     moe_draft: bool,
     graphs: bool,
 ) -> None:
-    """Worker-start check: the fence copies what the verify epilogue folds, and DSpark builds
-    that epilogue only for a DeepSeek-V4.1 target in static verify mode with an MoE draft, or
-    in compact verify mode, and only with decode CUDA graphs. Without it no step folds and the
-    flag would do nothing: refused, naming what this server has."""
+    """Worker-start check: without the folding verify epilogue no step folds and the flag would do
+    nothing, so it is refused, naming what this server has (docs/result-fence.md)."""
     if enabled and epilogue is None:
         raise ValueError(
             "--speculative-dspark-fence-accept-results fences the folded accept results, and "

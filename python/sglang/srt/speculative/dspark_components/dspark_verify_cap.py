@@ -1,16 +1,9 @@
 """DSpark verify cap: a per-request number of verified drafts inside the static verify.
 
-The target verify keeps its fixed [bs, gamma + 1] layout (CUDA graphs keep their shapes).
-With ``--speculative-dspark-verify-cap`` each request gets a live length L = 1 + k: acceptance
-is capped at k drafts on every accept path, sampled rows see q = 0 past k (so the committed
-tokens are an exact sample of a verify with k drafts), and the target's routers take the anchor
-row's experts for rows >= L (through ``layers/moe/router_live_rows.py``, whose scope the target
-model opens with the cap it holds). k is fixed (``K``) or a stopping rule on the draft
-confidence head (``conf:...``), which never looks at the token it drops; it is decided on TP
-rank 0 and broadcast. Each accept path and router: docs/verify-cap.md.
-
-Refused at startup (``validate_verify_cap``) wherever a router would not see request-major
-rows or would not take the live length; the list and the reasons: docs/verify-cap.md.
+The verify keeps its [bs, gamma + 1] layout; each request gets a live length L = 1 + k that caps
+acceptance on every accept path, gives sampled rows q = 0 past k (an exact sample of a verify
+with k drafts) and gives rows >= L the anchor row's experts. k is decided on TP rank 0 and
+broadcast. How, and what is refused: docs/verify-cap.md.
 """
 
 from __future__ import annotations
@@ -66,17 +59,14 @@ def verify_cap_spec(value) -> VerifyCapSpec:
 
 
 def parse_verify_cap(value: str) -> str:
-    """type_parser of the flag: its text, once ``verify_cap_spec`` reads it (the server argument
-    stays the text the startup line shows; gamma is known after resolution)."""
+    """type_parser of the flag: its text (gamma is known only after resolution)."""
     verify_cap_spec(value)
     return value
 
 
 def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
-    """The resolution hook's check (``handle_speculative_decoding``, after the algorithm's own
-    resolution has fixed gamma): the flags parsed once (``Engine(...)`` bypasses argparse) and
-    refused, with ValueError naming the flag and the reason, wherever a router would not see
-    request-major rows or the live length. Returns the parsed cap, None when off."""
+    """The resolution hook's check (after gamma is fixed): the parsed cap, None when off; ValueError
+    wherever a router would not see request-major rows or the live length."""
     from sglang.srt.arg_groups.overrides import resolving_view
 
     cfg = resolving_view(server_args)
@@ -181,10 +171,8 @@ def threshold_vector(spec: VerifyCapSpec, gamma: int) -> torch.Tensor:
 def drafts_from_confidence(
     confidence: torch.Tensor, thresholds: torch.Tensor, k_min: int
 ) -> torch.Tensor:
-    """k [bs]: leading drafts whose running product of survival stays >= threshold.
-
-    ``confidence`` [bs, gamma] is the head's per-position survival (draft i given
-    drafts before i), so the decision to verify draft i reads drafts < i only."""
+    """k [bs]: leading drafts whose running product of survival stays >= threshold (draft i's
+    decision reads drafts < i only)."""
     gamma = confidence.shape[1]
     survive = torch.cumprod(confidence.float().clamp(0.0, 1.0), dim=1)
     keep = (survive >= thresholds.to(survive.device)).to(torch.int64)
@@ -207,9 +195,7 @@ def _capturing() -> bool:
 
 
 class VerifyCap:
-    """The cap's state, built once by ``build_verify_cap`` and held by the DSpark worker, the
-    target model, the verify epilogue and the executor: the live-length buffer [MAX_REQUESTS]
-    (int64, L = 1 + k) that the router, the accepts and the graphs read by address."""
+    """The cap's state: the live-length buffer (int64, L = 1 + k) read by address."""
 
     def __init__(
         self,
@@ -325,10 +311,7 @@ class VerifyCap:
 
 
 def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[VerifyCap]:
-    """The cap built once from the resolved spec arguments (``get_spec()``) where the DSpark
-    worker is built; None when off. It is handed to ``target_model`` (whose forward opens the
-    router scope with it) here, and by the worker to the verify epilogue and executor.
-    """
+    """The cap from the resolved spec arguments, handed to ``target_model``; None when off."""
     value = spec.speculative_dspark_verify_cap
     if value is None:
         return None
@@ -359,23 +342,19 @@ def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[Verify
 
 
 def verify_cap_needs_confidence(value) -> bool:
-    """Whether the flag's value (``get_spec().speculative_dspark_verify_cap``, where the draft
-    model is built) is a conf: stopping rule, which needs the draft's confidence head.
-    """
+    """Whether the flag's value is a conf: stopping rule (it needs the draft's confidence head)."""
     return value is not None and verify_cap_spec(value).thresholds is not None
 
 
 def verify_cap_cutoff(
     cap: Optional[VerifyCap], bs: int, cutoff: Optional[torch.Tensor] = None
 ) -> Optional[torch.Tensor]:
-    """The accept's cutoff lengths: ``cutoff`` when given (a ragged layout's), else the
-    cap's live lengths, else None (upstream's accept)."""
+    """The accept's cutoff lengths: ``cutoff``, else the cap's live lengths, else None."""
     if cutoff is not None or cap is None:
         return cutoff
     return cap.cutoff(bs)
 
 
 def verify_cap_router_scope(cap: Optional[VerifyCap], forward_batch):
-    """The target model's forward runs in this scope (DeepSeek-V4's ``forward``, with the
-    cap the model holds)."""
+    """The target model's forward runs in this scope, with the cap the model holds."""
     return contextlib.nullcontext() if cap is None else cap.router_scope(forward_batch)

@@ -4,9 +4,7 @@ and run by the CPU tests; on Hopper the flag serves draft_head_fp8_wgmma.py.
 
 EXACT. Each weight tile is dequantized in registers to bf16 exactly, bf16 products are exact in
 the fp32 accumulator, and K runs in one fixed order whatever the row count or configuration: a
-row's logits are the same bits at every row count (the argument: docs/draft-head-fp8.md).
-
-How the kernel streams the head, and its tile configurations: docs/draft-head-fp8.md.
+row's logits are the same bits at every row count (how, and why: docs/draft-head-fp8.md).
 """
 
 from __future__ import annotations
@@ -182,8 +180,7 @@ def _draft_head_fp8_kernel(
 
 
 def _weight_descriptor(q: torch.Tensor, block_n: int, block_k: int):
-    """The head's TMA descriptor per box, built once and kept on the head tensor itself
-    (the head is persistent; the cache goes with it)."""
+    """The head's TMA descriptor per box, kept on the (persistent) head tensor itself."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     cache = q.__dict__.setdefault("_draft_head_fp8_tma", {})
@@ -201,8 +198,7 @@ def _interpreting() -> bool:
 
 @functools.cache
 def _native_cvt(device: torch.device) -> int:
-    """The asm's mul.bf16x2 needs SM90; SM89 takes Triton's conversion (exact as well, so the
-    same weights and logits)."""
+    """The asm's mul.bf16x2 needs SM90; SM89 takes Triton's conversion (as exact)."""
     return CVT_ASM if torch.cuda.get_device_capability(device) >= (9, 0) else CVT_TRITON
 
 
@@ -215,9 +211,8 @@ def draft_head_fp8_logits(
     config: tuple[int, ...] | None = None,
     cvt: int | None = None,
 ) -> torch.Tensor:
-    """logits [M, N] (fp32 / bf16 / fp16, rounded once from the fp32 sums) = x [M, K] (bf16)
-    @ dequant(q, scales)^T, for 1 <= M <= 64. ``config`` overrides CONFIGS (block_n,
-    block_k, num_warps, num_stages); ``cvt`` the dequantization path (tests, tuning)."""
+    """logits [M, N] = x [M, K] (bf16) @ dequant(q, scales)^T, for 1 <= M <= 64, rounded once from
+    the fp32 sums; ``config`` / ``cvt`` override tiling / dequantization."""
     m, k = x.shape
     n = q.shape[0]
     assert x.dtype == torch.bfloat16 and x.stride(1) == 1, (x.dtype, x.stride())

@@ -1,16 +1,13 @@
 """The fp8 draft head's GEMM on Hopper (--speculative-dspark-draft-head-fp8, SM90): one wgmma
 kernel for every row count the flag serves, written in Gluon (Triton's explicit-layout dialect).
 
-The vocabulary rows are the MMA's M and the draft rows its N (8 to 64, a power of two), so up to
-32 rows the products hide under the head's read; past 64 they add to it and cuBLAS bf16 is as
-fast, hence MAX_ROWS. Why and how (TMA ring, K-permuted copy, tile shapes per N in ``CONFIGS``):
-docs/draft-head-fp8.md.
+Vocabulary rows are the MMA's M, draft rows its N. Why MAX_ROWS, and how: docs/draft-head-fp8.md.
 
 EXACT and ROW INVARIANT. Dequantisation is exact (same bits as the Triton kernel's weights);
 bf16 products are exact in the fp32 accumulator and K runs in one fixed order whatever N is, so
-a row's logits are the same bits at every row count 1..MAX_ROWS (tested on the H200, eager and in a
-CUDA graph). The order of K inside each MMA differs from the mma.sync kernel's, so the two
-kernels' logits differ in the last bits: one device must use one of them for every call.
+a row's logits are the same bits at every row count 1..MAX_ROWS. The order of K inside each MMA
+differs from the mma.sync kernel's, so the two kernels' logits differ in the last bits: one
+device must use one of them for every call.
 """
 
 from __future__ import annotations
@@ -196,10 +193,8 @@ def draft_head_fp8_logits_wgmma(
     out_dtype: torch.dtype = torch.float32,
     cfg: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= MAX_ROWS, where ``qp`` is
-    ``permute_k`` of the e4m3 head and ``scales`` its fp32 [ceil(N/32), K/32] block scales.
-    ``cfg`` = (vocab rows per CTA, warps, stages) overrides ``CONFIGS`` (tuning only).
-    """
+    """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= MAX_ROWS (``qp``:
+    ``permute_k`` of the e4m3 head); ``cfg`` overrides ``CONFIGS`` (tuning only)."""
     m, k = x.shape
     n = qp.shape[0]
     assert 1 <= m <= MAX_ROWS, f"{m} rows: the wgmma head serves 1..{MAX_ROWS}"
