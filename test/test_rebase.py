@@ -662,12 +662,9 @@ def test_an_orphan_is_named_at_the_end_and_dropped_or_kept(
             assert not (lay.root / "python/sglang/helper.py").exists()
 
 
-def test_continue_names_another_patchs_lines_a_resolution_leans_on(
-    tmp_path, monkeypatch, capsys
-):
-    """The target lacks the upstream lines that kept two patches apart: after the
-    resolution the second one's hunk has the first one's line as context, so it no longer
-    applies alone; --continue says which lines touch and how to separate them."""
+def _first_and_second():
+    """Two patches on lines 5 and 12 of a.py, and a.py's lines with upstream's line 12 changed
+    in the target (the target then drops lines between them)."""
     specs = [
         Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
         Spec(
@@ -675,7 +672,16 @@ def test_continue_names_another_patchs_lines_a_resolution_leans_on(
             {"python/sglang/a.py": lambda t: set_line(t, 12, "a12 = 'second'")},
         ),
     ]
-    rows = set_line(lines("a"), 12, "a12 = 'up'").splitlines(keepends=True)
+    return specs, set_line(lines("a"), 12, "a12 = 'up'").splitlines(keepends=True)
+
+
+def test_continue_names_another_patchs_lines_a_resolution_leans_on(
+    tmp_path, monkeypatch, capsys
+):
+    """The target lacks the upstream lines that kept two patches apart: after the
+    resolution the second one's hunk has the first one's line as context, so it no longer
+    applies alone; --continue says which lines touch and how to separate them."""
+    specs, rows = _first_and_second()
     # a6..a11 gone: the two patches' lines touch, so not even a three-way apply holds
     target = BASE | {"sglang/a.py": "".join(rows[:5] + rows[11:])}
     lay = _fork(tmp_path, monkeypatch, specs, target)
@@ -708,14 +714,7 @@ def test_continue_applies_alone_three_way_where_only_context_moved(
     """The target lacks upstream lines near another patch's line, but the two do not touch:
     a strict apply of the resolved patch fails on that context, git's three-way apply (what
     `make export` falls back to) holds, so --continue reports no warning."""
-    specs = [
-        Spec("first", {"python/sglang/a.py": lambda t: set_line(t, 5, "a5 = 'first'")}),
-        Spec(
-            "second",
-            {"python/sglang/a.py": lambda t: set_line(t, 12, "a12 = 'second'")},
-        ),
-    ]
-    rows = set_line(lines("a"), 12, "a12 = 'up'").splitlines(keepends=True)
+    specs, rows = _first_and_second()
     target = BASE | {"sglang/a.py": "".join(rows[:6] + rows[10:])}  # a7..a10 gone
     lay = _fork(tmp_path, monkeypatch, specs, target)
     assert rebase.start("1.1.0", lay) == 1

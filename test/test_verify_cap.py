@@ -353,14 +353,14 @@ def test_greedy_static_graph_accept_is_capped():
     bs = 8
     cand, logits = _greedy_case(bs, seed=5)
     live = torch.tensor([2, 3, 4, 5, 6, 2, 4, 6])
-    ep = DsparkVerifyEpilogue(
+    epilogue = dict(
         max_bs=16,
         verify_num_draft_tokens=GAMMA + 1,
         device="cpu",
         tp_sync=_NoSync(),
         fused_accept_tail=True,
-        verify_cap=_install(live),
     )
+    ep = DsparkVerifyEpilogue(**epilogue, verify_cap=_install(live))
     assert not ep._serves_accept_tail(bs)  # the fused tail never trims: it steps aside
     seq_lens = torch.arange(bs, dtype=torch.int64) + 100
     commit = ep._accept(
@@ -380,13 +380,7 @@ def test_greedy_static_graph_accept_is_capped():
         n = int(ref_len[r])
         assert out.out_tokens[r, :n].tolist() == cand[r, 1 : n + 1].tolist()
         assert int(out.out_tokens[r, n]) == int(ref_bonus[r])
-    stock = DsparkVerifyEpilogue(
-        max_bs=16,
-        verify_num_draft_tokens=GAMMA + 1,
-        device="cpu",
-        tp_sync=_NoSync(),
-        fused_accept_tail=True,
-    )
+    stock = DsparkVerifyEpilogue(**epilogue)
     assert stock._serves_accept_tail(bs)  # flags off: upstream's choice
 
 
