@@ -4,7 +4,7 @@ VENV ?= .venv
 FORK := $(PYTHON) tools/fork
 PYTEST_ARGS ?=
 
-.PHONY: all check tree refresh rebase export test gpu-bundle clean
+.PHONY: all check tree refresh rebase export test gpu-bundle sm90-compile clean
 
 # Fetch the pinned wheel, assemble build/tree, package build/dist/*.whl, install into .venv, print the patch table.
 all:
@@ -47,3 +47,8 @@ clean:
 # (bash build/gpu-bundle/e2e.sh) for a machine with only torch, triton and nvcc. docs/gpu-testing.md.
 gpu-bundle:
 	$(FORK) gpu-bundle
+
+# Compile the Hopper (Gluon) kernels for SM90 on this machine, GPU or not: shared memory,
+# registers and spills of each shipped configuration (tools/sm90_compile.py).
+sm90-compile: all
+	env -u TRITON_INTERPRET $(VENV)/bin/python tools/sm90_compile.py

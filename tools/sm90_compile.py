@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Compile the fork's Hopper (Gluon) kernels for SM90 on a machine without a GPU.
+
+    .venv/bin/python tools/sm90_compile.py [--json]
+
+Triton compiles for a target it is told, so a stand-in driver that names SM90 (and launches
+nothing) lets a CPU machine run each kernel's whole pipeline down to the cubin through ptxas.
+For every shipped configuration of each kernel (``KERNELS``) it reports the shared memory the
+kernel takes and ptxas' registers and spills; it fails (exit 1) where a kernel does not compile,
+takes more shared memory than an H200 SM gives one CTA, or spills. It catches what a layout or
+pipeline edit breaks before GPU time is spent; whether a kernel is right and fast is only known
+on the GPU (its tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SMEM_LIMIT = 227 * 1024  # shared memory an H100 / H200 SM gives one CTA
+K = 5120  # the draft head's hidden size (DeepSeek-V4.1-Flash)
+N = 32320  # the TP4 shard of its head
+
+
+class _Sm90Driver:
+    """Triton's active driver for compiling only: the target is SM90, nothing is launched."""
+
+    backend = "cuda"
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+def _draft_head_wgmma(np_: int):
+    import torch
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma as wg
+
+    m = np_
+    x = torch.zeros(m, K, dtype=torch.bfloat16)
+    qp = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(triton.cdiv(N, 32), K // 32)
+    out = torch.zeros(m, N)
+    np_, bv, nw, st = wg.config(m, N)
+    x_desc = TensorDescriptor.from_tensor(
+        x, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
+    )
+    return wg._draft_head_fp8_wgmma_kernel.warmup(
+        wg._weight_descriptor(qp, bv),
+        x_desc,
+        s,
+        out,
+        m,
+        N,
+        out.stride(0),
+        K,
+        np_,
+        bv,
+        st,
+        *wg._layouts(bv, nw),
+        nw,
+        num_warps=nw,
+        grid=(1,),
+    )
+
+
+def _draft_head_ws(np_: int):
+    import torch
+    import triton
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    import draft_head_fp8_ws as ws
+
+    m = np_
+    x = torch.zeros(m, K, dtype=torch.bfloat16)
+    qp = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(triton.cdiv(N, 32), K // 32)
+    out = torch.zeros(m, N)
+    np_, bvp, st = ws.config(m)
+    x_desc = TensorDescriptor.from_tensor(
+        x, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
+    )
+    return ws._draft_head_fp8_ws_kernel.warmup(
+        ws._weight_descriptor(qp, ws.CONSUMERS * bvp),
+        x_desc,
+        s,
+        out,
+        m,
+        N,
+        out.stride(0),
+        K,
+        np_,
+        bvp,
+        st,
+        *ws._layouts(bvp),
+        ws._REGS,
+        num_warps=4,
+        maxnreg=ws._MAXNREG,
+        grid=(1,),
+    )
+
+
+def kernels() -> dict[str, object]:
+    """{name: a function compiling it}: every shipped configuration of each Hopper kernel."""
+    from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma as wg
+
+    sys.path.insert(0, str(REPO / "benchmark" / "dspark"))
+    import draft_head_fp8_ws as ws  # a candidate: not in the wheel until measured
+
+    out = {}
+    for np_ in wg.CONFIGS:
+        out[f"draft_head_fp8_wgmma N={np_}"] = lambda np_=np_: _draft_head_wgmma(np_)
+    for np_ in ws.CONFIGS:
+        out[f"draft_head_fp8_ws N={np_}"] = lambda np_=np_: _draft_head_ws(np_)
+    return out
+
+
+def ptxas_usage(ptx: str) -> dict:
+    """Registers and spill bytes ptxas reports for ``ptx`` (sm_90a)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        res = subprocess.run(
+            [ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    text = res.stderr + res.stdout
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_bytes": (
+            int(spills.group(1)) + int(spills.group(2)) if spills else None
+        ),
+    }
+
+
+def compile_all() -> list[dict]:
+    from triton.runtime.driver import driver
+
+    driver.set_active(_Sm90Driver())  # for this process (a CPU machine has no other driver)
+    rows = []
+    for name, build in kernels().items():
+        row = {"kernel": name}
+        try:
+            k = build()
+            row["shared_bytes"] = k.metadata.shared
+            row.update(ptxas_usage(k.asm["ptx"]))
+        except Exception as e:  # noqa: BLE001 (reported per kernel)
+            row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+        rows.append(row)
+    return rows
+
+
+def problems(row: dict) -> list[str]:
+    if "error" in row:
+        return [row["error"]]
+    out = []
+    if row["shared_bytes"] > SMEM_LIMIT:
+        out.append(f"{row['shared_bytes']} bytes of shared memory > {SMEM_LIMIT}")
+    if row["spill_bytes"]:
+        out.append(f"{row['spill_bytes']} bytes spilled")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("sm90_compile: unset TRITON_INTERPRET (Gluon compiles only)")
+    rows = compile_all()
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    bad = 0
+    for row in rows:
+        issues = problems(row)
+        bad += bool(issues)
+        if not args.json:
+            state = "; ".join(issues) or (
+                f"ok: {row['shared_bytes']} B shared, {row['registers']} registers"
+            )
+            print(f"{row['kernel']:<32} {state}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
