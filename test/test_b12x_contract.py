@@ -151,11 +151,10 @@ def test_snapshot_regenerates_from_the_wheel(wheel):
 
 
 @pytest.mark.slow
-def test_b12x_validator_accepts_our_pins_and_refuses_the_seeds_64_row_tiles(
-    wheel, tmp_path
-):
+def test_b12x_validator_accepts_our_pins_and_refuses_64_row_tiles(wheel, tmp_path):
     """b12x 1.5.1's own validate_moe_decode_config on the 576-wide V4.1-Flash experts (TP4):
-    our <= 8-row pin is valid; the seeds' 64-row tiles from 2048 rows are not expressible.
+    our <= 8-row pin is valid; 64-row tiles from 2048 rows (what the GB10 line ran before this
+    fork) are not expressible.
     """
     with zipfile.ZipFile(wheel) as z:
         z.extractall(tmp_path)
@@ -201,14 +200,12 @@ def test_b12x_validator_accepts_our_pins_and_refuses_the_seeds_64_row_tiles(
             t.validate_moe_decode_config(
                 query(rows), t.MoeDecodeConfig(**pinned_config(rows, 576)), None
             )
-        seeds_tile64 = dict(pinned_config(1, 576), dynamic_tile_m=64)
+        tile64 = dict(pinned_config(1, 576), dynamic_tile_m=64)
         with pytest.raises(
             ValueError,
             match="compact N64 W4A8 dynamic execution requires grouped M16 routing",
         ):
-            t.validate_moe_decode_config(
-                query(2048), t.MoeDecodeConfig(**seeds_tile64), None
-            )
+            t.validate_moe_decode_config(query(2048), t.MoeDecodeConfig(**tile64), None)
     finally:
         sys.path.remove(str(tmp_path))
         for m in [m for m in sys.modules if m == "b12x" or m.startswith("b12x.")]:

@@ -88,12 +88,11 @@ def _draft_head_wgmma(np_: int):
 
 
 def _draft_head_ws(np_: int):
+    import draft_head_fp8_ws as ws
     import torch
     import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    import draft_head_fp8_ws as ws
 
     m = np_
     x = torch.zeros(m, K, dtype=torch.bfloat16)
@@ -167,7 +166,9 @@ def ptxas_usage(ptx: str) -> dict:
 def compile_all() -> list[dict]:
     from triton.runtime.driver import driver
 
-    driver.set_active(_Sm90Driver())  # for this process (a CPU machine has no other driver)
+    driver.set_active(
+        _Sm90Driver()
+    )  # for this process (a CPU machine has no other driver)
     rows = []
     for name, build in kernels().items():
         row = {"kernel": name}

@@ -206,10 +206,13 @@ def draft_head_fp8_logits_ws(
     cfg: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """logits [M, N] = x [M, K] (bf16) @ dequant(qp, scales)^T for 1 <= M <= MAX_ROWS (``qp``:
-    ``permute_k`` of the e4m3 head); ``cfg`` (rows per consumer, stages) overrides ``CONFIGS``."""
+    ``permute_k`` of the e4m3 head); ``cfg`` (rows per consumer, stages) overrides ``CONFIGS``.
+    """
     m, k = x.shape
     n = qp.shape[0]
-    assert 1 <= m <= MAX_ROWS, f"{m} rows: the warp-specialized head serves 1..{MAX_ROWS}"
+    assert (
+        1 <= m <= MAX_ROWS
+    ), f"{m} rows: the warp-specialized head serves 1..{MAX_ROWS}"
     assert x.dtype == torch.bfloat16 and x.is_contiguous() and x.data_ptr() % 16 == 0, (
         x.dtype,
         x.stride(),

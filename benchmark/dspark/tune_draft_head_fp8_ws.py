@@ -21,6 +21,7 @@ sys.path.insert(0, str(REPO / "tools" / "standins"))
 sys.path.insert(0, str(REPO / "benchmark"))
 sys.path.insert(0, str(REPO / "benchmark" / "dspark"))
 
+import draft_head_fp8_ws as ws  # noqa: E402
 import harness  # noqa: E402
 import torch  # noqa: E402
 
@@ -29,7 +30,6 @@ from sglang.kernels.ops.speculative.dspark import draft_head_fp8 as kern  # noqa
 from sglang.kernels.ops.speculative.dspark import (  # noqa: E402
     draft_head_fp8_wgmma as wg,
 )
-import draft_head_fp8_ws as ws  # noqa: E402
 
 K = 5120
 SHAPES = ((32320, 6), (129280, 2))  # (N, copies rotated per graph)
