@@ -5,11 +5,13 @@
 
 Triton compiles for a target it is told, so a stand-in driver that names SM90 (and launches
 nothing) lets a CPU machine run each kernel's whole pipeline down to the cubin through ptxas.
-For every shipped configuration of each kernel (``KERNELS``) it reports the shared memory the
-kernel takes and ptxas' registers and spills; it fails (exit 1) where a kernel does not compile,
-takes more shared memory than an H200 SM gives one CTA, or spills. It catches what a layout or
-pipeline edit breaks before GPU time is spent; whether a kernel is right and fast is only known
-on the GPU (its tests and benchmarks).
+Each kernel is compiled through its own host wrapper, its launch turned into a compile, at the
+configurations the wrapper picks (``kernels``: the draft head at every wgmma N it ships, the
+wo_a twin across its row ranges at G = 2 and 8). For each it reports the shared memory and
+ptxas' registers and spills, and fails (exit 1) where a kernel does not compile, takes more
+shared memory than an H200 SM gives one CTA, or spills. It catches what a layout or pipeline
+edit breaks before GPU time is spent; whether a kernel is right and fast is only known on the
+GPU (its tests and benchmarks).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 227 * 1024  # shared memory an H100 / H200 SM gives one CTA
 K = 5120  # the draft head's hidden size (DeepSeek-V4.1-Flash)
 N = 32320  # the TP4 shard of its head
+WO_A_R = 1024  # wo_a's rows per output group
+WO_A_GROUPS = (2, 8)  # V4.1-Flash's output groups per rank at TP4 and TP1
+H200_SMS = 132
 
 
 class _Sm90Driver:
@@ -51,80 +56,47 @@ class _Sm90Driver:
         return 0
 
 
-def _draft_head_wgmma(np_: int):
+def _compiling(fn) -> list:
+    """Run ``fn`` with every Triton launch turned into a compile: the host wrapper picks its
+    configuration and arguments as it does on the GPU; returns the compiled kernels."""
+    from triton.runtime.jit import JITFunction
+
+    compiled = []
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        compiled.append(launch(self, *args, grid=grid, warmup=True, **kwargs))
+
+    JITFunction.run = compile_only
+    try:
+        fn()
+    finally:
+        JITFunction.run = launch
+    return compiled
+
+
+def _draft_head_inputs(rows: int):
     import torch
     import triton
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma as wg
-
-    m = np_
-    x = torch.zeros(m, K, dtype=torch.bfloat16)
+    x = torch.zeros(rows, K, dtype=torch.bfloat16)
     qp = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
-    s = torch.zeros(triton.cdiv(N, 32), K // 32)
-    out = torch.zeros(m, N)
-    np_, bv, nw, st = wg.config(m, N)
-    x_desc = TensorDescriptor.from_tensor(
-        x, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
-    )
-    return wg._draft_head_fp8_wgmma_kernel.warmup(
-        wg._weight_descriptor(qp, bv),
-        x_desc,
-        s,
-        out,
-        m,
-        N,
-        out.stride(0),
-        K,
-        np_,
-        bv,
-        st,
-        *wg._layouts(bv, nw),
-        nw,
-        num_warps=nw,
-        grid=(1,),
-    )
+    return x, qp, torch.zeros(triton.cdiv(N, 32), K // 32)
 
 
-def _draft_head_ws(np_: int):
-    import draft_head_fp8_ws as ws
+def _wo_a_inputs(rows: int, g: int):
     import torch
-    import triton
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    m = np_
-    x = torch.zeros(m, K, dtype=torch.bfloat16)
-    qp = torch.zeros(N, K, dtype=torch.float8_e4m3fn)
-    s = torch.zeros(triton.cdiv(N, 32), K // 32)
-    out = torch.zeros(m, N)
-    np_, bvp, st = ws.config(m)
-    x_desc = TensorDescriptor.from_tensor(
-        x, [np_, 64], gl.NVMMASharedLayout.get_default_for([np_, 64], gl.bfloat16)
-    )
-    return ws._draft_head_fp8_ws_kernel.warmup(
-        ws._weight_descriptor(qp, ws.CONSUMERS * bvp),
-        x_desc,
-        s,
-        out,
-        m,
-        N,
-        out.stride(0),
-        K,
-        np_,
-        bvp,
-        st,
-        *ws._layouts(bvp),
-        ws._REGS,
-        num_warps=4,
-        maxnreg=ws._MAXNREG,
-        grid=(1,),
-    )
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as wo
+
+    packed = wo.pack_twin(torch.zeros(g, WO_A_R, wo.D, dtype=torch.float8_e4m3fn))
+    exp = torch.zeros(g, WO_A_R // 32, wo.D // 32, dtype=torch.uint8)
+    return torch.zeros(rows, g, wo.D, dtype=torch.bfloat16), packed, exp
 
 
 def kernels() -> dict[str, object]:
-    """{name: a function compiling it}: every shipped configuration of each Hopper kernel."""
+    """{name: a call of a host wrapper}: each Hopper kernel at each configuration it ships."""
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as wo
     from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma as wg
 
     sys.path.insert(0, str(REPO / "benchmark" / "dspark"))
@@ -132,9 +104,25 @@ def kernels() -> dict[str, object]:
 
     out = {}
     for np_ in wg.CONFIGS:
-        out[f"draft_head_fp8_wgmma N={np_}"] = lambda np_=np_: _draft_head_wgmma(np_)
+        out[f"draft_head_fp8_wgmma N={np_}"] = lambda np_=np_: (
+            wg.draft_head_fp8_logits_wgmma(*_draft_head_inputs(np_))
+        )
     for np_ in ws.CONFIGS:
-        out[f"draft_head_fp8_ws N={np_}"] = lambda np_=np_: _draft_head_ws(np_)
+        out[f"draft_head_fp8_ws N={np_}"] = lambda np_=np_: (
+            ws.draft_head_fp8_logits_ws(*_draft_head_inputs(np_))
+        )
+    wo._sm_count = lambda device: H200_SMS  # the wrappers size their grids by the SMs
+    for g in WO_A_GROUPS:
+        for rows in (2, 8, 16, 64):
+            out[f"wo_a_fp8_small G={g} rows={rows}"] = lambda g=g, rows=rows: (
+                wo.wo_a_fp8_small_sm90(*_wo_a_inputs(rows, g))
+            )
+        for rows in (9, 32, 64, 128, 192):
+            out[f"wo_a_fp8_mid G={g} rows={rows}"] = lambda g=g, rows=rows: (
+                wo.wo_a_fp8_mid_sm90(
+                    *_wo_a_inputs(rows, g), wo.mid_counters(g, WO_A_R, "cpu")
+                )
+            )
     return out
 
 
@@ -173,7 +161,7 @@ def compile_all() -> list[dict]:
     for name, build in kernels().items():
         row = {"kernel": name}
         try:
-            k = build()
+            (k,) = _compiling(build)  # one launch per call
             row["shared_bytes"] = k.metadata.shared
             row.update(ptxas_usage(k.asm["ptx"]))
         except Exception as e:  # noqa: BLE001 (reported per kernel)
