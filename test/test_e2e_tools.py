@@ -6,6 +6,7 @@ import math
 import os
 import random
 import re
+from pathlib import Path
 
 import pytest
 from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS, MASK_TOKEN_ID, write_tokenizer
@@ -22,6 +23,7 @@ from e2e.matrix import (
     main,
     merge_rows,
     read_raws,
+    row_env,
     rows,
     sample_test,
     write_raw,
@@ -206,6 +208,18 @@ def test_rows_hold_their_promises():
     again = named["v41_up_off_again"]
     assert again.tree == "upstream" and again.recorded_vs == ("v41_up_off",)
     assert not again.same_as and not again.same_as_one_of
+    # the diagnosis: upstream with the Engram commit inside the verify graph, on two servers
+    for name in ("v41_up_engram_graph", "v41_up_engram_graph_again"):
+        r = named[name]
+        assert r.tree == "upstream" and r.model == "v41" and not r.same_as_one_of
+        assert r.env == {"SGLANG_OPT_DSV41_POST_FORWARD_CUDA_GRAPH": "1"}
+        assert r.recorded_vs == ("v41_up_off", "v41_up_nospec")
+        assert (
+            row_env(r, {}, {"upstream": Path("/up")}).get(
+                "SGLANG_OPT_DSV41_POST_FORWARD_CUDA_GRAPH"
+            )
+            == "1"
+        )
     assert named["v41_nospec"].same_as == ("v41_up_nospec",)
     store = named["v41_row_store"]
     assert store.same_as == ("v41_up_off_eager",) and "disabled" in store.args
@@ -741,7 +755,7 @@ def test_every_v41_row_resolves_through_upstreams_pipeline(
 
     assert resolve([], matrix.DSPARK).enable_decoder_swa_bounded_replay is True
     v41 = [r for r in matrix.rows() if r.model == "v41"]
-    assert len(v41) == 10
+    assert len(v41) == 12
     for row in v41:
         view = resolve(matrix.MODEL_ARGS["v41"], row.args)
         assert view.enable_decoder_swa_bounded_replay is False, row.name

@@ -245,6 +245,7 @@ class Row:
     fault: str | None = None  # E2E_FAULT: a negative control
     must_fail: str | None = None  # the check a negative control must fail
     requests: str | None = None  # extra requests: "loop" | "thinking"
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # server environment
 
 
 def _flags(args) -> dict[str, str]:
@@ -465,6 +466,20 @@ def rows() -> list[Row]:
         # patches promise upstream's bits), one request at a time
         _row("v41_up_off", model="v41", **up),
         _row("v41_up_off_again", model="v41", recorded_vs=("v41_up_off",), **up),
+        # Which of the two results a V4.1 DSpark server gives is fixed per server process, and
+        # the one equal to no speculation is the right one; upstream commits the Engram n-gram
+        # history eagerly after each graph-replayed verify unless this option moves the commit
+        # into the graph: two servers with it, recorded against both (not judged)
+        *(
+            _row(
+                name,
+                model="v41",
+                env={"SGLANG_OPT_DSV41_POST_FORWARD_CUDA_GRAPH": "1"},
+                recorded_vs=("v41_up_off", "v41_up_nospec"),
+                **up,
+            )
+            for name in ("v41_up_engram_graph", "v41_up_engram_graph_again")
+        ),
         _row("v41_up_nospec", model="v41", spec=False, **up),
         _row("v41_up_off_eager", model="v41", extra=EAGER, **up),
         _row("v41_off", **v41_off),
@@ -1072,6 +1087,7 @@ def row_env(row: Row, env: dict, trees: dict[str, Path | None]) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(
         standins + [str(tree)] + [p for p in others if p not in standins]
     )
+    env.update(row.env)
     if row.probes:
         env["E2E_PROBES"] = ",".join(row.probes)
     if row.fault:
