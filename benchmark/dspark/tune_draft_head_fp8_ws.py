@@ -1,5 +1,5 @@
-"""Tuning sweep for the warp-specialized Hopper fp8 draft head (draft_head_fp8_ws.py) at 33..128
-rows: every candidate (vocab rows per consumer warpgroup, stages) at wgmma N 64 and 128, on the
+"""Tuning sweep for the warp-specialized Hopper fp8 draft head (draft_head_fp8_ws.py) at 1..128
+rows: every candidate (vocab rows per consumer warpgroup, stages) at each wgmma N, on the
 TP4 (32320) and TP1 (129280) shards, against cuBLAS bf16 and the one-warpgroup wgmma kernel
 (draft_head_fp8_wgmma.py, up to its 64 rows), in one GPU run. Each candidate's logits are first
 checked bit for bit against the wgmma kernel's, computed 32 rows at a time (the two kernels must
@@ -33,9 +33,9 @@ from sglang.kernels.ops.speculative.dspark import (  # noqa: E402
 
 K = 5120
 SHAPES = ((32320, 6), (129280, 2))  # (N, copies rotated per graph)
-ROWS = (33, 40, 64, 65, 96, 128)
+ROWS = (1, 8, 16, 32, 33, 40, 64, 65, 96, 128)
 CONSUMER_ROWS = (64, 128)
-STAGES = (2, 3, 4, 5)
+STAGES = (2, 3, 4, 5, 6)
 
 
 def candidates(np_: int) -> list[tuple[int, int]]:
