@@ -4,9 +4,10 @@ the wheel).
 CPU: every shipped configuration compiles for SM90 without a GPU (tools/sm90_compile.py), within
 an SM's shared memory and without spills; the tool flags a kernel that does not. GPU (-m gpu):
 its logits are the same bits as the one-warpgroup wgmma kernel's at every row count both serve,
-and a row's bits do not depend on the row count up to 128 rows, for every candidate
-configuration, eager and replayed from a CUDA graph, on the real shards and on a head whose last
-tile is partial.
+and a row's bits do not depend on the row count up to 128 rows (the shipped configuration at 17
+row counts, eager and replayed from a CUDA graph; every candidate configuration at 1, 33 and 128
+rows), on the real shards and on a head whose last tile is partial; a doubled block scale changes
+its tile's logits and no other.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def test_gpu_same_bits_as_the_wgmma_kernel_and_row_invariant(n):
     rows = (1, 2, 5, 8, 9, 17, 32, 33, 40, 63, 64, 65, 80, 96, 97, 127, 128)
     for m in rows:
         xm = x[:m].clone()
-        cfgs = [None] + tune.candidates(ws.padded_rows(m))
+        # every candidate configuration at three row counts, the shipped one at all
+        cfgs = [None] + (
+            tune.candidates(ws.padded_rows(m)) if m in (1, 33, 128) else []
+        )
         for cfg in cfgs:
             got = ws.draft_head_fp8_logits_ws(xm, qp, s, cfg=cfg)
             assert torch.equal(got, ref[:m]), (n, m, cfg, "eager")

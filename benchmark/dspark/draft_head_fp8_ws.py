@@ -151,7 +151,9 @@ def _consume(
     gl.store(OUT + o_off, acc.to(OUT.dtype.element_ty), o_mask)
 
 
-@gluon.jit
+@gluon.jit(
+    do_not_specialize=["M"]
+)  # one compile per configuration, whatever the row count
 def _draft_head_fp8_ws_kernel(
     w_desc,
     x_desc,
