@@ -80,12 +80,21 @@ def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor
 def main() -> None:
     p = harness.arg_parser(__doc__, replays=20)
     p.add_argument("--workers", type=int, default=14)
+    p.add_argument("--launch-timeout", type=float, default=300.0)
     args = p.parse_args()
     jobs = [(m, c) for m in ROWS for c in candidates(ws.padded_rows(m))]
     t0 = time.time()
     failed = set()
     with mp.get_context("spawn").Pool(args.workers) as pool:
-        for job, err in zip(jobs, pool.map(_compile, jobs)):
+        # each job also launches its candidate once: a pipeline that deadlocks ends the sweep
+        # here, its workers killed, instead of hanging the run
+        try:
+            errs = pool.map_async(_compile, jobs).get(timeout=args.launch_timeout)
+        except mp.TimeoutError:
+            raise SystemExit(
+                f"a candidate did not finish within {args.launch_timeout} s: hung?"
+            )
+        for job, err in zip(jobs, errs):
             if err:
                 failed.add(job)
                 print("compile failed:", err, flush=True)
