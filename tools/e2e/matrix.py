@@ -1107,6 +1107,8 @@ def serve_row(
     ``profiled``: a timing row also records its GPU kernels (``profile``) after timing.
     """
     rec: dict = {"args": row.args, "model": row.model, "tree": row.tree}
+    if row.env:
+        rec["env"] = row.env
     if row.refused_with:
         r = refusal(model, SERVE_ARGS + row.args, env=env)
         (logs / f"{row.name}.log").write_text(r.stdout)
