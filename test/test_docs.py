@@ -75,7 +75,7 @@ def test_a_flag_without_a_description_is_refused(copy):
 # are "the GB10 line's earlier setup", never by the names the project used for them internally.
 PRIVATE_WORDS = (
     r"\badapters?\b",
-    r"\bthe seeds\b",
+    r"\bthe seeds?\b",
     r"\bseeds'",
     r"\bseed's\b",
     r"\(seed:",

@@ -8,7 +8,7 @@ nothing) lets a CPU machine run each kernel's whole pipeline down to the cubin t
 Each kernel is compiled through its own host wrapper, its launch turned into a compile, at the
 configurations the wrapper picks (``kernels``: the draft head at every wgmma N it ships, the
 wo_a twin across its row ranges at G = 2 and 8). For each it reports the shared memory and
-ptxas' registers and spills, and fails (exit 1) where a kernel does not compile, takes more
+the cubin's registers and spills (cuobjdump), and fails (exit 1) where a kernel does not compile, takes more
 shared memory than an H200 SM gives one CTA, or spills. It catches what a layout or pipeline
 edit breaks before GPU time is spent; whether a kernel is right and fast is only known on the
 GPU (its tests and benchmarks).
@@ -17,6 +17,7 @@ GPU (its tests and benchmarks).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -56,23 +57,33 @@ class _Sm90Driver:
         return 0
 
 
-def _compiling(fn) -> list:
-    """Run ``fn`` with every Triton launch turned into a compile: the host wrapper picks its
-    configuration and arguments as it does on the GPU; returns the compiled kernels."""
+@contextlib.contextmanager
+def _compile_only(wo_a_module):
+    """While open: Triton's active driver names SM90, every launch compiles and returns its
+    kernel without running it (``compiled`` collects them), and the wo_a wrappers size their
+    grids for an H200's SMs. Restored on exit (the driver: on a GPU machine only)."""
+    from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    compiled = []
-    launch = JITFunction.run
+    compiled: list = []
+    launch, sm_count = JITFunction.run, wo_a_module._sm_count
 
     def compile_only(self, *args, grid, warmup, **kwargs):
-        compiled.append(launch(self, *args, grid=grid, warmup=True, **kwargs))
+        kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append(kernel)
+        return kernel
 
+    driver.set_active(_Sm90Driver())
     JITFunction.run = compile_only
+    wo_a_module._sm_count = lambda device: H200_SMS
     try:
-        fn()
+        yield compiled
     finally:
-        JITFunction.run = launch
-    return compiled
+        JITFunction.run, wo_a_module._sm_count = launch, sm_count
+        try:
+            driver.reset_active()
+        except RuntimeError:  # no driver on a CPU machine: nothing to go back to
+            pass
 
 
 def _draft_head_inputs(rows: int):
@@ -111,7 +122,6 @@ def kernels() -> dict[str, object]:
         out[f"draft_head_fp8_ws N={np_}"] = lambda np_=np_: (
             ws.draft_head_fp8_logits_ws(*_draft_head_inputs(np_))
         )
-    wo._sm_count = lambda device: H200_SMS  # the wrappers size their grids by the SMs
     for g in WO_A_GROUPS:
         for rows in (2, 8, 16, 64):
             out[f"wo_a_fp8_small G={g} rows={rows}"] = lambda g=g, rows=rows: (
@@ -126,53 +136,52 @@ def kernels() -> dict[str, object]:
     return out
 
 
-def ptxas_usage(ptx: str) -> dict:
-    """Registers and spill bytes ptxas reports for ``ptx`` (sm_90a)."""
+def cubin_usage(cubin: bytes) -> dict:
+    """Registers, stack and local (spilled) bytes of the cubin Triton built, by cuobjdump."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(90).path
+    cuobjdump = Path(get_ptxas(90).path).with_name("cuobjdump")
     with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "k.ptx"
-        src.write_text(ptx)
-        res = subprocess.run(
-            [ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(Path(d) / "k.cubin")],
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run(
+            [str(cuobjdump), "-res-usage", str(path)],
             capture_output=True,
             text=True,
             check=True,
-        )
-    text = res.stderr + res.stdout
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    return {
-        "registers": int(regs.group(1)) if regs else None,
-        "spill_bytes": (
-            int(spills.group(1)) + int(spills.group(2)) if spills else None
-        ),
-    }
+        ).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    if usage is None:
+        return {"registers": None, "spill_bytes": None}
+    regs, stack, local = map(int, usage.groups())
+    return {"registers": regs, "spill_bytes": stack + local}
 
 
 def compile_all() -> list[dict]:
-    from triton.runtime.driver import driver
+    from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as wo
 
-    driver.set_active(
-        _Sm90Driver()
-    )  # for this process (a CPU machine has no other driver)
     rows = []
-    for name, build in kernels().items():
-        row = {"kernel": name}
-        try:
-            (k,) = _compiling(build)  # one launch per call
-            row["shared_bytes"] = k.metadata.shared
-            row.update(ptxas_usage(k.asm["ptx"]))
-        except Exception as e:  # noqa: BLE001 (reported per kernel)
-            row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
-        rows.append(row)
+    with _compile_only(wo) as compiled:
+        for name, build in kernels().items():
+            row = {"kernel": name}
+            try:
+                compiled.clear()
+                build()
+                if len(compiled) != 1:
+                    raise RuntimeError(f"{len(compiled)} launches, expected one")
+                row["shared_bytes"] = compiled[0].metadata.shared
+                row.update(cubin_usage(compiled[0].asm["cubin"]))
+            except Exception as e:  # noqa: BLE001 (reported per kernel)
+                row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+            rows.append(row)
     return rows
 
 
 def problems(row: dict) -> list[str]:
     if "error" in row:
         return [row["error"]]
+    if row.get("registers") is None or row.get("spill_bytes") is None:
+        return ["cuobjdump's resource usage not read"]
     out = []
     if row["shared_bytes"] > SMEM_LIMIT:
         out.append(f"{row['shared_bytes']} bytes of shared memory > {SMEM_LIMIT}")

@@ -10,7 +10,7 @@ Why: every CTA re-reads x, so at 128 rows and 128 vocabulary rows per CTA (the w
 tile) x's bytes are twice the head's. Tiles of 256 rows halve that, but a single warpgroup holding
 one alternates dequantization and MMA; two consumers let the two overlap, and the loader warp keeps
 the ring full without a CTA-wide barrier per step (which may also help at 1..32 rows, where the
-wgmma kernel streams the head at about 3.4 TB/s).
+wgmma kernel streams the head below HBM speed: draft_head_fp8-NVIDIA_H200.json).
 
 EXACT and ROW INVARIANT, and the same bits as draft_head_fp8_wgmma.py: each consumer runs that
 kernel's per-warpgroup sequence (same dequantization, same 32-K blocks in the same order, one
@@ -42,6 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from sglang.kernels.ops.gemm.e4m3_to_bf16_sm90 import dequant_block, words_layout
 from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
+    _SMEM_BYTES,
     STEP_K,
     _scales_layout,
     _weight_descriptor,
@@ -52,9 +53,10 @@ from sglang.kernels.ops.speculative.dspark.draft_head_fp8_wgmma import (
 MAX_ROWS = 128
 CONSUMERS = 2  # warpgroups multiplying; the CTA's tile is CONSUMERS x their rows
 _NC = gl.constexpr(CONSUMERS)
-_SMEM_BYTES = 220 * 1024
-_REGS = 232  # per consumer thread; the loader warp keeps 24 (maxnreg below keeps one CTA per SM)
-_MAXNREG = 168  # 12 warps x 32 x 168 <= 64 K registers
+_REGS = 240  # the worker consumer's setmaxnreg; the default consumer gets what is left: also 240
+_MAXNREG = (
+    168  # the budget setmaxnreg shares: 12 warps x 168 = 2 x 4 x 240 + 4 x 24 (loader)
+)
 
 # wgmma N (x's rows padded to a power of two) -> (vocab rows per consumer, stages)
 CONFIGS: dict[int, tuple[int, int]] = {
@@ -189,6 +191,9 @@ def _draft_head_fp8_ws_kernel(
         [4, 1],
         [REGS, 24],
     )
+    for s in gl.static_range(ST):
+        mbarrier.invalidate(ready.index(s))
+        mbarrier.invalidate(empty.index(s))
 
 
 def config(m: int) -> tuple[int, int, int]:

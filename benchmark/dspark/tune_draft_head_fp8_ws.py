@@ -4,8 +4,10 @@ TP4 (32320) and TP1 (129280) shards, against cuBLAS bf16 and the one-warpgroup w
 (draft_head_fp8_wgmma.py, up to its 64 rows), in one GPU run. Each candidate's logits are first
 checked bit for bit against the wgmma kernel's, computed 32 rows at a time (the two kernels must
 give the same bits, and a row's bits must not depend on the row count); a candidate that differs
-is reported and not timed. Writes tune_draft_head_fp8_ws-<device>.json with, per N and shard,
-the fastest candidate (the shipped ``CONFIGS`` are chosen from it).
+is reported and not timed. Writes tune_draft_head_fp8_ws-<device>.json: every candidate's time
+against both (``ratio``: cuBLAS over it, ``vs_wgmma``: the wgmma kernel over it) and, per N and
+shard, the candidate whose worst ratio to cuBLAS over its row counts is best (the shipped
+``CONFIGS`` are chosen from it; where it ships is decided by ``vs_wgmma`` and ``ratio``).
 """
 
 from __future__ import annotations
@@ -80,21 +82,22 @@ def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor
 def main() -> None:
     p = harness.arg_parser(__doc__, replays=20)
     p.add_argument("--workers", type=int, default=14)
-    p.add_argument("--launch-timeout", type=float, default=300.0)
+    p.add_argument("--launch-timeout", type=float, default=120.0)
     args = p.parse_args()
     jobs = [(m, c) for m in ROWS for c in candidates(ws.padded_rows(m))]
     t0 = time.time()
     failed = set()
     with mp.get_context("spawn").Pool(args.workers) as pool:
-        # each job also launches its candidate once: a pipeline that deadlocks ends the sweep
-        # here, its workers killed, instead of hanging the run
-        try:
-            errs = pool.map_async(_compile, jobs).get(timeout=args.launch_timeout)
-        except mp.TimeoutError:
-            raise SystemExit(
-                f"a candidate did not finish within {args.launch_timeout} s: hung?"
-            )
-        for job, err in zip(jobs, errs):
+        # each job also launches its candidate once: one that does not finish in time (a
+        # deadlocked pipeline) ends the sweep, named, its workers killed, instead of hanging it
+        pending = [(job, pool.apply_async(_compile, (job,))) for job in jobs]
+        for job, res in pending:
+            try:
+                err = res.get(timeout=args.launch_timeout)
+            except mp.TimeoutError:
+                raise SystemExit(
+                    f"{job}: no result {args.launch_timeout} s after the jobs before it: hung?"
+                )
             if err:
                 failed.add(job)
                 print("compile failed:", err, flush=True)
@@ -161,18 +164,24 @@ def main() -> None:
                         "wgmma_us": one_wg,
                         "ws_us": us,
                         "ratio": stock / us,
+                        "vs_wgmma": one_wg / us if one_wg else None,
                     }
                 )
                 print(rows[-1], flush=True)
         del wts, heads
         torch.cuda.empty_cache()
-    best = {}
+    # per N and shard: the configuration whose worst ratio over the row counts it serves is best
+    by_cfg: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = f"{r['np']}/{r['N']}"
-        if r["same_bits_as_wgmma"] and (
-            key not in best or r["ratio"] > best[key]["ratio"]
-        ):
-            best[key] = r
+        by_cfg.setdefault((r["np"], r["N"], r["cfg"]), []).append(r)
+    best = {}
+    for (np_, n, cfg), rs in by_cfg.items():
+        if not all(r["same_bits_as_wgmma"] for r in rs):
+            continue
+        worst = min(r["ratio"] for r in rs)
+        key = f"{np_}/{n}"
+        if key not in best or worst > best[key][1]:
+            best[key] = (cfg, worst)
     harness.report(
         "tune_draft_head_fp8_ws",
         [
@@ -185,10 +194,11 @@ def main() -> None:
             "wgmma_us",
             "ws_us",
             "ratio",
+            "vs_wgmma",
         ],
         rows,
         args.out,
-        {"K": K, "best": {k: v["cfg"] for k, v in best.items()}},
+        {"K": K, "best": {k: v[0] for k, v in best.items()}},
         overwrite=args.overwrite,
     )
 

@@ -466,10 +466,10 @@ def rows() -> list[Row]:
         # patches promise upstream's bits), one request at a time
         _row("v41_up_off", model="v41", **up),
         _row("v41_up_off_again", model="v41", recorded_vs=("v41_up_off",), **up),
-        # Which of the two results a V4.1 DSpark server gives is fixed per server process, and
-        # the one equal to no speculation is the right one; upstream commits the Engram n-gram
-        # history eagerly after each graph-replayed verify unless this option moves the commit
-        # into the graph: two servers with it, recorded against both (not judged)
+        # Which of the two results a V4.1 DSpark server gives is fixed per server process.
+        # Upstream commits the Engram n-gram history eagerly after each graph-replayed verify
+        # unless this option moves the commit into the graph: two servers with it, recorded
+        # against upstream with and without speculation (not judged)
         *(
             _row(
                 name,
