@@ -110,17 +110,10 @@ def kernels() -> dict[str, object]:
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as wo
     from sglang.kernels.ops.speculative.dspark import draft_head_fp8_wgmma as wg
 
-    sys.path.insert(0, str(REPO / "benchmark" / "dspark"))
-    import draft_head_fp8_ws as ws  # a candidate: not in the wheel until measured
-
     out = {}
     for np_ in wg.CONFIGS:
         out[f"draft_head_fp8_wgmma N={np_}"] = lambda np_=np_: (
             wg.draft_head_fp8_logits_wgmma(*_draft_head_inputs(np_))
-        )
-    for np_ in ws.CONFIGS:
-        out[f"draft_head_fp8_ws N={np_}"] = lambda np_=np_: (
-            ws.draft_head_fp8_logits_ws(*_draft_head_inputs(np_))
         )
     for g in WO_A_GROUPS:
         for rows in (2, 8, 16, 64):
