@@ -701,19 +701,22 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
 
 
 def test_the_docs_table_renders_a_run():
-    """docs_tables.e2e_full_depth (registered once the GPU run's file is committed) on a
-    synthetic run: one cell per flag set and batch, a skipped batch and differing tokens said.
+    """docs_tables.e2e_full_depth on a synthetic run: every flag set and batch of the method
+    has its cells; a set not run, a skipped set, a skipped batch and differing tokens are said.
     """
     import docs_tables
 
     def batch(mean, identical=True):
         return {
             "step_ratio": {"mean": mean, "t95": [mean - 0.01, mean + 0.01]},
+            "throughput_ratio": {"mean": 1 / mean, "t95": [1.0, 1.2]},
             "tokens_identical": identical,
             "upstream": {"step_ms": 31.5, "accepted_drafts_per_step": 2.5},
+            "fork": {"accepted_drafts_per_step": 2.25},
         }
 
     run = {
+        "method": {"batches": [1, 32]},
         "flag_sets": {
             "all_on": {
                 "batches": {
@@ -725,15 +728,26 @@ def test_the_docs_table_renders_a_run():
                 "batches": {"bs1": batch(1.0, identical=False), "bs32": batch(0.99)}
             },
             "head_fp8": {"skipped": "over the time budget (400 s)"},
-        }
+        },
     }
     table = docs_tables.e2e_full_depth(run).splitlines()
     assert table[0] == "| flags | bs 1 | bs 32 |"
-    assert table[2].startswith("| head fp8 | over the time budget")
-    assert (
-        table[3]
-        == "| cap 3 | 1.000 [0.990, 1.010] (tokens differ) | 0.990 [0.980, 1.000] |"
+    assert table[2] == "| wo_a mid | not run | not run |"
+    assert table[3].startswith("| head fp8 | over the time budget")
+    assert table[4] == (
+        "| cap 3: step time | 1.000 [0.990, 1.010] (tokens differ) "
+        "| 0.990 [0.980, 1.000] |"
     )
-    assert table[4] == "| all three | 0.900 [0.890, 0.910] | not measured |"
-    assert table[5] == "| upstream step (ms) | 31.5 | 31.5 |"
-    assert table[6] == "| accepted drafts per step, upstream | 2.5 | 2.5 |"
+    assert (
+        table[5]
+        == "| cap 3: output tokens/s | 1.000 [1.000, 1.200] | 1.010 [1.000, 1.200] |"
+    )
+    assert table[6] == (
+        "| cap 3: accepted drafts per step, fork / upstream | 2.25 / 2.50 | 2.25 / 2.50 |"
+    )
+    assert (
+        table[7]
+        == "| all three: step time | 0.900 [0.890, 0.910] | past --sbs-deadline |"
+    )
+    assert table[8] == "| all three: output tokens/s | 1.111 [1.000, 1.200] | - |"
+    assert table[10] == "| upstream step (ms) | 31.5 | 31.5 |"

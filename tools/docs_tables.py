@@ -347,59 +347,65 @@ FULL_DEPTH_SETS = (
 
 
 def e2e_full_depth(d: dict) -> str:
-    """Step time fork / upstream per flag set and batch (mean of the paired repeats, 95 %
-    t-interval), the upstream step time and the accepted drafts per step beside it. Registered in
-    TABLES (page docs/performance.md, e2e-full-depth-NVIDIA_H200.json) once the run's file is
-    committed; until then the page holds a table marked not yet measured."""
+    """Per flag set and batch: the step time and the output tokens/s, fork / upstream (mean of
+    the paired repeats, 95 % t-interval), and the accepted drafts per step on both sides; the
+    upstream step time last. Every flag set and batch of the method appears: one the run did not
+    measure says so (not run, skipped and why, or its error)."""
     sets = d.get("flag_sets", {})
-    batches = sorted(
-        {b for rec in sets.values() for b in rec.get("batches", {})},
-        key=lambda b: int(b[2:]),
+    measured = {b for rec in sets.values() for b in rec.get("batches", {})}
+    batches = [f"bs{b}" for b in d.get("method", {}).get("batches", [])] or sorted(
+        measured, key=lambda b: int(b[2:])
     )
-    head = "| flags | " + " | ".join(f"bs {b[2:]}" for b in batches) + " |"
-    lines = [head, "| --- |" + " ---: |" * len(batches)]
+    lines = [
+        "| flags | " + " | ".join(f"bs {b[2:]}" for b in batches) + " |",
+        "| --- |" + " ---: |" * len(batches),
+    ]
 
-    def cell(b: dict | None) -> str:
-        if not b or "skipped" in b:
-            return "not measured"
-        r = b["step_ratio"]
-        text = f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]"
-        return text if b["tokens_identical"] else text + " (tokens differ)"
+    def ratio(b: dict, key: str) -> str:
+        r = b[key]
+        return f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]"
 
-    for key, label in FULL_DEPTH_SETS:
-        if key in sets:
-            rec = sets[key]
-            if "batches" not in rec:
-                why = rec.get("skipped") or rec.get("error", "not measured")
-                lines.append(
-                    f"| {label} | " + " | ".join([why[:60]] * len(batches)) + " |"
-                )
-                continue
-            lines.append(
-                f"| {label} | "
-                + " | ".join(cell(rec["batches"].get(b)) for b in batches)
-                + " |"
-            )
-    for what, side, key in (
-        ("upstream step (ms)", "upstream", "step_ms"),
-        ("accepted drafts per step, upstream", "upstream", "accepted_drafts_per_step"),
-    ):
-        ref = next(
-            (
-                rec
-                for k, _ in FULL_DEPTH_SETS
-                if (rec := sets.get(k, {})).get("batches")
-            ),
-            None,
+    def drafts(b: dict) -> str:
+        return (
+            f"{b['fork']['accepted_drafts_per_step']:.2f} / "
+            f"{b['upstream']['accepted_drafts_per_step']:.2f}"
         )
-        if ref is None:
+
+    def row(what: str, cells: list[str]) -> None:
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+
+    reference = None
+    for key, label in FULL_DEPTH_SETS:
+        rec = sets.get(key)
+        if rec is None or "batches" not in rec:
+            why = "not run" if rec is None else rec.get("skipped") or rec["error"]
+            row(label, [why[:60]] * len(batches))
             continue
-        values = []
-        for b in batches:
-            m = ref["batches"].get(b, {})
-            v = m.get(side, {}).get(key) if "skipped" not in m else None
-            values.append("-" if v is None else f"{v:.3g}")
-        lines.append(f"| {what} | " + " | ".join(values) + " |")
+        got = {b: m for b, m in rec["batches"].items() if "skipped" not in m}
+        reference = reference or rec
+        for what, cell in (
+            ("step time", lambda b: ratio(b, "step_ratio")),
+            ("output tokens/s", lambda b: ratio(b, "throughput_ratio")),
+            ("accepted drafts per step, fork / upstream", drafts),
+        ):
+            cells = []
+            for b in batches:
+                m = rec["batches"].get(b, {"skipped": "not run"})
+                if b not in got:  # why, once: in the step time's row
+                    cells.append(m["skipped"] if what == "step time" else "-")
+                elif what == "step time" and not m["tokens_identical"]:
+                    cells.append(cell(m) + " (tokens differ)")
+                else:
+                    cells.append(cell(m))
+            row(f"{label}: {what}", cells)
+    if reference is not None:
+        row(
+            "upstream step (ms)",
+            [
+                f"{m['upstream']['step_ms']:.1f}" if "upstream" in m else "-"
+                for m in (reference["batches"].get(b, {}) for b in batches)
+            ],
+        )
     return "\n".join(lines)
 
 
@@ -590,6 +596,9 @@ TABLES: dict[str, Table] = {
         "docs/draft-temperature-scale.md", "e2e-NVIDIA_H200.json", e2e_tau_control
     ),
     "e2e_last_run": Table("docs/gpu-testing.md", "e2e-NVIDIA_H200.json", e2e_last_run),
+    "e2e_full_depth": Table(
+        "docs/performance.md", "e2e-full-depth-NVIDIA_H200.json", e2e_full_depth
+    ),
     "hc_fused": Table("docs/hc_fused.md", "hc_fused-NVIDIA_H200.json", hc_fused),
     "hc_upstream_repeat": Table(
         "docs/hc_fused.md", "hc-upstream-repeat-NVIDIA_H200.txt", hc_upstream_repeat
