@@ -483,7 +483,7 @@ def test_the_command_line_refuses_what_it_cannot_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--upstream"):
         main(base + ["--side-by-side", "all_on"])
     up = ["--upstream", str(tmp_path)]
-    with pytest.raises(SystemExit, match="wo_a_mid, head_fp8, cap_3, all_on"):
+    with pytest.raises(SystemExit, match="wo_a_mid, head_fp8, cap_3, wo_a_head, all_on"):
         main(base + up + ["--side-by-side", "all_on,bogus"])
     with pytest.raises(SystemExit, match="--sbs-profile"):
         main(base + up + ["--side-by-side", "all_on", "--sbs-profile", "2"])
@@ -645,6 +645,7 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
         us = 100.0 if server.fork else 150.0
         return {
             "kernel_us": us,
+            "gpu_busy": 0.5,
             "by_name": {
                 "_wo_a_fp8_mid_kernel" if server.fork else "sm90_xmma_gemm": [us, 2]
             },
@@ -688,6 +689,8 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
     prof = report["flag_sets"]["all_on"]["batches"]["bs2"]["profile"]
     assert prof["kernel_saving_us"] == 10.0  # (150 - 100) us over 5 steps per request
     assert "upstream" in prof and "by_name" not in prof["upstream"]
+    # kernel time per step, 30 and 20 us, held against the model
+    assert prof["cost_model"].endswith("--measured-step-us 30 20"), prof["cost_model"]
 
     _RunServer.started = []
     assert (
@@ -745,9 +748,10 @@ def test_the_docs_table_renders_a_run():
     assert table[6] == (
         "| cap 3: accepted drafts per step, fork / upstream | 2.25 / 2.50 | 2.25 / 2.50 |"
     )
+    assert table[7] == "| wo_a mid + head fp8 | not run | not run |"
     assert (
-        table[7]
+        table[8]
         == "| all three: step time | 0.900 [0.890, 0.910] | past --sbs-deadline |"
     )
-    assert table[8] == "| all three: output tokens/s | 1.111 [1.000, 1.200] | - |"
-    assert table[10] == "| upstream step (ms) | 31.5 | 31.5 |"
+    assert table[9] == "| all three: output tokens/s | 1.111 [1.000, 1.200] | - |"
+    assert table[11] == "| upstream step (ms) | 31.5 | 31.5 |"

@@ -342,6 +342,7 @@ FULL_DEPTH_SETS = (
     ("wo_a_mid", "wo_a mid"),
     ("head_fp8", "head fp8"),
     ("cap_3", "cap 3"),
+    ("wo_a_head", "wo_a mid + head fp8"),
     ("all_on", "all three"),
 )
 

@@ -58,10 +58,13 @@ from .server import Server, ServerDied
 TWIN_MID = ["--dsv4-wo-a-fp8-twin", "mid"]
 HEAD_FP8 = ["--speculative-dspark-draft-head-fp8"]
 CAP_3 = ["--speculative-dspark-verify-cap", "3"]
+# wo_a_head: the two kernel flags, every site of which the cost model has a measured saving for
+# (the cap's is measured at DeepSeek-V4's expert shape only), so its prediction can be checked.
 FLAG_SETS = {
     "wo_a_mid": TWIN_MID,
     "head_fp8": HEAD_FP8,
     "cap_3": CAP_3,
+    "wo_a_head": TWIN_MID + HEAD_FP8,
     "all_on": TWIN_MID + HEAD_FP8 + CAP_3,
 }
 BATCHES = (1, 4, 8, 16, 32)
@@ -318,9 +321,16 @@ def measure_batch(
 
 
 def profile_pair(
-    servers: dict[str, Server], bs: int, tokens: int, out_dir: Path, measured
+    servers: dict[str, Server],
+    bs: int,
+    tokens: int,
+    out_dir: Path,
+    measured,
+    flags: list[str],
 ) -> dict:
-    """Both servers' kernels of one request of ``bs`` prompts, one server after the other."""
+    """Both servers' kernels of one request of ``bs`` prompts, one server after the other, and
+    the cost model's command that holds the kernel time per step (no host time, no HTTP) against
+    its prediction."""
     from .matrix import profile
 
     profiles = {
@@ -334,6 +344,12 @@ def profile_pair(
         for side in ("upstream", "fork")
     }
     result = attribute(profiles["upstream"], profiles["fork"], measured)
+    result["cost_model"] = cost_model_command(
+        flags,
+        bs,
+        result["upstream_kernel_us_per_step"] / 1e3,
+        result["fork_kernel_us_per_step"] / 1e3,
+    )
     for side, p in profiles.items():
         result[side] = {k: v for k, v in p.items() if k != "by_name"}
     return result
@@ -593,6 +609,16 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
                                 1e3 * b["upstream"]["step_ms"],
                                 1e3 * b["fork"]["step_ms"],
                             ),
+                            FLAG_SETS[name],
+                        )
+                        a = b["profile"]
+                        print(
+                            f"    bs {bs:>2} kernels per step: "
+                            f"{a['upstream_kernel_us_per_step']:.0f} -> "
+                            f"{a['fork_kernel_us_per_step']:.0f} us (saving "
+                            f"{a['kernel_saving_us']:.0f}), GPU busy "
+                            f"{a['upstream']['gpu_busy']:.2f} / {a['fork']['gpu_busy']:.2f}",
+                            flush=True,
                         )
                     save()
             except (RuntimeError, OSError, ValueError) as e:
