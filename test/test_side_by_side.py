@@ -483,7 +483,9 @@ def test_the_command_line_refuses_what_it_cannot_run(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--upstream"):
         main(base + ["--side-by-side", "all_on"])
     up = ["--upstream", str(tmp_path)]
-    with pytest.raises(SystemExit, match="wo_a_mid, head_fp8, cap_3, wo_a_head, all_on"):
+    with pytest.raises(
+        SystemExit, match="wo_a_mid, head_fp8, cap_3, wo_a_head, all_on"
+    ):
         main(base + up + ["--side-by-side", "all_on,bogus"])
     with pytest.raises(SystemExit, match="--sbs-profile"):
         main(base + up + ["--side-by-side", "all_on", "--sbs-profile", "2"])
