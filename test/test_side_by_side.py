@@ -691,8 +691,14 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
     prof = report["flag_sets"]["all_on"]["batches"]["bs2"]["profile"]
     assert prof["kernel_saving_us"] == 10.0  # (150 - 100) us over 5 steps per request
     assert "upstream" in prof and "by_name" not in prof["upstream"]
-    # kernel time per step, 30 and 20 us, held against the model
+    # kernel time per step of the flags' groups, 30 and 20 us, held against the model
     assert prof["cost_model"].endswith("--measured-step-us 30 20"), prof["cost_model"]
+    assert (prof["flag_groups_saving_us"], prof["other_groups_change_us"]) == (10, 0)
+    # the cap changes only the experts: the gemm -> wo_a change is not its own
+    cap = report["flag_sets"]["cap_3"]["batches"]["bs2"]["profile"]
+    assert cap["flag_groups"] == ["moe"]
+    assert (cap["flag_groups_saving_us"], cap["other_groups_change_us"]) == (0, 10)
+    assert cap["cost_model"].endswith("--measured-step-us 0 0"), cap["cost_model"]
 
     _RunServer.started = []
     assert (

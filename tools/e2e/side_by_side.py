@@ -100,6 +100,14 @@ KERNEL_GROUPS = (
     ("rope", r"rope|rotary"),
 )
 OTHER = "other"
+# The groups each flag changes: the twin and the fp8 head replace cuBLAS calls (the einsum, the bf16
+# head: "gemm") with their own kernels; the cap cuts rows out of the routed experts. Every other
+# group runs the same kernels on both sides, so its change is the profiles' own noise.
+FLAG_GROUPS = {
+    TWIN_MID[0]: ("wo_a", "gemm"),
+    HEAD_FP8[0]: ("draft_head_fp8", "gemm"),
+    CAP_3[0]: ("moe",),
+}
 # two-sided 95 % Student t quantiles, df 1..30; beyond, z + (z^3 + z) / (4 df)
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 _T975 += (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
@@ -188,14 +196,19 @@ def group_kernels(by_name: dict[str, list[float]]) -> dict[str, dict]:
 
 
 def attribute(
-    upstream: dict, fork: dict, measured_step_us: tuple[float, float] | None = None
+    upstream: dict,
+    fork: dict,
+    measured_step_us: tuple[float, float] | None = None,
+    flags: list[str] | None = None,
 ) -> dict:
     """Fork vs upstream GPU time per decode step and kernel group, from two profiles
     (``matrix.profile(..., all_kernels=True)``: ``by_name`` and ``spec``). Each side's group time
     is divided by its verify steps per request; ``saving_us`` is upstream minus fork (positive:
     the fork spends less). ``measured_step_us`` (upstream, fork) adds the measured step change
     beside the sum of the groups' savings, and what the kernels leave unexplained (host time,
-    idle GPU, the prefill both profiles include)."""
+    idle GPU, the prefill both profiles include). ``flags`` splits the saving into the groups
+    those flags change (``FLAG_GROUPS``: the fork's own share) and the change of the rest (noise).
+    """
 
     def per_step(profile: dict) -> tuple[dict, float]:
         spec = profile.get("spec") or {}
@@ -224,6 +237,16 @@ def attribute(
         ),
         "fork_kernel_us_per_step": round(sum(r["fork_us"] for r in rows.values()), 2),
     }
+    if flags is not None:
+        touched = sorted({g for f in flags for g in FLAG_GROUPS.get(f, ())})
+        mine = [rows[g] for g in touched if g in rows]
+        out["flag_groups"] = touched
+        out["flag_groups_upstream_us"] = round(sum(r["upstream_us"] for r in mine), 2)
+        out["flag_groups_fork_us"] = round(sum(r["fork_us"] for r in mine), 2)
+        out["flag_groups_saving_us"] = round(sum(r["saving_us"] for r in mine), 2)
+        out["other_groups_change_us"] = round(
+            sum(r["saving_us"] for g, r in rows.items() if g not in touched), 2
+        )
     if measured_step_us is not None:
         change = measured_step_us[0] - measured_step_us[1]
         out["measured_step_change_us"] = round(change, 2)
@@ -329,8 +352,8 @@ def profile_pair(
     flags: list[str],
 ) -> dict:
     """Both servers' kernels of one request of ``bs`` prompts, one server after the other, and
-    the cost model's command that holds the kernel time per step (no host time, no HTTP) against
-    its prediction."""
+    the cost model's command that holds the kernel time per step of the groups the flags change
+    (no host time, no HTTP, not the other groups' noise) against its prediction."""
     from .matrix import profile
 
     profiles = {
@@ -343,12 +366,12 @@ def profile_pair(
         )
         for side in ("upstream", "fork")
     }
-    result = attribute(profiles["upstream"], profiles["fork"], measured)
+    result = attribute(profiles["upstream"], profiles["fork"], measured, flags)
     result["cost_model"] = cost_model_command(
         flags,
         bs,
-        result["upstream_kernel_us_per_step"] / 1e3,
-        result["fork_kernel_us_per_step"] / 1e3,
+        result["flag_groups_upstream_us"] / 1e3,
+        result["flag_groups_fork_us"] / 1e3,
     )
     for side, p in profiles.items():
         result[side] = {k: v for k, v in p.items() if k != "by_name"}
@@ -615,8 +638,9 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
                         print(
                             f"    bs {bs:>2} kernels per step: "
                             f"{a['upstream_kernel_us_per_step']:.0f} -> "
-                            f"{a['fork_kernel_us_per_step']:.0f} us (saving "
-                            f"{a['kernel_saving_us']:.0f}), GPU busy "
+                            f"{a['fork_kernel_us_per_step']:.0f} us; the flags' groups "
+                            f"save {a['flag_groups_saving_us']:.0f}, the rest change "
+                            f"{a['other_groups_change_us']:.0f}; GPU busy "
                             f"{a['upstream']['gpu_busy']:.2f} / {a['fork']['gpu_busy']:.2f}",
                             flush=True,
                         )
