@@ -48,8 +48,8 @@ LEFT_OUT = (f"{PKG}/multimodal_gen/",)
 
 
 def _tree_tarball(tree: Path, dest: Path) -> None:
-    """The tree's HEAD under ``python/``, without compiled files and ``LEFT_OUT``, as an xz tar
-    (a third smaller than gzip: the bundle and the repository share a device run's 64 MiB)."""
+    """The tree's HEAD under ``python/`` as an xz tar, without compiled files and
+    ``LEFT_OUT`` (xz: a third smaller than gzip; bundle and repo share 64 MiB)."""
     r = git_run(tree, "archive", "--format=tar", "HEAD", PKG, text=False)
     if r.returncode != 0:
         raise ForkError(
