@@ -108,6 +108,20 @@ def test_generate_follows_the_cycle(server):
         assert out["meta_info"]["completion_tokens"] == 16
 
 
+def test_a_batch_sent_as_token_ids_answers_as_its_text(server):
+    """The side-by-side timing sends a batch as ids from the server's ``/tokenize`` (one
+    message to the scheduler); it must serve what the text batch serves."""
+    from e2e import side_by_side as sbs
+
+    ids = sbs.batch_ids(server, 3)
+    timed = sbs.timed_request(server, ids, 6)
+    text = server.post(
+        "/generate", {"text": sbs.prompts_for(3), "sampling_params": greedy(6)}
+    )
+    assert timed["tokens"] == [o["output_ids"] for o in text]
+    assert all(len(t) == 6 for t in timed["tokens"])
+
+
 def test_openai_completions_follow_the_cycle(server):
     out = server.post(
         "/v1/completions",

@@ -314,6 +314,18 @@ def test_the_t_interval_covers_the_true_ratio_about_95_percent_of_the_time():
     assert abs((th - tl) - (bh - bl)) < 0.5 * (th - tl)
 
 
+def test_order_means_show_an_effect_of_who_went_first():
+    """The second server of a pair 20 % slower: the mean ratio is still 1, the orders are not."""
+    per_repeat = [1.2, 1 / 1.2] * 5
+    by_order = sbs.order_means(per_repeat)
+    assert by_order["upstream_first"] == 1.2
+    assert by_order["fork_first"] == pytest.approx(1 / 1.2, abs=1e-4)
+    assert sbs.order_means([0.9, 0.9, 0.9]) == {
+        "upstream_first": 0.9,
+        "fork_first": 0.9,
+    }
+
+
 def test_interleave_order_alternates_the_first_side():
     order = sbs.interleave_order(4)
     assert order == [
@@ -353,7 +365,10 @@ class _FakeServer:
         self.tokens_of, self.clock = tokens_of, clock
 
     def post(self, path, body, timeout=None):
+        if path == "/tokenize":
+            return {"tokens": [[ord(c) for c in p] for p in body["prompt"]]}
         assert path == "/generate" and body["sampling_params"]["ignore_eos"]
+        assert "text" not in body  # a batch goes as ids: one message to the scheduler
         n = body["sampling_params"]["max_new_tokens"]
         steps = round(n / 3.5)
         self.calls.append(self.name)
@@ -367,7 +382,7 @@ class _FakeServer:
                     "completion_tokens": n,
                 },
             }
-            for p in body["text"]
+            for p in body["input_ids"]
         ]
 
 
@@ -375,7 +390,7 @@ def test_a_batch_is_measured_interleaved_with_its_ratios_and_token_check(monkeyp
     clock = _FakeClock()
     monkeypatch.setattr(sbs, "time", clock)
     calls: list[str] = []
-    same = lambda p, n: [ord(c) for c in p][:1] * n  # noqa: E731
+    same = lambda ids, n: ids[:1] * n  # noqa: E731
     servers = {
         "upstream": _FakeServer("upstream", calls, 0.002, same, clock),
         "fork": _FakeServer("fork", calls, 0.0016, same, clock),
@@ -388,6 +403,7 @@ def test_a_batch_is_measured_interleaved_with_its_ratios_and_token_check(monkeyp
     assert b["upstream"]["accepted_drafts_per_step"] == 2.5
     assert b["step_ratio"]["mean"] == pytest.approx(0.8, rel=1e-3)
     assert b["throughput_ratio"]["mean"] == pytest.approx(1.25, rel=1e-3)
+    assert b["step_ratio_by_order"] == {"upstream_first": 0.8, "fork_first": 0.8}
     assert b["cost_model"].startswith(
         "python3 benchmark/e2e/cost_model.py --tp 1 --bs 4 "
     )
@@ -505,12 +521,14 @@ def test_merge_keeps_earlier_flag_sets_of_the_same_build():
         "fork_version": "b",
         "device": "D",
         "standins": True,
+        "method": {"batch": "text"},
         "flag_sets": {"all_on": {"ok": False}, "cap_3": {"ok": True}},
     }
     sbs.merge_flag_sets(report, earlier)
+    # a kept set carries the upstream server and the method it was measured with
     assert report["flag_sets"] == {
         "all_on": {"ok": True},
-        "cap_3": {"upstream": None, "ok": True},
+        "cap_3": {"upstream": None, "method": {"batch": "text"}, "ok": True},
     }
     with pytest.raises(SystemExit, match="fork_version"):
         sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
@@ -542,7 +560,11 @@ def test_sittings_merge_into_one_file(tmp_path):
     merged = json.loads(out.read_text())
     assert merged["provenance"] == {"device": "NVIDIA H200"}  # kept, not restamped
     assert merged["flag_sets"]["cap_3"] == {"ok": False}
-    assert merged["flag_sets"]["all_on"] == {"upstream": {"startup_s": 1}, "ok": True}
+    assert merged["flag_sets"]["all_on"] == {
+        "upstream": {"startup_s": 1},
+        "method": None,
+        "ok": True,
+    }
 
 
 def test_each_flag_set_resolves_through_upstreams_pipeline(tiny_full):
@@ -643,7 +665,7 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
     monkeypatch.setattr(sbs, "time", _RunServer.clock)
     _RunServer.started = []
 
-    def fake_profile(server, out_dir, prompts=None, tokens=64, all_kernels=False):
+    def fake_profile(server, out_dir, tokens=64, all_kernels=False, input_ids=None):
         us = 100.0 if server.fork else 150.0
         return {
             "kernel_us": us,
@@ -652,7 +674,7 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
                 "_wo_a_fp8_mid_kernel" if server.fork else "sm90_xmma_gemm": [us, 2]
             },
             "spec": {"verify_steps": 10},
-            "requests": len(prompts),
+            "requests": len(input_ids),
         }
 
     monkeypatch.setattr(matrix, "profile", fake_profile)

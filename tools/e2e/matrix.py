@@ -887,11 +887,12 @@ def profile(
     prompts: list[str] | None = None,
     tokens: int = PROFILE_TOKENS,
     all_kernels: bool = False,
+    input_ids: list[list[int]] | None = None,
 ) -> dict:
     """The GPU kernels of one batch-1 request of PROFILE_TOKENS greedy tokens, through upstream's
     ``/start_profile`` (torch profiler, GPU activity only; CUDA-graph replays included): time per
     kernel name summed, the top PROFILE_TOP kept. The trace itself is deleted (megabytes).
-    ``prompts`` sends those prompts as one batch instead, ``tokens`` each; ``all_kernels`` keeps
+    ``prompts`` (or ``input_ids``, token ids) sends that batch instead, ``tokens`` each; ``all_kernels`` keeps
     every kernel name's time and calls (``by_name``, ``kernel_times``); ``requests`` counts them.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -905,10 +906,15 @@ def profile(
             "profile_id": "row",
         },
     )
+    batch = (
+        {"input_ids": input_ids}
+        if input_ids is not None
+        else {"text": GREEDY_PROMPTS[0] if prompts is None else prompts}
+    )
     got = server.post(
         "/generate",
         {
-            "text": GREEDY_PROMPTS[0] if prompts is None else prompts,
+            **batch,
             "sampling_params": {
                 "temperature": 0,
                 "max_new_tokens": tokens,

@@ -11,11 +11,11 @@ checkpoint (``checkpoints.FULL_DEPTH_DSV4``: DeepSeek-V4.1-Flash widths at TP1, 
 draft stages, block-fp8 dense linears, a draft that agrees in runs of 2 and 3 tokens), written
 from a seed on the GPU machine.
 
-Per batch size (``bs`` concurrent requests, one ``/generate`` of ``bs`` prompts, greedy,
-``--sbs-tokens`` output tokens with ``ignore_eos``): one warm-up request on each server (it
+Per batch size (``bs`` concurrent requests, one ``/generate`` of ``bs`` prompts as token ids,
+greedy, ``--sbs-tokens`` output tokens with ``ignore_eos``): one warm-up request on each server (it
 compiles the batch's kernels), then ``--sbs-repeats`` interleaved pairs, the first of each pair
 alternating (upstream, fork | fork, upstream | ...: ``interleave_order``), so a slow drift of the
-machine falls on both sides alike. A request is timed from its POST to its answer; its **decode
+machine falls on both sides alike; ``step_ratio_by_order`` shows whether the order mattered. A request is timed from its POST to its answer; its **decode
 step time** is that wall time over the verify steps a request took (``spec_verify_ct`` of the
 server's answer, summed over the batch, over ``bs``), so it includes the prefill of the batch
 and the HTTP round trip, once per request, on both sides alike; output tokens/s is ``bs x
@@ -163,6 +163,17 @@ def ratio_summary(fork: list[float], upstream: list[float]) -> dict:
     }
 
 
+def order_means(per_repeat: list[float]) -> dict:
+    """Mean ratio of the pairs upstream went first in and of those the fork went first in
+    (``interleave_order``): equal up to noise when the measurement does not depend on the
+    order; a gap is an effect the alternation cancels in the mean but not in its interval.
+    """
+    return {
+        "upstream_first": round(statistics.fmean(per_repeat[0::2]), 4),
+        "fork_first": round(statistics.fmean(per_repeat[1::2] or [math.nan]), 4),
+    }
+
+
 def interleave_order(repeats: int) -> list[tuple[int, str]]:
     """(repeat, side) in the order requests go: pairs whose first side alternates,
     upstream-fork, fork-upstream, ... (a drift over the run falls on both sides alike).
@@ -263,11 +274,25 @@ def prompts_for(bs: int) -> list[str]:
     return [f"{GREEDY_PROMPTS[i % len(GREEDY_PROMPTS)]} {i}" for i in range(bs)]
 
 
-def timed_request(server: Server, prompts: list[str], tokens: int) -> dict:
+def batch_ids(server: Server, bs: int) -> list[list[int]]:
+    """``prompts_for(bs)`` as token ids, through the server's own ``/tokenize``.
+
+    A batch is sent as ids because upstream's tokenizer manager then hands it to the scheduler
+    as one message; a text batch goes prompt by prompt, and a scheduler that was idle starts
+    its prefill on the first prompts alone, so the batch's step time would depend on what the
+    other server did just before (the pair's order), not on the server.
+    """
+    ids = server.post("/tokenize", {"prompt": prompts_for(bs)})["tokens"]
+    if len(ids) != bs or not all(ids):
+        raise RuntimeError(f"/tokenize answered {len(ids)} prompts for {bs}")
+    return ids
+
+
+def timed_request(server: Server, ids: list[list[int]], tokens: int) -> dict:
     from .matrix import spec_stats
 
     body = {
-        "text": prompts,
+        "input_ids": ids,
         "sampling_params": {
             "temperature": 0,
             "max_new_tokens": tokens,
@@ -277,7 +302,7 @@ def timed_request(server: Server, prompts: list[str], tokens: int) -> dict:
     t0 = time.perf_counter()
     outs = server.post("/generate", body, timeout=600)
     seconds = time.perf_counter() - t0
-    bs = len(prompts)
+    bs = len(ids)
     stats = spec_stats(outs) or {}
     steps = stats.get("verify_steps", 0) / bs or tokens
     return {
@@ -317,22 +342,24 @@ def measure_batch(
     servers: dict[str, Server], bs: int, repeats: int, tokens: int, flags: list[str]
 ) -> dict:
     """One batch size: warm-up on both, then ``repeats`` interleaved pairs (``interleave_order``)."""
-    prompts = prompts_for(bs)
+    ids = batch_ids(servers["upstream"], bs)
     for side in ("upstream", "fork"):
-        timed_request(servers[side], prompts, tokens)
+        timed_request(servers[side], ids, tokens)
     runs: dict[str, list[dict]] = {"upstream": [], "fork": []}
     for _, side in interleave_order(repeats):
-        runs[side].append(timed_request(servers[side], prompts, tokens))
+        runs[side].append(timed_request(servers[side], ids, tokens))
     reference = runs["upstream"][0]["tokens"]
     up, fork = _side(runs["upstream"]), _side(runs["fork"])
+    step = ratio_summary(
+        [r["step_ms"] for r in runs["fork"]],
+        [r["step_ms"] for r in runs["upstream"]],
+    )
     return {
         "bs": bs,
         "upstream": up,
         "fork": fork,
-        "step_ratio": ratio_summary(
-            [r["step_ms"] for r in runs["fork"]],
-            [r["step_ms"] for r in runs["upstream"]],
-        ),
+        "step_ratio": step,
+        "step_ratio_by_order": order_means(step["per_repeat"]),
         "throughput_ratio": ratio_summary(
             [r["tokens_per_s"] for r in runs["fork"]],
             [r["tokens_per_s"] for r in runs["upstream"]],
@@ -360,7 +387,7 @@ def profile_pair(
         side: profile(
             servers[side],
             out_dir / f"{side}-bs{bs}",
-            prompts=prompts_for(bs),
+            input_ids=batch_ids(servers["upstream"], bs),
             tokens=tokens,
             all_kernels=True,
         )
@@ -535,6 +562,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             "order": "pairs, first side alternating (upstream-fork, fork-upstream, ...)",
             "step_time": "wall time of one /generate of bs prompts over the verify steps per "
             "request (spec_verify_ct summed / bs): prefill and HTTP included",
+            "batch": "bs prompts as token ids (one message to the scheduler, one prefill)",
             "ratios": "fork / upstream per repeat; mean with 95 % t and bootstrap intervals",
             "tokens": "greedy tokens identical to upstream's (the agree checkpoints' rule)",
             "server_args": server_args(upstream_row()),
@@ -619,7 +647,10 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
                         f"{b['step_ratio']['t95']}), accepted "
                         f"{b['upstream']['accepted_drafts_per_step']} / "
                         f"{b['fork']['accepted_drafts_per_step']}, tokens identical "
-                        f"{b['tokens_identical']}",
+                        f"{b['tokens_identical']}; by order (upstream / fork first) "
+                        f"{b['step_ratio_by_order']['upstream_first']:.3f} / "
+                        f"{b['step_ratio_by_order']['fork_first']:.3f}, tokens/s "
+                        f"x{b['throughput_ratio']['mean']:.3f}",
                         flush=True,
                     )
                     if bs in profiled and not late():
@@ -684,8 +715,13 @@ def merge_flag_sets(report: dict, earlier: dict) -> None:
             )
     for name, rec in earlier.get("flag_sets", {}).items():
         if name not in report["flag_sets"] or "skipped" in report["flag_sets"][name]:
-            # the upstream server that flag set was measured against (another sitting's)
-            report["flag_sets"][name] = {"upstream": earlier.get("upstream"), **rec}
+            # the upstream server and the method that flag set was measured with (another
+            # sitting's)
+            report["flag_sets"][name] = {
+                "upstream": earlier.get("upstream"),
+                "method": earlier.get("method"),
+                **rec,
+            }
 
 
 def merge_files(paths: list[Path]) -> dict:
