@@ -347,6 +347,83 @@ FULL_DEPTH_SETS = (
 )
 
 
+# the cost model's label of each flag set (benchmark/e2e/cost_model.py, Flags.label)
+COST_MODEL_LABELS = {
+    "wo_a_mid": "wo_a mid",
+    "head_fp8": "head fp8",
+    "cap_3": "cap 3",
+    "wo_a_head": "wo_a mid + head fp8",
+    "all_on": "wo_a mid + head fp8 + cap 3",
+}
+
+
+def _flag_group_split(
+    prof: dict, flags: list[str]
+) -> tuple[list[str], float, float, float]:
+    """(groups, upstream us, fork us, other groups' change) per verify step: the recorded
+    split, or, for a run older than it, the same split computed from ``groups``."""
+    from e2e.side_by_side import FLAG_GROUPS
+
+    groups = prof["groups"]
+    touched = prof.get("flag_groups") or sorted(
+        {g for f in flags for g in FLAG_GROUPS.get(f, ())}
+    )
+    mine = [groups[g] for g in touched if g in groups]
+    other = sum(r["saving_us"] for g, r in groups.items() if g not in touched)
+    return (
+        touched,
+        sum(r["upstream_us"] for r in mine),
+        sum(r["fork_us"] for r in mine),
+        other,
+    )
+
+
+def e2e_attribution(d: dict) -> str:
+    """Per flag set and profiled batch: the kernel time per verify step of the groups the flags
+    change (``side_by_side.FLAG_GROUPS``) on both servers and its fall, beside the cost model's
+    prediction at TP1 on the H200 (``cost_model-cpu.json``, the same build's report) and whether
+    it is within a third of the fall; then the change of every other group (kernels both sides
+    run alike: the profile's noise) and the GPU's busy share of the request."""
+    model = json.loads(
+        (
+            Path(__file__).resolve().parents[1] / RESULTS / "cost_model-cpu.json"
+        ).read_text()
+    )
+    predicted = {
+        (r["label"], r["bs"]): r for r in model["rows"] if r["line"] == "H200, TP1"
+    }
+    out = [
+        "| flags | bs | groups the flags change | upstream us/step | fork us/step | fall "
+        "| cost model | within a third | other groups, fork - upstream | GPU busy, upstream / fork |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | --- |",
+    ]
+    for key, label in FULL_DEPTH_SETS:
+        rec = d.get("flag_sets", {}).get(key, {})
+        for b, m in rec.get("batches", {}).items():
+            prof = m.get("profile")
+            if not prof:
+                continue
+            bs = int(b[2:])
+            touched, up, fork, other = _flag_group_split(prof, rec["args"])
+            fall = up - fork
+            p = predicted.get((COST_MODEL_LABELS[key], bs))
+            if p is None:
+                model_cell, verdict = "-", "no prediction"
+            else:
+                model_cell = p["cell"]
+                if not p["complete"]:
+                    verdict = "part not measured"
+                else:
+                    ok = abs(p["saved_us_per_step"] - fall) <= abs(fall) / 3
+                    verdict = "yes" if ok else "no"
+            out.append(
+                f"| {label} | {bs} | {', '.join(touched)} | {up:,.0f} | {fork:,.0f} "
+                f"| {fall:,.0f} | {model_cell} | {verdict} | {-other:+,.0f} "
+                f"| {prof['upstream']['gpu_busy']:.2f} / {prof['fork']['gpu_busy']:.2f} |"
+            )
+    return "\n".join(out)
+
+
 def e2e_full_depth(d: dict) -> str:
     """Per flag set and batch: the step time and the output tokens/s, fork / upstream (mean of
     the paired repeats, 95 % t-interval), and the accepted drafts per step on both sides; the
@@ -599,6 +676,9 @@ TABLES: dict[str, Table] = {
     "e2e_last_run": Table("docs/gpu-testing.md", "e2e-NVIDIA_H200.json", e2e_last_run),
     "e2e_full_depth": Table(
         "docs/performance.md", "e2e-full-depth-NVIDIA_H200.json", e2e_full_depth
+    ),
+    "e2e_attribution": Table(
+        "docs/performance.md", "e2e-full-depth-NVIDIA_H200.json", e2e_attribution
     ),
     "hc_fused": Table("docs/hc_fused.md", "hc_fused-NVIDIA_H200.json", hc_fused),
     "hc_upstream_repeat": Table(
