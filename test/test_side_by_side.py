@@ -788,14 +788,14 @@ def test_the_docs_table_renders_a_run():
 
 
 def test_the_attribution_table_holds_the_flags_groups_against_the_model():
-    """docs_tables.e2e_attribution: the groups a flag set changes, summed per side (from the
-    recorded split, or from ``groups`` for a run older than it), their fall against the cost
+    """docs_tables.e2e_attribution: the groups a flag set changes, summed per side from
+    ``groups`` (so a run older than the recorded split renders too), their fall against the cost
     model's TP1 prediction of the committed report (526 us for the twin and the head at batch
     1), and the rest's change beside it. A fall the model misses by more than a third says no.
     """
     import docs_tables
 
-    def prof(gemm_fork, noise, split):
+    def prof(gemm_fork, noise):
         groups = {
             "gemm": {
                 "upstream_us": 3300.0,
@@ -815,35 +815,24 @@ def test_the_attribution_table_holds_the_flags_groups_against_the_model():
                 "saving_us": -noise,
             },
         }
-        p = {
+        return {
             "groups": groups,
             "upstream": {"gpu_busy": 0.74},
             "fork": {"gpu_busy": 0.73},
         }
-        if split:  # what the tool records now; the table must not need it
-            p["flag_groups"] = split
-        return p
 
     run = {
         "flag_sets": {
             "wo_a_head": {
                 "args": sbs.FLAG_SETS["wo_a_head"],
                 "batches": {
-                    "bs1": {"profile": prof(2058.0, 180.0, split=None)},
+                    "bs1": {"profile": prof(2058.0, 180.0)},
                     "bs32": {"step_ratio": {}},  # not profiled: no row
                 },
             },
             "all_on": {
                 "args": sbs.FLAG_SETS["all_on"],
-                "batches": {
-                    "bs1": {
-                        "profile": prof(
-                            1000.0,
-                            -50.0,
-                            split=["draft_head_fp8", "gemm", "moe", "wo_a"],
-                        )
-                    }
-                },
+                "batches": {"bs1": {"profile": prof(1000.0, -50.0)}},
             },
         }
     }
@@ -859,7 +848,5 @@ def test_the_attribution_table_holds_the_flags_groups_against_the_model():
         "| all three | 1 | draft_head_fp8, gemm, moe, wo_a | 12,300 |"
     )
     assert "| part not measured | -50 |" in rows[3]
-    run["flag_sets"]["wo_a_head"]["batches"]["bs1"]["profile"] = prof(
-        1300.0, 0.0, False
-    )
+    run["flag_sets"]["wo_a_head"]["batches"]["bs1"]["profile"] = prof(1300.0, 0.0)
     assert "| 1,324 | 526 | no |" in docs_tables.e2e_attribution(run)

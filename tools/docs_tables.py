@@ -347,51 +347,34 @@ FULL_DEPTH_SETS = (
 )
 
 
-# the cost model's label of each flag set (benchmark/e2e/cost_model.py, Flags.label)
-COST_MODEL_LABELS = {
-    "wo_a_mid": "wo_a mid",
-    "head_fp8": "head fp8",
-    "cap_3": "cap 3",
-    "wo_a_head": "wo_a mid + head fp8",
-    "all_on": "wo_a mid + head fp8 + cap 3",
-}
+def _cost_model_flags(args: list[str]) -> dict:
+    """A flag set's server arguments as the cost model's ``Flags`` fields (its rows' inputs)."""
+    from e2e.side_by_side import CAP_3, HEAD_FP8, TWIN_MID
 
+    def value(flag: str) -> str | None:
+        return args[args.index(flag) + 1] if flag in args else None
 
-def _flag_group_split(
-    prof: dict, flags: list[str]
-) -> tuple[list[str], float, float, float]:
-    """(groups, upstream us, fork us, other groups' change) per verify step: the recorded
-    split, or, for a run older than it, the same split computed from ``groups``."""
-    from e2e.side_by_side import FLAG_GROUPS
-
-    groups = prof["groups"]
-    touched = prof.get("flag_groups") or sorted(
-        {g for f in flags for g in FLAG_GROUPS.get(f, ())}
-    )
-    mine = [groups[g] for g in touched if g in groups]
-    other = sum(r["saving_us"] for g, r in groups.items() if g not in touched)
-    return (
-        touched,
-        sum(r["upstream_us"] for r in mine),
-        sum(r["fork_us"] for r in mine),
-        other,
-    )
+    return {
+        "wo_a_twin": value(TWIN_MID[0]) or "off",
+        "draft_head_fp8": HEAD_FP8[0] in args,
+        "verify_cap": value(CAP_3[0]),
+    }
 
 
 def e2e_attribution(d: dict) -> str:
     """Per flag set and profiled batch: the kernel time per verify step of the groups the flags
-    change (``side_by_side.FLAG_GROUPS``) on both servers and its fall, beside the cost model's
+    change (``side_by_side.split_by_flags``) on both servers and its fall, beside the cost model's
     prediction at TP1 on the H200 (``cost_model-cpu.json``, the same build's report) and whether
     it is within a third of the fall; then the change of every other group (kernels both sides
     run alike: the profile's noise) and the GPU's busy share of the request."""
+    from e2e.side_by_side import split_by_flags
+
     model = json.loads(
         (
             Path(__file__).resolve().parents[1] / RESULTS / "cost_model-cpu.json"
         ).read_text()
     )
-    predicted = {
-        (r["label"], r["bs"]): r for r in model["rows"] if r["line"] == "H200, TP1"
-    }
+    tp1 = [r for r in model["rows"] if r["line"] == "H200, TP1"]
     out = [
         "| flags | bs | groups the flags change | upstream us/step | fork us/step | fall "
         "| cost model | within a third | other groups, fork - upstream | GPU busy, upstream / fork |",
@@ -404,9 +387,19 @@ def e2e_attribution(d: dict) -> str:
             if not prof:
                 continue
             bs = int(b[2:])
-            touched, up, fork, other = _flag_group_split(prof, rec["args"])
+            split = split_by_flags(prof["groups"], rec["args"])
+            up, fork = split["flag_groups_upstream_us"], split["flag_groups_fork_us"]
             fall = up - fork
-            p = predicted.get((COST_MODEL_LABELS[key], bs))
+            wanted = _cost_model_flags(rec["args"])
+            p = next(
+                (
+                    r
+                    for r in tp1
+                    if r["bs"] == bs
+                    and all(r["inputs"]["flags"][k] == v for k, v in wanted.items())
+                ),
+                None,
+            )
             if p is None:
                 model_cell, verdict = "-", "no prediction"
             else:
@@ -417,8 +410,9 @@ def e2e_attribution(d: dict) -> str:
                     ok = abs(p["saved_us_per_step"] - fall) <= abs(fall) / 3
                     verdict = "yes" if ok else "no"
             out.append(
-                f"| {label} | {bs} | {', '.join(touched)} | {up:,.0f} | {fork:,.0f} "
-                f"| {fall:,.0f} | {model_cell} | {verdict} | {-other:+,.0f} "
+                f"| {label} | {bs} | {', '.join(split['flag_groups'])} | {up:,.0f} "
+                f"| {fork:,.0f} | {fall:,.0f} | {model_cell} | {verdict} "
+                f"| {-split['other_groups_change_us']:+,.0f} "
                 f"| {prof['upstream']['gpu_busy']:.2f} / {prof['fork']['gpu_busy']:.2f} |"
             )
     return "\n".join(out)

@@ -892,8 +892,9 @@ def profile(
     """The GPU kernels of one batch-1 request of PROFILE_TOKENS greedy tokens, through upstream's
     ``/start_profile`` (torch profiler, GPU activity only; CUDA-graph replays included): time per
     kernel name summed, the top PROFILE_TOP kept. The trace itself is deleted (megabytes).
-    ``prompts`` (or ``input_ids``, token ids) sends that batch instead, ``tokens`` each; ``all_kernels`` keeps
-    every kernel name's time and calls (``by_name``, ``kernel_times``); ``requests`` counts them.
+    ``prompts`` (or ``input_ids``, token ids) sends that batch instead, ``tokens`` each;
+    ``all_kernels`` keeps every kernel name's time and calls (``by_name``, ``kernel_times``);
+    ``requests`` counts them.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     server.post_text(

@@ -15,8 +15,8 @@ Per batch size (``bs`` concurrent requests, one ``/generate`` of ``bs`` prompts 
 greedy, ``--sbs-tokens`` output tokens with ``ignore_eos``): one warm-up request on each server (it
 compiles the batch's kernels), then ``--sbs-repeats`` interleaved pairs, the first of each pair
 alternating (upstream, fork | fork, upstream | ...: ``interleave_order``), so a slow drift of the
-machine falls on both sides alike; ``step_ratio_by_order`` shows whether the order mattered. A request is timed from its POST to its answer; its **decode
-step time** is that wall time over the verify steps a request took (``spec_verify_ct`` of the
+machine falls on both sides alike; ``step_ratio_by_order`` shows whether the order mattered.
+A request is timed from its POST to its answer; its **decode step time** is that wall time over the verify steps a request took (``spec_verify_ct`` of the
 server's answer, summed over the batch, over ``bs``), so it includes the prefill of the batch
 and the HTTP round trip, once per request, on both sides alike; output tokens/s is ``bs x
 tokens`` over the wall time. Per repeat, the ratio fork / upstream of each (step time: below 1 is
@@ -170,7 +170,7 @@ def order_means(per_repeat: list[float]) -> dict:
     """
     return {
         "upstream_first": round(statistics.fmean(per_repeat[0::2]), 4),
-        "fork_first": round(statistics.fmean(per_repeat[1::2] or [math.nan]), 4),
+        "fork_first": round(statistics.fmean(per_repeat[1::2]), 4),
     }
 
 
@@ -204,6 +204,23 @@ def group_kernels(by_name: dict[str, list[float]]) -> dict[str, dict]:
         g["calls"] += calls
         g["kernels"] += 1
     return groups
+
+
+def split_by_flags(groups: dict[str, dict], flags: list[str]) -> dict:
+    """Per-step kernel groups (``attribute``'s ``groups``) split into those ``flags`` change
+    (``FLAG_GROUPS``: both sides' time and its fall) and the change of the rest (noise).
+    """
+    touched = sorted({g for f in flags for g in FLAG_GROUPS.get(f, ())})
+    mine = [groups[g] for g in touched if g in groups]
+    return {
+        "flag_groups": touched,
+        "flag_groups_upstream_us": round(sum(r["upstream_us"] for r in mine), 2),
+        "flag_groups_fork_us": round(sum(r["fork_us"] for r in mine), 2),
+        "flag_groups_saving_us": round(sum(r["saving_us"] for r in mine), 2),
+        "other_groups_change_us": round(
+            sum(r["saving_us"] for g, r in groups.items() if g not in touched), 2
+        ),
+    }
 
 
 def attribute(
@@ -249,15 +266,7 @@ def attribute(
         "fork_kernel_us_per_step": round(sum(r["fork_us"] for r in rows.values()), 2),
     }
     if flags is not None:
-        touched = sorted({g for f in flags for g in FLAG_GROUPS.get(f, ())})
-        mine = [rows[g] for g in touched if g in rows]
-        out["flag_groups"] = touched
-        out["flag_groups_upstream_us"] = round(sum(r["upstream_us"] for r in mine), 2)
-        out["flag_groups_fork_us"] = round(sum(r["fork_us"] for r in mine), 2)
-        out["flag_groups_saving_us"] = round(sum(r["saving_us"] for r in mine), 2)
-        out["other_groups_change_us"] = round(
-            sum(r["saving_us"] for g, r in rows.items() if g not in touched), 2
-        )
+        out.update(split_by_flags(rows, flags))
     if measured_step_us is not None:
         change = measured_step_us[0] - measured_step_us[1]
         out["measured_step_change_us"] = round(change, 2)
@@ -383,11 +392,12 @@ def profile_pair(
     (no host time, no HTTP, not the other groups' noise) against its prediction."""
     from .matrix import profile
 
+    ids = batch_ids(servers["upstream"], bs)
     profiles = {
         side: profile(
             servers[side],
             out_dir / f"{side}-bs{bs}",
-            input_ids=batch_ids(servers["upstream"], bs),
+            input_ids=ids,
             tokens=tokens,
             all_kernels=True,
         )
