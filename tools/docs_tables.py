@@ -37,7 +37,9 @@ BLOCK_RE = re.compile(
 class Table:
     page: str  # relative to the repository
     result: str  # file name in benchmark/results/
-    render: Callable[[Any], str]
+    render: Callable[..., str]
+    # Further result files the renderer reads, passed after the first one's data.
+    also: tuple[str, ...] = ()
 
 
 def _g(x: float) -> str:
@@ -361,7 +363,7 @@ def _cost_model_flags(args: list[str]) -> dict:
     }
 
 
-def e2e_attribution(d: dict) -> str:
+def e2e_attribution(d: dict, model: dict) -> str:
     """Per flag set and profiled batch: the kernel time per verify step of the groups the flags
     change (``side_by_side.split_by_flags``) on both servers and its fall, beside the cost model's
     prediction at TP1 on the H200 (``cost_model-cpu.json``, the same build's report) and whether
@@ -369,11 +371,6 @@ def e2e_attribution(d: dict) -> str:
     run alike: the profile's noise) and the GPU's busy share of the request."""
     from e2e.side_by_side import split_by_flags
 
-    model = json.loads(
-        (
-            Path(__file__).resolve().parents[1] / RESULTS / "cost_model-cpu.json"
-        ).read_text()
-    )
     tp1 = [r for r in model["rows"] if r["line"] == "H200, TP1"]
     out = [
         "| flags | bs | groups the flags change | upstream us/step | fork us/step | fall "
@@ -672,7 +669,10 @@ TABLES: dict[str, Table] = {
         "docs/performance.md", "e2e-full-depth-NVIDIA_H200.json", e2e_full_depth
     ),
     "e2e_attribution": Table(
-        "docs/performance.md", "e2e-full-depth-NVIDIA_H200.json", e2e_attribution
+        "docs/performance.md",
+        "e2e-full-depth-NVIDIA_H200.json",
+        e2e_attribution,
+        also=("cost_model-cpu.json",),
     ),
     "hc_fused": Table("docs/hc_fused.md", "hc_fused-NVIDIA_H200.json", hc_fused),
     "hc_upstream_repeat": Table(
@@ -712,9 +712,12 @@ TABLES: dict[str, Table] = {
 def render(name: str, root: Path = REPO, tables: dict[str, Table] = TABLES) -> str:
     """The block's body: the table from its result file, then the line linking that file."""
     t = tables[name]
-    path = root / RESULTS / t.result
-    data = json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
-    return f"{t.render(data)}\n\n{_source(t.page, t.result, data)}\n"
+    data, *also = (_load(root / RESULTS / f) for f in (t.result, *t.also))
+    return f"{t.render(data, *also)}\n\n{_source(t.page, t.result, data)}\n"
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
 
 
 def _pages(root: Path, tables: dict[str, Table]) -> list[Path]:
