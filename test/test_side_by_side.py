@@ -836,7 +836,10 @@ def test_the_attribution_table_holds_the_flags_groups_against_the_model():
             },
         }
     }
-    rows = docs_tables.e2e_attribution(run).splitlines()
+    model = json.loads(
+        (docs_tables.REPO / docs_tables.RESULTS / "cost_model-cpu.json").read_text()
+    )
+    rows = docs_tables.e2e_attribution(run, model).splitlines()
     assert len(rows) == 4
     assert rows[2] == (
         "| wo_a mid + head fp8 | 1 | draft_head_fp8, gemm, wo_a | 3,300 | 2,734 | 566 | 526 "
@@ -849,4 +852,4 @@ def test_the_attribution_table_holds_the_flags_groups_against_the_model():
     )
     assert "| part not measured | -50 |" in rows[3]
     run["flag_sets"]["wo_a_head"]["batches"]["bs1"]["profile"] = prof(1300.0, 0.0)
-    assert "| 1,324 | 526 | no |" in docs_tables.e2e_attribution(run)
+    assert "| 1,324 | 526 | no |" in docs_tables.e2e_attribution(run, model)
