@@ -534,6 +534,54 @@ def test_merge_keeps_earlier_flag_sets_of_the_same_build():
         sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
 
 
+def test_merge_gathers_a_flag_sets_batches_from_two_sittings():
+    """A set measured in two sittings keeps the earlier one's batches that the later skipped or
+    did not list, if both used one method; its token check then covers them (a kept batch
+    whose tokens differ fails the set)."""
+    meta = {"fork_version": "b", "device": "D", "standins": True}
+    ok = {"tokens_identical": True, "step_ratio": {"mean": 0.9}}
+
+    def sitting(batches: list[int], order: list[int], kept: dict) -> dict:
+        return {
+            **meta,
+            "method": {"batch": "ids", "batches": order},
+            "flag_sets": {
+                "wo_a_mid": {
+                    "batches": {f"bs{b}": kept.get(b, ok) for b in batches},
+                    "checks": {"engaged": True, "tokens_identical_to_upstream": True},
+                    "ok": True,
+                }
+            },
+        }
+
+    later = sitting(
+        [32, 16, 8], [32, 16, 8, 4, 1], {8: {"skipped": "past --sbs-deadline"}}
+    )
+    earlier = sitting(
+        [1, 4, 8, 16], [1, 4, 8, 16, 32], {16: {**ok, "tokens_identical": 0}}
+    )
+    sbs.merge_flag_sets(later, earlier)
+    rec = later["flag_sets"]["wo_a_mid"]
+    assert list(rec["batches"]) == ["bs1", "bs4", "bs8", "bs16", "bs32"]
+    assert rec["batches"]["bs8"] == {**ok, "earlier_sitting": True}
+    assert (
+        "earlier_sitting" not in rec["batches"]["bs16"]
+    )  # the later measurement stays
+    assert rec["ok"] is True
+    # a kept batch with other tokens fails the set
+    later = sitting([32], [32, 1], {})
+    sbs.merge_flag_sets(
+        later, sitting([1], [1], {1: {**ok, "tokens_identical": False}})
+    )
+    assert later["flag_sets"]["wo_a_mid"]["ok"] is False
+    # another method (text batches): nothing is kept
+    later = sitting([32], [32], {})
+    text = sitting([1], [1], {})
+    text["method"]["batch"] = "text"
+    sbs.merge_flag_sets(later, text)
+    assert list(later["flag_sets"]["wo_a_mid"]["batches"]) == ["bs32"]
+
+
 def test_sittings_merge_into_one_file(tmp_path):
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
     meta = {"fork_version": "b", "device": "NVIDIA H200", "standins": True}

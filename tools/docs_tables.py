@@ -422,8 +422,9 @@ def e2e_full_depth(d: dict) -> str:
     measure says so (not run, skipped and why, or its error)."""
     sets = d.get("flag_sets", {})
     measured = {b for rec in sets.values() for b in rec.get("batches", {})}
-    batches = [f"bs{b}" for b in d.get("method", {}).get("batches", [])] or sorted(
-        measured, key=lambda b: int(b[2:])
+    batches = sorted(  # a sitting may list its batches in any order
+        measured | {f"bs{b}" for b in d.get("method", {}).get("batches", [])},
+        key=lambda b: int(b[2:]),
     )
     lines = [
         "| flags | " + " | ".join(f"bs {b[2:]}" for b in batches) + " |",

@@ -716,7 +716,11 @@ def _terminate(signum, frame):
 
 
 def merge_flag_sets(report: dict, earlier: dict) -> None:
-    """Keep ``earlier``'s flag sets that this run did not measure (same build and device)."""
+    """Keep what ``earlier`` measured and this run did not (same build and device): a flag set
+    this run did not measure, whole; and, of a flag set both measured with the same method, the
+    batches this run skipped or did not list (each batch is its own interleaved pair, so a set
+    may gather its batches from several sittings; a kept batch says ``earlier_sitting``).
+    """
     for key in ("fork_version", "device", "standins"):
         if earlier.get(key) != report.get(key):
             raise SystemExit(
@@ -724,20 +728,46 @@ def merge_flag_sets(report: dict, earlier: dict) -> None:
                 f"{report.get(key)!r}"
             )
     for name, rec in earlier.get("flag_sets", {}).items():
-        if name not in report["flag_sets"] or "skipped" in report["flag_sets"][name]:
-            # the upstream server and the method that flag set was measured with (another
-            # sitting's)
-            report["flag_sets"][name] = {
-                "upstream": earlier.get("upstream"),
-                "method": earlier.get("method"),
-                **rec,
-            }
+        # the upstream server and the method that flag set was measured with (another
+        # sitting's)
+        kept = {
+            "upstream": earlier.get("upstream"),
+            "method": earlier.get("method"),
+            **rec,
+        }
+        now = report["flag_sets"].get(name)
+        if now is None or "skipped" in now:
+            report["flag_sets"][name] = kept
+        elif kept.get("ok") and "batches" in kept and "batches" in now:
+            _keep_batches(now, kept, now.get("method", report.get("method")))
+
+
+def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
+    """``kept``'s measured batches that ``now`` lacks, if both used one method (the batch list
+    aside); ``now``'s token check and verdict then cover them too."""
+
+    def same(m: dict | None) -> dict:
+        return {k: v for k, v in (m or {}).items() if k != "batches"}
+
+    if same(kept["method"]) != same(method):
+        return
+    batches = now["batches"]
+    for key, b in kept["batches"].items():
+        if "skipped" not in b and "skipped" in batches.get(key, {"skipped": ""}):
+            batches[key] = {**b, "earlier_sitting": True}
+    now["batches"] = dict(sorted(batches.items(), key=lambda kv: int(kv[0][2:])))
+    measured = [b for b in now["batches"].values() if "skipped" not in b]
+    if "checks" in now:
+        now["checks"]["tokens_identical_to_upstream"] = bool(measured) and all(
+            b["tokens_identical"] for b in measured
+        )
+        now["ok"] = all(now["checks"].values())
 
 
 def merge_files(paths: list[Path]) -> dict:
     """Several sittings' ``e2e-full-depth-<device>.json`` as one (``python -m
-    e2e.side_by_side A.json B.json --out C.json``): a flag set measured in a later file replaces
-    an earlier one; every file must be of one build and device (their provenance is kept, not
+    e2e.side_by_side A.json B.json --out C.json``): what a later file measured replaces an
+    earlier one's, flag set by flag set, batch by batch (``merge_flag_sets``); every file must be of one build and device (their provenance is kept, not
     restamped by the machine that merges)."""
     merged = json.loads(Path(paths[-1]).read_text())
     for path in reversed(paths[:-1]):
@@ -805,7 +835,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "--sbs-merge",
         type=Path,
         help="side by side: an earlier e2e-full-depth JSON (same build and device) whose flag "
-        "sets this run does not measure are kept",
+        "sets and batches this run does not measure are kept",
     )
 
 
