@@ -198,3 +198,29 @@ def test_the_serial_load_table_lists_every_process():
         "| stock (pool) | 129.9, 209.6, 138.0 | 138.0 | 0.08, 0.071, 0.062 | 0.071 |"
         in _rendered("serial_weight_load")
     )
+
+
+def test_the_full_depth_table_sorts_batches_and_marks_another_number_of_pairs():
+    def batch(n: int) -> dict:
+        r = {"mean": 1.0, "t95": [0.9, 1.1], "n": n}
+        side = {"accepted_drafts_per_step": 2.5, "step_ms": 45.0}
+        return {"step_ratio": r, "throughput_ratio": r, "tokens_identical": True}, side
+
+    def rec(ns: dict[int, int]) -> dict:
+        out = {}
+        for bs, n in ns.items():
+            b, side = batch(n)
+            out[f"bs{bs}"] = {**b, "upstream": side, "fork": side}
+        return {"batches": out}
+
+    d = {  # a sitting that listed its batches last to first, one batch re-measured
+        "method": {"batches": [32, 1]},
+        "flag_sets": {"cap_3": rec({32: 10, 1: 30}), "wo_a_mid": rec({1: 10, 32: 10})},
+    }
+    lines = docs_tables.e2e_full_depth(d).splitlines()
+    assert lines[0] == "| flags | bs 1 | bs 32 |"
+    cap = next(line for line in lines if line.startswith("| cap 3: step time"))
+    assert (
+        cap
+        == "| cap 3: step time | 1.000 [0.900, 1.100] (n = 30) | 1.000 [0.900, 1.100] |"
+    )

@@ -568,6 +568,11 @@ def test_merge_gathers_a_flag_sets_batches_from_two_sittings():
         "earlier_sitting" not in rec["batches"]["bs16"]
     )  # the later measurement stays
     assert rec["ok"] is True
+    # a batch re-measured with more pairs keeps the set's other batches (each records its n)
+    later = sitting([1], [1], {})
+    later["method"]["repeats"] = 30
+    sbs.merge_flag_sets(later, sitting([1, 4], [1, 4], {}))
+    assert list(later["flag_sets"]["wo_a_mid"]["batches"]) == ["bs1", "bs4"]
     # a kept batch with other tokens fails the set
     later = sitting([32], [32, 1], {})
     sbs.merge_flag_sets(

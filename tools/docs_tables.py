@@ -417,8 +417,8 @@ def e2e_attribution(d: dict, model: dict) -> str:
 
 def e2e_full_depth(d: dict) -> str:
     """Per flag set and batch: the step time and the output tokens/s, fork / upstream (mean of
-    the paired repeats, 95 % t-interval), and the accepted drafts per step on both sides; the
-    upstream step time last. Every flag set and batch of the method appears: one the run did not
+    the paired repeats, 95 % t-interval; their number where it is not most cells'), and the
+    accepted drafts per step on both sides; the upstream step time last. Every flag set and batch of the method appears: one the run did not
     measure says so (not run, skipped and why, or its error)."""
     sets = d.get("flag_sets", {})
     measured = {b for rec in sets.values() for b in rec.get("batches", {})}
@@ -431,9 +431,18 @@ def e2e_full_depth(d: dict) -> str:
         "| --- |" + " ---: |" * len(batches),
     ]
 
+    ns = [  # the pairs behind most cells; a cell with another number says it
+        m["step_ratio"].get("n")
+        for rec in sets.values()
+        for m in rec.get("batches", {}).values()
+        if "step_ratio" in m
+    ]
+    repeats = max(set(ns), key=ns.count) if ns else None
+
     def ratio(b: dict, key: str) -> str:
         r = b[key]
-        return f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]"
+        n = f" (n = {r['n']})" if r.get("n", repeats) != repeats else ""
+        return f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]{n}"
 
     def drafts(b: dict) -> str:
         return (

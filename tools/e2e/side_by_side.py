@@ -743,11 +743,12 @@ def merge_flag_sets(report: dict, earlier: dict) -> None:
 
 
 def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
-    """``kept``'s measured batches that ``now`` lacks, if both used one method (the batch list
-    aside); ``now``'s token check and verdict then cover them too."""
+    """``kept``'s measured batches that ``now`` lacks, if both used one method (the batch list and
+    the number of pairs aside: each batch's ratios record their own ``n``); ``now``'s token check
+    and verdict then cover them too."""
 
     def same(m: dict | None) -> dict:
-        return {k: v for k, v in (m or {}).items() if k != "batches"}
+        return {k: v for k, v in (m or {}).items() if k not in ("batches", "repeats")}
 
     if same(kept["method"]) != same(method):
         return
