@@ -768,8 +768,9 @@ def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
 def merge_files(paths: list[Path]) -> dict:
     """Several sittings' ``e2e-full-depth-<device>.json`` as one (``python -m
     e2e.side_by_side A.json B.json --out C.json``): what a later file measured replaces an
-    earlier one's, flag set by flag set, batch by batch (``merge_flag_sets``); every file must be of one build and device (their provenance is kept, not
-    restamped by the machine that merges)."""
+    earlier one's, flag set by flag set, batch by batch (``merge_flag_sets``); every file must be
+    of one build and device (their provenance is kept, not restamped by the machine that
+    merges)."""
     merged = json.loads(Path(paths[-1]).read_text())
     for path in reversed(paths[:-1]):
         merge_flag_sets(merged, json.loads(Path(path).read_text()))
