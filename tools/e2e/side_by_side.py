@@ -19,9 +19,10 @@ machine falls on both sides alike; ``step_ratio_by_order`` shows whether the ord
 A request is timed from its POST to its answer; its **decode step time** is that wall time over
 the verify steps a request took (``spec_verify_ct`` of the server's answer, summed over the
 batch, over ``bs``), so it includes the prefill of the batch and the HTTP round trip, once per
-request, on both sides alike; output tokens/s is ``bs x tokens`` over the wall time. Per repeat, the ratio fork / upstream of each (step time: below 1 is
-faster; tokens/s: above 1 is faster), with a 95 % t-interval and a bootstrap percentile interval
-of the mean ratio (``ratio_summary``). Greedy tokens are held to the matrix's rule for the agree
+request, on both sides alike; output tokens/s is ``bs x tokens`` over the wall time. Per
+repeat, the ratio fork / upstream of each (step time: below 1 is faster; tokens/s: above 1 is
+faster), with a 95 % t-interval and a bootstrap percentile interval of the mean ratio
+(``ratio_summary``). Greedy tokens are held to the matrix's rule for the agree
 checkpoints: identical to upstream's (``tokens_identical``), every repeat.
 
 ``--sbs-profile 1,32`` also records, at those batch sizes, both servers' GPU kernels of one
