@@ -534,57 +534,97 @@ def test_merge_keeps_earlier_flag_sets_of_the_same_build():
         sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
 
 
+def _batch(bs: int, fork_ms: list[float], up_ms: list[float], identical=True) -> dict:
+    """A batch's record as ``measure_batch`` writes it, from its paired step times."""
+
+    def runs(ms: list[float]) -> list[dict]:
+        return [
+            {
+                "step_ms": m,
+                "tokens_per_s": 1e3 / m,
+                "accepted_drafts_per_step": 2.5,
+                "verify_steps_per_request": 18.0,
+            }
+            for m in ms
+        ]
+
+    rec = sbs.summarize_batch(
+        bs, {"fork": runs(fork_ms), "upstream": runs(up_ms)}, [], [len(fork_ms)]
+    )
+    return {**rec, "tokens_identical": identical, "upstream_repeatable": True}
+
+
+def _sitting(batches: dict, order: list[int], batch="ids", repeats=10) -> dict:
+    return {
+        "fork_version": "b",
+        "device": "D",
+        "standins": True,
+        "method": {"batch": batch, "batches": order, "repeats": repeats},
+        "flag_sets": {
+            "wo_a_mid": {
+                "args": ["--dsv4-wo-a-fp8-twin", "mid"],
+                "batches": batches,
+                "checks": {"engaged": True, "tokens_identical_to_upstream": True},
+                "ok": True,
+            }
+        },
+    }
+
+
 def test_merge_gathers_a_flag_sets_batches_from_two_sittings():
     """A set measured in two sittings keeps the earlier one's batches that the later skipped or
     did not list, if both used one method; its token check then covers them (a kept batch
-    whose tokens differ fails the set)."""
-    meta = {"fork_version": "b", "device": "D", "standins": True}
-    ok = {"tokens_identical": True, "step_ratio": {"mean": 0.9}}
-
-    def sitting(batches: list[int], order: list[int], kept: dict) -> dict:
-        return {
-            **meta,
-            "method": {"batch": "ids", "batches": order},
-            "flag_sets": {
-                "wo_a_mid": {
-                    "batches": {f"bs{b}": kept.get(b, ok) for b in batches},
-                    "checks": {"engaged": True, "tokens_identical_to_upstream": True},
-                    "ok": True,
-                }
-            },
-        }
-
-    later = sitting(
-        [32, 16, 8], [32, 16, 8, 4, 1], {8: {"skipped": "past --sbs-deadline"}}
+    whose tokens differ fails the set); another method's set is replaced whole."""
+    b = {bs: _batch(bs, [9.0, 9.5], [10.0, 10.0]) for bs in (1, 4, 8, 32)}
+    later = _sitting(
+        {"bs32": b[32], "bs8": {"skipped": "past --sbs-deadline"}}, [32, 8, 4, 1]
     )
-    earlier = sitting(
-        [1, 4, 8, 16], [1, 4, 8, 16, 32], {16: {**ok, "tokens_identical": 0}}
+    sbs.merge_flag_sets(
+        later, _sitting({"bs1": b[1], "bs4": b[4], "bs8": b[8]}, [1, 4, 8])
     )
-    sbs.merge_flag_sets(later, earlier)
     rec = later["flag_sets"]["wo_a_mid"]
-    assert list(rec["batches"]) == ["bs1", "bs4", "bs8", "bs16", "bs32"]
-    assert rec["batches"]["bs8"] == {**ok, "earlier_sitting": True}
-    assert (
-        "earlier_sitting" not in rec["batches"]["bs16"]
-    )  # the later measurement stays
+    assert list(rec["batches"]) == ["bs1", "bs4", "bs8", "bs32"]
+    assert rec["batches"]["bs8"] == {**b[8], "earlier_sitting": True}
+    assert "earlier_sitting" not in rec["batches"]["bs32"]
     assert rec["ok"] is True
-    # a batch re-measured with more pairs keeps the set's other batches (each records its n)
-    later = sitting([1], [1], {})
-    later["method"]["repeats"] = 30
-    sbs.merge_flag_sets(later, sitting([1, 4], [1, 4], {}))
+    # a re-measure with more pairs keeps the set's other batches (each records its n)
+    later = _sitting({"bs1": _batch(1, [9.0] * 3, [10.0] * 3)}, [1], repeats=30)
+    sbs.merge_flag_sets(later, _sitting({"bs4": b[4]}, [4]))
     assert list(later["flag_sets"]["wo_a_mid"]["batches"]) == ["bs1", "bs4"]
     # a kept batch with other tokens fails the set
-    later = sitting([32], [32, 1], {})
-    sbs.merge_flag_sets(
-        later, sitting([1], [1], {1: {**ok, "tokens_identical": False}})
-    )
+    later = _sitting({"bs32": b[32]}, [32])
+    other = _batch(1, [9.0, 9.5], [10.0, 10.0], identical=False)
+    sbs.merge_flag_sets(later, _sitting({"bs1": other}, [1]))
     assert later["flag_sets"]["wo_a_mid"]["ok"] is False
     # another method (text batches): nothing is kept
-    later = sitting([32], [32], {})
-    text = sitting([1], [1], {})
-    text["method"]["batch"] = "text"
-    sbs.merge_flag_sets(later, text)
+    later = _sitting({"bs32": b[32]}, [32])
+    sbs.merge_flag_sets(later, _sitting({"bs1": b[1]}, [1], batch="text"))
     assert list(later["flag_sets"]["wo_a_mid"]["batches"]) == ["bs32"]
+
+
+def test_merge_pools_a_batch_both_sittings_measured():
+    """A batch measured in two sittings with one method is one measurement of all their pairs:
+    n adds up, the mean is over every pair, the order means keep each sitting's own
+    alternation (each began upstream first), the token check is both sittings'; merging one
+    sitting twice is refused."""
+    first = _batch(1, [9.0, 10.0, 9.0], [10.0, 10.0, 10.0])  # ratios 0.9, 1.0, 0.9
+    second = _batch(1, [11.0, 10.0], [10.0, 10.0], identical=False)  # 1.1, 1.0
+    later = _sitting({"bs1": second}, [1])
+    sbs.merge_flag_sets(later, _sitting({"bs1": first}, [1]))
+    pooled = later["flag_sets"]["wo_a_mid"]["batches"]["bs1"]
+    assert pooled["step_ratio"]["n"] == 5 and pooled["sittings"] == [3, 2]
+    assert pooled["step_ratio"]["mean"] == pytest.approx(0.98)
+    assert pooled["step_ratio"]["per_repeat"] == [0.9, 1.0, 0.9, 1.1, 1.0]
+    # upstream went first in pairs 0 and 2 of the first sitting and pair 0 of the second
+    assert pooled["step_ratio_by_order"] == {
+        "upstream_first": pytest.approx(0.9667, abs=1e-4),
+        "fork_first": 1.0,
+    }
+    assert pooled["fork"]["step_ms_runs"] == [9.0, 10.0, 9.0, 11.0, 10.0]
+    assert pooled["tokens_identical"] is False
+    assert later["flag_sets"]["wo_a_mid"]["ok"] is False
+    with pytest.raises(SystemExit, match="same pairs twice"):
+        sbs.merge_flag_sets(later, _sitting({"bs1": first}, [1]))
 
 
 def test_sittings_merge_into_one_file(tmp_path):

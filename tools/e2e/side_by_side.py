@@ -164,15 +164,19 @@ def ratio_summary(fork: list[float], upstream: list[float]) -> dict:
     }
 
 
-def order_means(per_repeat: list[float]) -> dict:
+def order_means(per_repeat: list[float], sittings: list[int] | None = None) -> dict:
     """Mean ratio of the pairs upstream went first in and of those the fork went first in
     (``interleave_order``): equal up to noise when the measurement does not depend on the
     order; a gap is an effect the alternation cancels in the mean but not in its interval.
+    ``sittings``: the pairs of each sitting pooled in ``per_repeat`` (each began upstream first).
     """
-    return {
-        "upstream_first": round(statistics.fmean(per_repeat[0::2]), 4),
-        "fork_first": round(statistics.fmean(per_repeat[1::2]), 4),
-    }
+    first: dict[str, list[float]] = {"upstream_first": [], "fork_first": []}
+    start = 0
+    for n in sittings or [len(per_repeat)]:
+        first["upstream_first"] += per_repeat[start : start + n : 2]
+        first["fork_first"] += per_repeat[start + 1 : start + n : 2]
+        start += n
+    return {k: round(statistics.fmean(v), 4) for k, v in first.items()}
 
 
 def interleave_order(repeats: int) -> list[tuple[int, str]]:
@@ -359,6 +363,18 @@ def measure_batch(
     for _, side in interleave_order(repeats):
         runs[side].append(timed_request(servers[side], ids, tokens))
     reference = runs["upstream"][0]["tokens"]
+    return {
+        **summarize_batch(bs, runs, flags, [repeats]),
+        "tokens_identical": all(r["tokens"] == reference for r in runs["fork"]),
+        "upstream_repeatable": all(r["tokens"] == reference for r in runs["upstream"]),
+    }
+
+
+def summarize_batch(
+    bs: int, runs: dict[str, list[dict]], flags: list[str], sittings: list[int]
+) -> dict:
+    """The timing part of a batch's record from its paired runs (``sittings``: the pairs of
+    each sitting they come from, in order)."""
     up, fork = _side(runs["upstream"]), _side(runs["fork"])
     step = ratio_summary(
         [r["step_ms"] for r in runs["fork"]],
@@ -369,14 +385,58 @@ def measure_batch(
         "upstream": up,
         "fork": fork,
         "step_ratio": step,
-        "step_ratio_by_order": order_means(step["per_repeat"]),
+        "step_ratio_by_order": order_means(step["per_repeat"], sittings),
         "throughput_ratio": ratio_summary(
             [r["tokens_per_s"] for r in runs["fork"]],
             [r["tokens_per_s"] for r in runs["upstream"]],
         ),
-        "tokens_identical": all(r["tokens"] == reference for r in runs["fork"]),
-        "upstream_repeatable": all(r["tokens"] == reference for r in runs["upstream"]),
         "cost_model": cost_model_command(flags, bs, up["step_ms"], fork["step_ms"]),
+        **({"sittings": sittings} if len(sittings) > 1 else {}),
+    }
+
+
+def pool_batch(earlier: dict, later: dict, flags: list[str]) -> dict:
+    """One batch measured in two sittings with one method, as one measurement of all their pairs
+    (the issue's "more repeats where the interval is wide" may span several device calls):
+    ratios, intervals and medians over the pooled pairs, the token checks of both, the later
+    sitting's profile if it took one. Refuses two records that share their pairs (a sitting
+    merged twice would count its pairs twice)."""
+    a, b = earlier["step_ratio"]["per_repeat"], later["step_ratio"]["per_repeat"]
+    if any(a[i : i + len(b)] == b for i in range(len(a) - len(b) + 1)) or any(
+        b[i : i + len(a)] == a for i in range(len(b) - len(a) + 1)
+    ):
+        raise SystemExit(
+            f"merge: bs{later['bs']} holds the same pairs twice (a sitting merged twice?)"
+        )
+
+    def runs(rec: dict, side: str) -> list[dict]:
+        s = rec[side]
+        return [
+            {
+                "step_ms": ms,
+                "tokens_per_s": tps,
+                "accepted_drafts_per_step": s["accepted_drafts_per_step"],
+                "verify_steps_per_request": s["verify_steps_per_request"],
+            }
+            for ms, tps in zip(s["step_ms_runs"], s["tokens_per_s_runs"])
+        ]
+
+    pooled = summarize_batch(
+        later["bs"],
+        {
+            side: runs(earlier, side) + runs(later, side)
+            for side in ("upstream", "fork")
+        },
+        flags,
+        earlier.get("sittings", [len(a)]) + later.get("sittings", [len(b)]),
+    )
+    profile = later.get("profile", earlier.get("profile"))
+    return {
+        **pooled,
+        "tokens_identical": earlier["tokens_identical"] and later["tokens_identical"],
+        "upstream_repeatable": earlier["upstream_repeatable"]
+        and later["upstream_repeatable"],
+        **({"profile": profile} if profile else {}),
     }
 
 
@@ -717,10 +777,11 @@ def _terminate(signum, frame):
 
 
 def merge_flag_sets(report: dict, earlier: dict) -> None:
-    """Keep what ``earlier`` measured and this run did not (same build and device): a flag set
-    this run did not measure, whole; and, of a flag set both measured with the same method, the
-    batches this run skipped or did not list (each batch is its own interleaved pair, so a set
-    may gather its batches from several sittings; a kept batch says ``earlier_sitting``).
+    """Keep what ``earlier`` measured (same build and device): a flag set this run did not
+    measure, whole; of a flag set both measured with the same method, the batches this run
+    skipped or did not list (each batch is its own interleaved pairs, so a set may gather its
+    batches from several sittings; a kept batch says ``earlier_sitting``), and a batch both
+    measured pooled (``pool_batch``). A set measured with another method is replaced whole.
     """
     for key in ("fork_version", "device", "standins"):
         if earlier.get(key) != report.get(key):
@@ -744,9 +805,9 @@ def merge_flag_sets(report: dict, earlier: dict) -> None:
 
 
 def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
-    """``kept``'s measured batches that ``now`` lacks, if both used one method (the batch list and
-    the number of pairs aside: each batch's ratios record their own ``n``); ``now``'s token check
-    and verdict then cover them too."""
+    """``kept``'s measured batches that ``now`` lacks, and those both measured pooled, if both used
+    one method (the batch list and the number of pairs aside: each batch's ratios record their
+    own ``n``); ``now``'s token check and verdict then cover them too."""
 
     def same(m: dict | None) -> dict:
         return {k: v for k, v in (m or {}).items() if k not in ("batches", "repeats")}
@@ -755,8 +816,12 @@ def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
         return
     batches = now["batches"]
     for key, b in kept["batches"].items():
-        if "skipped" not in b and "skipped" in batches.get(key, {"skipped": ""}):
+        if "skipped" in b:
+            continue
+        if "skipped" in batches.get(key, {"skipped": ""}):
             batches[key] = {**b, "earlier_sitting": True}
+        else:
+            batches[key] = pool_batch(b, batches[key], now.get("args", []))
     now["batches"] = dict(sorted(batches.items(), key=lambda kv: int(kv[0][2:])))
     measured = [b for b in now["batches"].values() if "skipped" not in b]
     if "checks" in now:
@@ -768,9 +833,9 @@ def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
 
 def merge_files(paths: list[Path]) -> dict:
     """Several sittings' ``e2e-full-depth-<device>.json`` as one (``python -m
-    e2e.side_by_side A.json B.json --out C.json``): what a later file measured replaces an
-    earlier one's, flag set by flag set, batch by batch (``merge_flag_sets``); every file must be
-    of one build and device (their provenance is kept, not restamped by the machine that
+    e2e.side_by_side A.json B.json --out C.json``): flag set by flag set and batch by batch, a
+    later file's measurement is added to an earlier one's of the same method and replaces one of
+    another (``merge_flag_sets``); every file must be of one build and device (their provenance is kept, not restamped by the machine that
     merges)."""
     merged = json.loads(Path(paths[-1]).read_text())
     for path in reversed(paths[:-1]):
