@@ -397,10 +397,10 @@ def summarize_batch(
 
 def pool_batch(earlier: dict, later: dict, flags: list[str]) -> dict:
     """One batch measured in two sittings with one method, as one measurement of all their pairs
-    (the issue's "more repeats where the interval is wide" may span several device calls):
-    ratios, intervals and medians over the pooled pairs, the token checks of both, the later
-    sitting's profile if it took one. Refuses two records that share their pairs (a sitting
-    merged twice would count its pairs twice)."""
+    (a batch whose interval is wide gets more pairs from a later device call): ratios,
+    intervals and medians over the pooled pairs, the token checks of both, the later sitting's
+    profile if it took one. Refuses two records that share their pairs (a sitting merged twice
+    would count its pairs twice)."""
     a, b = earlier["step_ratio"]["per_repeat"], later["step_ratio"]["per_repeat"]
     if any(a[i : i + len(b)] == b for i in range(len(a) - len(b) + 1)) or any(
         b[i : i + len(a)] == a for i in range(len(b) - len(a) + 1)
@@ -835,8 +835,8 @@ def merge_files(paths: list[Path]) -> dict:
     """Several sittings' ``e2e-full-depth-<device>.json`` as one (``python -m
     e2e.side_by_side A.json B.json --out C.json``): flag set by flag set and batch by batch, a
     later file's measurement is added to an earlier one's of the same method and replaces one of
-    another (``merge_flag_sets``); every file must be of one build and device (their provenance is kept, not restamped by the machine that
-    merges)."""
+    another (``merge_flag_sets``); every file must be of one build and device (their provenance
+    is kept, not restamped by the machine that merges)."""
     merged = json.loads(Path(paths[-1]).read_text())
     for path in reversed(paths[:-1]):
         merge_flag_sets(merged, json.loads(Path(path).read_text()))
