@@ -752,12 +752,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             finally:
                 fork.stop()
             rec.update(startup_checks(row, fork))
-            measured = [b for b in rec["batches"].values() if "skipped" not in b]
-            rec["checks"]["measured"] = "error" not in rec and bool(measured)
-            rec["checks"]["tokens_identical_to_upstream"] = bool(measured) and all(
-                b["tokens_identical"] for b in measured
-            )
-            rec["ok"] = all(rec["checks"].values())
+            judge(rec)
             status |= 0 if rec["ok"] else 1
             save()
     finally:
@@ -774,6 +769,17 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
 def _terminate(signum, frame):
     """SIGTERM (a ``timeout``) ends the run through its ``finally``: both servers stopped."""
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+def judge(rec: dict) -> None:
+    """A flag set's checks over the batches it measured (any, without an error; greedy tokens
+    identical to upstream's in each) beside its startup checks, and its verdict."""
+    measured = [b for b in rec["batches"].values() if "skipped" not in b]
+    rec["checks"]["measured"] = "error" not in rec and bool(measured)
+    rec["checks"]["tokens_identical_to_upstream"] = bool(measured) and all(
+        b["tokens_identical"] for b in measured
+    )
+    rec["ok"] = all(rec["checks"].values())
 
 
 def merge_flag_sets(report: dict, earlier: dict) -> None:
@@ -823,12 +829,8 @@ def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
         else:
             batches[key] = pool_batch(b, batches[key], now.get("args", []))
     now["batches"] = dict(sorted(batches.items(), key=lambda kv: int(kv[0][2:])))
-    measured = [b for b in now["batches"].values() if "skipped" not in b]
     if "checks" in now:
-        now["checks"]["tokens_identical_to_upstream"] = bool(measured) and all(
-            b["tokens_identical"] for b in measured
-        )
-        now["ok"] = all(now["checks"].values())
+        judge(now)
 
 
 def merge_files(paths: list[Path]) -> dict:
