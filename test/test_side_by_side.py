@@ -1,8 +1,9 @@
 """The full-depth side-by-side timing's own logic (tools/e2e/side_by_side.py), on CPU: the
 checkpoint's config and tensors at a tiny width and depth, read by upstream's config and
 quantization classes and its weight-name remap; the ratio statistics on synthetic numbers; the
-interleaving order; one batch measured against two stand-in servers; the kernel attribution on a
-fabricated trace; the command line's refusals."""
+slower rule over all cells, and the committed measurement held to it; the interleaving order;
+one batch measured against two stand-in servers; the kernel attribution on a fabricated trace;
+the command line's refusals."""
 
 from __future__ import annotations
 
@@ -324,6 +325,123 @@ def test_order_means_show_an_effect_of_who_went_first():
         "upstream_first": 0.9,
         "fork_first": 0.9,
     }
+
+
+def test_t_tail_probabilities():
+    """t_sf against the t-table the intervals use: P(T > t975(df)) is 2.5 % at every df."""
+    for df in (1, 2, 5, 9, 19, 29):
+        assert sbs.t_sf(sbs.t975(df), df) == pytest.approx(0.025, abs=2e-4)
+        assert sbs.t_sf(-sbs.t975(df), df) == pytest.approx(0.975, abs=2e-4)
+    assert sbs.t_sf(0.0, 9) == pytest.approx(0.5)
+    assert sbs.t_sf(1.833, 9) == pytest.approx(0.05, abs=2e-4)
+    assert sbs.t_sf(40.0, 9) < 1e-10
+
+
+# the sixth sitting's step ratios of the fp8 head alone at batch 1: its interval lies above 1
+HEAD_BS1 = [
+    1.0342,
+    1.0187,
+    0.965,
+    1.0426,
+    0.9984,
+    1.0375,
+    1.0484,
+    1.1134,
+    1.1026,
+    1.0445,
+]
+
+
+def _cells(per_repeat: dict[str, list[float]]) -> dict:
+    sets: dict[str, dict] = {}
+    for cell, ratios in per_repeat.items():
+        name, bs = cell.split()
+        batches = sets.setdefault(name, {"batches": {}})["batches"]
+        batches[bs] = {"step_ratio": {"per_repeat": ratios}}
+    return {"flag_sets": sets}
+
+
+def test_the_slower_rule_is_one_decision_over_all_cells():
+    """A cell is called slower (the fork must not serve that flag there) at a family-wise 5 %
+    over every flag set x batch: one cell whose own interval lies above 1 among 25 is not, the
+    same cell alone is, and so is a cell 10 % slower among 25; a cell 10 % faster is faster.
+    """
+    rng = random.Random(7)
+
+    def null(n: int) -> dict[str, list[float]]:
+        return {
+            f"s{i} bs1": [rng.gauss(1.0, 0.03) for _ in range(10)] for i in range(n)
+        }
+
+    report = _cells({**null(24), "head_fp8 bs1": HEAD_BS1})
+    sbs.step_verdicts(report)
+    head = report["flag_sets"]["head_fp8"]["batches"]["bs1"]
+    assert sbs.t_interval(HEAD_BS1)[0] > 1.0
+    assert head["step_ratio"]["p_slower"] == pytest.approx(0.0084, abs=2e-4)
+    assert "head_fp8 bs1" in report["step_verdicts"]["slower_per_cell"]
+    assert head["step_verdict"] == "not shown"
+    assert report["step_verdicts"]["slower"] == []
+
+    alone = _cells({"head_fp8 bs1": HEAD_BS1})
+    sbs.step_verdicts(alone)
+    assert alone["step_verdicts"]["slower"] == ["head_fp8 bs1"]
+    assert alone["flag_sets"]["head_fp8"]["batches"]["bs1"]["step_verdict"] == "slower"
+
+    clear = {
+        "slow bs8": [1.10 + rng.gauss(0.0, 0.01) for _ in range(10)],
+        "fast bs8": [0.90 + rng.gauss(0.0, 0.01) for _ in range(10)],
+    }
+    report = _cells({**null(23), **clear})
+    sbs.step_verdicts(report)
+    assert report["step_verdicts"]["slower"] == ["slow bs8"]
+    assert report["step_verdicts"]["faster"] == ["fast bs8"]
+    assert report["flag_sets"]["fast"]["batches"]["bs8"]["step_verdict"] == "faster"
+
+
+def test_with_no_effect_anywhere_a_cell_is_rarely_called_slower():
+    """Why the rule is family-wise: with 25 cells and no effect at all, some cell's own interval
+    lies above 1 in about half of all runs (1 - 0.975**25 = 0.47); Holm's rule calls a cell
+    slower in at most 5 %."""
+    rng = random.Random(11)
+    any_per_cell = any_slower = 0
+    runs = 200
+    for _ in range(runs):
+        report = _cells(
+            {f"s{i} bs1": [rng.gauss(1.0, 0.03) for _ in range(10)] for i in range(25)}
+        )
+        sbs.step_verdicts(report)
+        any_per_cell += bool(report["step_verdicts"]["slower_per_cell"])
+        any_slower += bool(report["step_verdicts"]["slower"])
+    assert 0.3 < any_per_cell / runs < 0.65
+    assert any_slower / runs <= 0.08
+
+
+def test_the_committed_full_depth_run_shows_no_flag_slower():
+    """The end-to-end issue's rule on the committed measurement: no flag set makes the decode step
+    slower at any batch (else the fork must not serve it there: fix the dispatch, re-measure),
+    and the file's verdicts are those its pairs give."""
+    import copy
+    from pathlib import Path
+
+    path = (
+        Path(__file__).resolve().parents[1]
+        / "benchmark/results/e2e-full-depth-NVIDIA_H200.json"
+    )
+    stored = json.loads(path.read_text())
+    again = copy.deepcopy(stored)
+    sbs.step_verdicts(again)
+    for key in ("slower", "faster", "slower_per_cell"):
+        assert stored["step_verdicts"][key] == again["step_verdicts"][key], key
+    for name, rec in stored["flag_sets"].items():
+        for bs, b in rec["batches"].items():
+            assert (
+                b["step_verdict"]
+                == again["flag_sets"][name]["batches"][bs]["step_verdict"]
+            ), f"{name} {bs}: verdict not re-judged (python -m e2e.side_by_side FILE --out FILE)"
+    assert stored["step_verdicts"]["slower"] == [], (
+        f"{stored['step_verdicts']['slower']}: the fork serves a flag where it makes the step "
+        "slower; fix the dispatch, then re-measure"
+    )
 
 
 def test_interleave_order_alternates_the_first_side():
@@ -832,8 +950,9 @@ def test_the_docs_table_renders_a_run():
     """
     import docs_tables
 
-    def batch(mean, identical=True):
+    def batch(mean, identical=True, verdict="not shown"):
         return {
+            "step_verdict": verdict,
             "step_ratio": {"mean": mean, "t95": [mean - 0.01, mean + 0.01]},
             "throughput_ratio": {"mean": 1 / mean, "t95": [1.0, 1.2]},
             "tokens_identical": identical,
@@ -846,12 +965,15 @@ def test_the_docs_table_renders_a_run():
         "flag_sets": {
             "all_on": {
                 "batches": {
-                    "bs1": batch(0.9),
+                    "bs1": batch(0.9, verdict="faster"),
                     "bs32": {"skipped": "past --sbs-deadline"},
                 }
             },
             "cap_3": {
-                "batches": {"bs1": batch(1.0, identical=False), "bs32": batch(0.99)}
+                "batches": {
+                    "bs1": batch(1.0, identical=False),
+                    "bs32": batch(0.99, verdict="slower"),
+                }
             },
             "head_fp8": {"skipped": "over the time budget (400 s)"},
         },
@@ -862,7 +984,7 @@ def test_the_docs_table_renders_a_run():
     assert table[3].startswith("| head fp8 | over the time budget")
     assert table[4] == (
         "| cap 3: step time | 1.000 [0.990, 1.010] (tokens differ) "
-        "| 0.990 [0.980, 1.000] |"
+        "| 0.990 [0.980, 1.000] slower |"
     )
     assert (
         table[5]
@@ -874,7 +996,7 @@ def test_the_docs_table_renders_a_run():
     assert table[7] == "| wo_a mid + head fp8 | not run | not run |"
     assert (
         table[8]
-        == "| all three: step time | 0.900 [0.890, 0.910] | past --sbs-deadline |"
+        == "| all three: step time | **0.900 [0.890, 0.910]** | past --sbs-deadline |"
     )
     assert table[9] == "| all three: output tokens/s | 1.111 [1.000, 1.200] | - |"
     assert table[11] == "| upstream step (ms) | 31.5 | 31.5 |"

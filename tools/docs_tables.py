@@ -417,8 +417,9 @@ def e2e_attribution(d: dict, model: dict) -> str:
 
 def e2e_full_depth(d: dict) -> str:
     """Per flag set and batch: the step time and the output tokens/s, fork / upstream (mean of
-    the paired repeats, 95 % t-interval; their number where it is not most cells'), and the
-    accepted drafts per step on both sides; the upstream step time last. Every flag set and batch
+    the paired repeats, 95 % t-interval; their number where it is not most cells'; a step time
+    shown faster over all cells in bold, one shown slower says so), and the accepted drafts per
+    step on both sides; the upstream step time last. Every flag set and batch
     of the method appears: one the run did not measure says so (not run, skipped and why, or its
     error)."""
     sets = d.get("flag_sets", {})
@@ -443,7 +444,10 @@ def e2e_full_depth(d: dict) -> str:
     def ratio(b: dict, key: str) -> str:
         r = b[key]
         n = f" (n = {r['n']})" if r.get("n", repeats) != repeats else ""
-        return f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]{n}"
+        cell = f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]{n}"
+        # the step time's verdict over all cells (side_by_side.step_verdicts)
+        verdict = b.get("step_verdict") if key == "step_ratio" else None
+        return {"slower": f"{cell} slower", "faster": f"**{cell}**"}.get(verdict, cell)
 
     def drafts(b: dict) -> str:
         return (

@@ -30,7 +30,9 @@ request (upstream's ``/start_profile``, ``matrix.profile``), one server after th
 attributes the change: kernel names grouped (``KERNEL_GROUPS``), time per decode step of each
 group on each side, and the sum of the groups' savings beside the measured step change
 (``attribute``). The JSON, ``DIR/e2e-full-depth-<device>.json``, carries the provenance block
-(build, device, torch, triton) and, per batch, the cost model's command for that measurement.
+(build, device, torch, triton), per batch the cost model's command for that measurement, and
+which flag set is shown slower or faster at which batch, decided over all its cells
+(``step_verdicts``: a flag shown slower at a batch must not be served there).
 """
 
 from __future__ import annotations
@@ -161,6 +163,102 @@ def ratio_summary(fork: list[float], upstream: list[float]) -> dict:
         "bootstrap95": [round(blo, 4), round(bhi, 4)],
         "n": len(ratios),
         "per_repeat": [round(r, 4) for r in ratios],
+    }
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b) (Lentz's continued fraction)."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1) / (a + b + 2):  # the fraction converges fast on this side only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    tiny = 1e-300
+    front = math.exp(
+        math.lgamma(a + b)
+        - math.lgamma(a)
+        - math.lgamma(b)
+        + a * math.log(x)
+        + b * math.log1p(-x)
+    )
+    c, d = 1.0, 1.0 / max(abs(1.0 - (a + b) * x / (a + 1)), tiny)
+    f = d
+    for m in range(1, 400):
+        for num in (
+            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
+        ):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-15:
+            break
+    return front * f / a
+
+
+def t_sf(t: float, df: int) -> float:
+    """P(T > t) for Student's t with ``df`` degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
+    return tail if t > 0 else 1.0 - tail
+
+
+def one_sided_p(ratios: list[float]) -> tuple[float, float]:
+    """Paired t-test of the mean ratio against 1: (p that it is above, p that it is below)."""
+    n = len(ratios)
+    se = statistics.stdev(ratios) / math.sqrt(n)
+    diff = statistics.fmean(ratios) - 1.0
+    if se == 0.0:
+        return (0.0, 1.0) if diff > 0 else (1.0, 0.0) if diff < 0 else (1.0, 1.0)
+    t = diff / se
+    return t_sf(t, n - 1), t_sf(-t, n - 1)
+
+
+def holm(pvalues: dict[str, float], alpha: float = 0.05) -> list[str]:
+    """The hypotheses Holm's step-down rejects with a family-wise error of at most ``alpha``."""
+    rejected = []
+    for i, (key, p) in enumerate(
+        sorted(pvalues.items(), key=lambda kv: (kv[1], kv[0]))
+    ):
+        if p > alpha / (len(pvalues) - i):
+            break
+        rejected.append(key)
+    return sorted(rejected)
+
+
+def step_verdicts(report: dict, alpha: float = 0.05) -> None:
+    """Which flag set makes the step slower, or faster, at which batch, over all the file's cells.
+
+    The dispatch rule (a flag must not be served at a batch where it makes the step slower) is one
+    decision over every flag set x batch cell, so it is taken at a family-wise error: of 25 cells'
+    95 % intervals about one misses the true ratio by chance, and if no flag had any effect some
+    cell's interval would lie above 1 in about half of all runs (1 - 0.975**25). Per cell, a paired
+    one-sided t-test of the step ratios against 1 (``p_slower``, ``p_faster`` in ``step_ratio``);
+    over the cells, Holm's step-down at ``alpha`` for each direction. Each batch gets its ``step_verdict``
+    (slower, faster, or not shown), the report the lists (``step_verdicts``) and the cells whose
+    own 95 % t-interval lies above 1 (``slower_per_cell``: for a later sitting to confirm or
+    clear with fresh pairs)."""
+    cells: dict[str, dict] = {}
+    for name, rec in report.get("flag_sets", {}).items():
+        for key, b in rec.get("batches", {}).items():
+            if "skipped" not in b:
+                cells[f"{name} {key}"] = b
+    p = {k: one_sided_p(b["step_ratio"]["per_repeat"]) for k, b in cells.items()}
+    slower = holm({k: v[0] for k, v in p.items()}, alpha)
+    faster = holm({k: v[1] for k, v in p.items()}, alpha)
+    for k, b in cells.items():
+        b["step_ratio"]["p_slower"] = round(p[k][0], 4)
+        b["step_ratio"]["p_faster"] = round(p[k][1], 4)
+        b["step_verdict"] = (
+            "slower" if k in slower else "faster" if k in faster else "not shown"
+        )
+    report["step_verdicts"] = {
+        "test": "one-sided paired t-test of the step ratios against 1 per cell; Holm's "
+        f"step-down over the {len(cells)} flag set x batch cells, each direction",
+        "family_wise_alpha": alpha,
+        "slower": slower,
+        "faster": faster,
+        "slower_per_cell": sorted(k for k, v in p.items() if v[0] < alpha / 2),
     }
 
 
@@ -655,6 +753,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
         done = json.loads(json.dumps(report))  # not a result: a deep copy
         if args.sbs_merge:
             merge_flag_sets(done, json.loads(Path(args.sbs_merge).read_text()))
+        step_verdicts(done)
         return write_result(dest, done, overwrite=args.overwrite, quiet=True)
 
     def late() -> bool:
@@ -842,11 +941,14 @@ def merge_files(paths: list[Path]) -> dict:
     merged = json.loads(Path(paths[-1]).read_text())
     for path in reversed(paths[:-1]):
         merge_flag_sets(merged, json.loads(Path(path).read_text()))
+    step_verdicts(merged)
     return merged
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="merge side-by-side result files (CPU)")
+    p = argparse.ArgumentParser(
+        description="merge side-by-side result files, or re-judge one (CPU)"
+    )
     p.add_argument("files", type=Path, nargs="+")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
