@@ -258,7 +258,11 @@ def step_verdicts(report: dict, alpha: float = 0.05) -> None:
         "family_wise_alpha": alpha,
         "slower": slower,
         "faster": faster,
-        "slower_per_cell": sorted(k for k, v in p.items() if v[0] < alpha / 2),
+        "slower_per_cell": sorted(
+            k
+            for k, b in cells.items()
+            if t_interval(b["step_ratio"]["per_repeat"])[0] > 1
+        ),
     }
 
 
