@@ -419,9 +419,9 @@ def e2e_full_depth(d: dict) -> str:
     """Per flag set and batch: the step time and the output tokens/s, fork / upstream (mean of
     the paired repeats, 95 % t-interval; their number where it is not most cells'; a step time
     shown faster over all cells in bold, one shown slower says so), and the accepted drafts per
-    step on both sides; the upstream step time last. Every flag set and batch
-    of the method appears: one the run did not measure says so (not run, skipped and why, or its
-    error)."""
+    step on both sides; the upstream step time last. Every flag set and batch of the method
+    appears: one the run did not measure says so (not run, skipped and why, or its error).
+    """
     sets = d.get("flag_sets", {})
     measured = {b for rec in sets.values() for b in rec.get("batches", {})}
     batches = sorted(  # a sitting may list its batches in any order

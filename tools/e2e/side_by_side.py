@@ -234,10 +234,10 @@ def step_verdicts(report: dict, alpha: float = 0.05) -> None:
     95 % intervals about one misses the true ratio by chance, and if no flag had any effect some
     cell's interval would lie above 1 in about half of all runs (1 - 0.975**25). Per cell, a paired
     one-sided t-test of the step ratios against 1 (``p_slower``, ``p_faster`` in ``step_ratio``);
-    over the cells, Holm's step-down at ``alpha`` for each direction. Each batch gets its ``step_verdict``
-    (slower, faster, or not shown), the report the lists (``step_verdicts``) and the cells whose
-    own 95 % t-interval lies above 1 (``slower_per_cell``: for a later sitting to confirm or
-    clear with fresh pairs)."""
+    over the cells, Holm's step-down at ``alpha`` for each direction. Each batch gets its
+    ``step_verdict`` (slower, faster, or not shown), the report the lists (``step_verdicts``) and
+    the cells whose own 95 % t-interval lies above 1 (``slower_per_cell``: for a later sitting to
+    confirm or clear with fresh pairs)."""
     cells: dict[str, dict] = {}
     for name, rec in report.get("flag_sets", {}).items():
         for key, b in rec.get("batches", {}).items():
