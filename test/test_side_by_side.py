@@ -357,7 +357,9 @@ def _cells(per_repeat: dict[str, list[float]]) -> dict:
     for cell, ratios in per_repeat.items():
         name, bs = cell.split()
         batches = sets.setdefault(name, {"batches": {}})["batches"]
-        batches[bs] = {"step_ratio": {"per_repeat": ratios}}
+        batches[bs] = {
+            "step_ratio": {"per_repeat": ratios, "t95": list(sbs.t_interval(ratios))}
+        }
     return {"flag_sets": sets}
 
 

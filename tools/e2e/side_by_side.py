@@ -166,41 +166,12 @@ def ratio_summary(fork: list[float], upstream: list[float]) -> dict:
     }
 
 
-def _betainc(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b) (Lentz's continued fraction)."""
-    if x <= 0.0 or x >= 1.0:
-        return 0.0 if x <= 0.0 else 1.0
-    if x > (a + 1) / (a + b + 2):  # the fraction converges fast on this side only
-        return 1.0 - _betainc(b, a, 1.0 - x)
-    tiny = 1e-300
-    front = math.exp(
-        math.lgamma(a + b)
-        - math.lgamma(a)
-        - math.lgamma(b)
-        + a * math.log(x)
-        + b * math.log1p(-x)
-    )
-    c, d = 1.0, 1.0 / max(abs(1.0 - (a + b) * x / (a + 1)), tiny)
-    f = d
-    for m in range(1, 400):
-        for num in (
-            m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
-            -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1)),
-        ):
-            d = 1.0 + num * d
-            d = 1.0 / (d if abs(d) > tiny else tiny)
-            c = 1.0 + num / c
-            c = c if abs(c) > tiny else tiny
-            f *= c * d
-        if abs(c * d - 1.0) < 1e-15:
-            break
-    return front * f / a
-
-
 def t_sf(t: float, df: int) -> float:
-    """P(T > t) for Student's t with ``df`` degrees of freedom."""
-    tail = 0.5 * _betainc(df / 2, 0.5, df / (df + t * t))
-    return tail if t > 0 else 1.0 - tail
+    """P(T > t) for Student's t with ``df`` degrees of freedom (scipy, as the matrix's
+    chi-square tests)."""
+    from scipy.stats import t as student_t
+
+    return float(student_t.sf(t, df))
 
 
 def one_sided_p(ratios: list[float]) -> tuple[float, float]:
@@ -259,9 +230,7 @@ def step_verdicts(report: dict, alpha: float = 0.05) -> None:
         "slower": slower,
         "faster": faster,
         "slower_per_cell": sorted(
-            k
-            for k, b in cells.items()
-            if t_interval(b["step_ratio"]["per_repeat"])[0] > 1
+            k for k, b in cells.items() if b["step_ratio"]["t95"][0] > 1
         ),
     }
 
