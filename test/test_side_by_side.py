@@ -1,14 +1,16 @@
 """The full-depth side-by-side timing's own logic (tools/e2e/side_by_side.py), on CPU: the
 checkpoint's config and tensors at a tiny width and depth, read by upstream's config and
 quantization classes and its weight-name remap; the ratio statistics on synthetic numbers; the
-slower rule over all cells, and the committed measurement held to it; the interleaving order;
-one batch measured against two stand-in servers; the kernel attribution on a fabricated trace;
-the command line's refusals."""
+judging rule (non-inferiority on time per output token per cell, its positive control, its
+fixed stopping rule) and the committed measurement held to it; the step time's secondary verdict
+over all cells; the interleaving order; one batch measured against two stand-in servers; the
+kernel attribution on a fabricated trace; the command line's refusals."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import random
 
 import pytest
@@ -418,32 +420,278 @@ def test_with_no_effect_anywhere_a_cell_is_rarely_called_slower():
     assert any_slower / runs <= 0.08
 
 
-def test_the_committed_full_depth_run_shows_no_flag_slower():
-    """The end-to-end issue's rule on the committed measurement: no flag set makes the decode step
-    slower at any batch (else the fork must not serve it there: fix the dispatch, re-measure),
-    and the file's verdicts are those its pairs give."""
-    import copy
+RESULT = "benchmark/results/e2e-full-depth-NVIDIA_H200.json"
+
+
+def _committed() -> dict:
     from pathlib import Path
 
-    path = (
-        Path(__file__).resolve().parents[1]
-        / "benchmark/results/e2e-full-depth-NVIDIA_H200.json"
+    return json.loads((Path(__file__).resolve().parents[1] / RESULT).read_text())
+
+
+def _tpot_cell(
+    ratios: list[float], sittings: list[int] | None = None, planned: int | None = None
+) -> dict:
+    """A batch record whose pairs have these TPOT ratios fork / upstream (upstream at 100
+    tokens/s), taken as ``sittings`` runs of a plan of ``planned`` pairs (default: all).
+    """
+    n = len(ratios)
+    side = {"accepted_drafts_per_step": 2.5, "verify_steps_per_request": 18.0}
+    b = {
+        "bs": 1,
+        "upstream": {
+            **side,
+            "step_ms_runs": [40.0] * n,
+            "tokens_per_s_runs": [100.0] * n,
+        },
+        "fork": {
+            **side,
+            "step_ms_runs": [40.0 * r for r in ratios],
+            "tokens_per_s_runs": [100.0 / r for r in ratios],
+        },
+        "planned_pairs": planned or n,
+    }
+    return {**b, **({"sittings": sittings} if sittings else {})}
+
+
+def _simulated(rng: random.Random, ratio: float, sd: float, n: int) -> dict:
+    return _tpot_cell([ratio * math.exp(rng.gauss(0.0, sd)) for _ in range(n)])
+
+
+def test_the_tpot_ratio_is_the_wall_time_per_output_token_ratio(monkeypatch):
+    """A pair's TPOT ratio is upstream's tokens/s over the fork's: the fork 0.8 as long per
+    step, at the same steps per request, is 0.8 as long per output token."""
+    clock = _FakeClock()
+    monkeypatch.setattr(sbs, "time", clock)
+    same = lambda ids, n: ids[:1] * n  # noqa: E731
+    calls: list[str] = []
+    servers = {
+        "upstream": _FakeServer("upstream", calls, 0.002, same, clock),
+        "fork": _FakeServer("fork", calls, 0.0016, same, clock),
+    }
+    b = sbs.measure_batch(servers, 4, 6, 14, [], planned=12)
+    assert sbs.tpot_ratios(b) == pytest.approx([0.8] * 6, rel=1e-3)
+    assert b["planned_pairs"] == 12 and sbs.planned_pairs(b) == 12
+    assert sbs.measure_batch(servers, 4, 6, 14, [])["planned_pairs"] == 6
+    t = sbs.tpot_noninferiority(b)
+    assert t["order_balanced"] == pytest.approx(0.8, rel=1e-3) and t["n"] == 6
+    assert not t["ni_pass"] and t["reasons"] == ["6 pairs, the plan 12"]
+
+
+def test_the_order_is_a_fixed_effect_and_mu_its_balanced_mean():
+    """Pairs of the fork first 20 % slower than upstream first, three of one order and two of
+    the other: exp(mu) is the mean of the two orders (1), not of the five pairs; a second run
+    pooled in begins upstream first again."""
+    y = [math.log(1 / 1.2), math.log(1.2)] * 2 + [math.log(1 / 1.2)]
+    fit = sbs.order_fit(y, sbs.pair_orders(5))
+    assert fit["mu"] == pytest.approx(0.0, abs=1e-12)
+    assert math.exp(fit["beta"]) == pytest.approx(1 / 1.44)
+    assert fit["sd"] == pytest.approx(0.0, abs=1e-12) and fit["df"] == 3
+    assert sbs.pair_orders(5, [3, 2]) == [0.5, -0.5, 0.5, 0.5, -0.5]
+    with pytest.raises(ValueError):
+        sbs.pair_orders(5, [3, 3])
+
+
+def test_pairs_needed_for_the_margin():
+    """At a spread of 3 % per pair an equal-speed cell needs about 22 pairs to pass the 2 %
+    margin at 90 % power and four times as many for 1 %; the pairs it names do pass the bound
+    at about that rate (400 simulated cells), a quarter of them far less often."""
+    n2, n1 = sbs.pairs_needed(0.03, 0.02), sbs.pairs_needed(0.03, 0.01)
+    assert 18 <= n2 <= 26 and n2 % 2 == 0
+    assert 3.5 < n1 / n2 < 4.5
+    assert sbs.pairs_needed(0.0) == sbs.MIN_PAIRS
+    assert sbs.pairs_needed(0.06) > sbs.pairs_needed(0.03)
+    rng = random.Random(5)
+
+    def below(n: int) -> float:
+        cells = [
+            sbs.tpot_noninferiority(_simulated(rng, 1.0, 0.03, n)) for _ in range(400)
+        ]
+        return sum(t["ni_upper95"] < 1 + sbs.DELTA for t in cells) / 400
+
+    assert 0.85 <= below(n2) <= 0.95
+    assert below(max(sbs.MIN_PAIRS, n2 // 4)) < 0.6
+
+
+def test_an_equal_speed_cell_with_small_noise_passes_when_its_pairs_suffice():
+    """Fixed pairs of equal speed, +-1 % each way in both orders (spread about 1 %): 12 pairs
+    pass; the same 1 % noise on 4 pairs does not (the bound is too wide)."""
+    pattern = [1.01, 1.01, 1 / 1.01, 1 / 1.01]
+    twelve = sbs.tpot_noninferiority(_tpot_cell(pattern * 3))
+    assert twelve["ni_pass"] and twelve["reasons"] == [] and not twelve["drifting"]
+    assert twelve["order_balanced"] == pytest.approx(1.0, abs=1e-3)
+    assert 1.0 < twelve["ni_upper95"] < 1.02 and twelve["pairs_needed_2pct"] <= 12
+    four = sbs.tpot_noninferiority(_tpot_cell([1.02, 1.0, 1 / 1.02, 1.0]))
+    assert not four["ni_pass"] and four["ni_upper95"] > 1.02
+
+
+def test_the_positive_control_is_flagged_in_every_cell_and_every_simulated_run():
+    """The positive control: a 5 % slowdown injected into each committed cell (its own pairs,
+    made exactly 5 % slower) is flagged in every cell; and 200 fresh simulated cells, 5 %
+    slower at each committed cell's own spread and with the pairs its 2 % plan needs, are all
+    flagged (fixed random streams, so the same cells every run). A broken rule (a lower bound,
+    the inverted ratio, the margin on the wrong side) passes some."""
+    report = _committed()
+    sbs.noninferiority(report)
+    control = report["noninferiority"]["positive_control"]
+    assert control == {"slowdown": 1.05, "cells": 25, "flagged": 25}
+    rng = random.Random(2)
+    for name, rec in report["flag_sets"].items():
+        for key, b in rec["batches"].items():
+            slowed = sbs.tpot_noninferiority(sbs.positive_control(b))
+            assert slowed["order_balanced"] == pytest.approx(1.05, abs=1e-3)
+            assert not slowed["ni_pass"], (name, key)
+            t = b["tpot_ratio"]
+            n = t["pairs_needed_2pct"]
+            for _ in range(200):
+                sim = sbs.tpot_noninferiority(_simulated(rng, 1.05, t["sd_log"], n))
+                assert not sim["ni_pass"], (name, key, sim["ni_upper95"])
+    # an injected slowdown moves every pair by its factor
+    b = report["flag_sets"]["cap_3"]["batches"]["bs8"]
+    slow = sbs.inject_slowdown(b, 1.05)
+    assert sbs.tpot_ratios(slow) == pytest.approx(
+        [1.05 * r for r in sbs.tpot_ratios(b)]
     )
+    assert slow["step_ratio"]["mean"] == pytest.approx(
+        1.05 * b["step_ratio"]["mean"], abs=2e-4
+    )
+
+
+def test_a_uniform_slowdown_past_the_margin_is_flagged_in_every_cell():
+    """Every committed cell made 2.5 % slower: the rule flags all 25, each for its bound; the
+    step time's test over all cells (Holm) calls none of them slower: a uniform slowdown its
+    pairs cannot resolve, and the cap's lost drafts a step time does not see, pass it.
+    """
+    report = _committed()
+    for rec in report["flag_sets"].values():
+        for key, b in rec["batches"].items():
+            rec["batches"][key] = sbs.positive_control(b, 1.025)
+    sbs.judge_cells(report)
+    failing = report["not_noninferior"]
+    assert len(failing) == 25
+    assert all(c["reason"].startswith("upper bound") for c in failing)
+    assert report["step_verdicts"]["slower"] == []
+
+
+def test_an_upward_drift_is_not_noninferior():
+    """A cell that starts 3 % faster and slows 0.5 % per pair is drifting and does not pass,
+    though its bound is below the margin; the same pairs in reverse (the fork getting faster)
+    pass."""
+    up = [0.97 + 0.005 * i + (0.002 if i % 3 else -0.002) for i in range(12)]
+    t = sbs.tpot_noninferiority(_tpot_cell(up))
+    assert t["ni_upper95"] < 1.02 and t["drifting"] and t["drift_p"] < 0.05
+    assert not t["ni_pass"] and t["reasons"][0].startswith("drifting up")
+    down = sbs.tpot_noninferiority(_tpot_cell(up[::-1]))
+    assert down["ni_pass"] and not down["drifting"] and down["drift_p"] > 0.5
+
+
+def test_the_fixed_stopping_rule():
+    """A cell passes only on exactly its plan's pairs: fewer is a plan not finished, more is
+    pairs added after it ended (what a record from before plans were recorded shows when a
+    second run was pooled: its plan was its first run's). Runs pool only within one plan and
+    up to its pairs; a fresh run of another plan replaces the earlier one."""
+    pairs = [1.01, 1.01, 1 / 1.01, 1 / 1.01] * 5
+    assert sbs.tpot_noninferiority(_tpot_cell(pairs[:10], planned=10))["ni_pass"]
+    short = sbs.tpot_noninferiority(_tpot_cell(pairs[:10], planned=20))
+    assert not short["ni_pass"] and short["reasons"] == ["10 pairs, the plan 20"]
+    legacy = _tpot_cell(pairs, sittings=[10, 10])
+    del legacy["planned_pairs"]
+    over = sbs.tpot_noninferiority(legacy)
+    assert over["planned_pairs"] == 10 and not over["ni_pass"]
+    assert over["reasons"] == [
+        "20 pairs, the plan 10: pairs added after the plan ended"
+    ]
+
+    first = _batch(1, [9.0, 10.0, 9.0], [10.0, 10.0, 10.0], planned=5)
+    second = _batch(1, [11.0, 10.0], [10.0, 10.0], planned=5)
+    assert sbs.pool_batch(first, second, [])["planned_pairs"] == 5
+    with pytest.raises(SystemExit, match="up to its pairs"):
+        sbs.pool_batch(first, _batch(1, [11.0, 10.0, 9.5], [10.0] * 3, planned=5), [])
+    with pytest.raises(SystemExit, match="within one plan"):
+        sbs.pool_batch(first, _batch(1, [11.0, 10.0], [10.0] * 2, planned=6), [])
+    fresh = _batch(1, [9.5] * 6, [10.0] * 6, planned=6)
+    later = _sitting({"bs1": fresh}, [1])
+    sbs.merge_flag_sets(later, _sitting({"bs1": first}, [1]))
+    assert later["flag_sets"]["wo_a_mid"]["batches"]["bs1"] == fresh
+
+
+def test_a_cell_not_measured_is_not_served():
+    """The table the dispatch follows lists every cell of the method that has not passed: a
+    failing cell with its bound, a skipped batch, a batch the run did not reach, a set that
+    did not start; a passing cell is not in it."""
+    good = _tpot_cell([1.01, 1.01, 1 / 1.01, 1 / 1.01] * 3)
+    bad = _tpot_cell([1.05, 1.04, 1.06, 1.05] * 3)
+    report = {
+        "method": {"batches": [1, 4, 8]},
+        "flag_sets": {
+            "cap_3": {
+                "args": sbs.CAP_3,
+                "batches": {
+                    "bs1": good,
+                    "bs4": {**bad, "bs": 4},
+                    "bs8": {"skipped": "past --sbs-deadline"},
+                },
+            },
+            "head_fp8": {"skipped": "over the time budget (400 s)"},
+            "wo_a_mid": {"args": sbs.TWIN_MID, "batches": {"bs1": good}},
+        },
+    }
+    sbs.noninferiority(report)
+    listed = [(c["flag_set"], c["bs"], c["reason"]) for c in report["not_noninferior"]]
+    assert listed == [
+        ("wo_a_mid", 4, "not measured"),
+        ("wo_a_mid", 8, "not measured"),
+        ("head_fp8", 1, "not measured: over the time budget (400 s)"),
+        ("head_fp8", 4, "not measured: over the time budget (400 s)"),
+        ("head_fp8", 8, "not measured: over the time budget (400 s)"),
+        ("cap_3", 4, "upper bound 1.0528 not below 1.02"),
+        ("cap_3", 8, "not measured: past --sbs-deadline"),
+    ]
+    assert report["not_noninferior"][5]["args"] == sbs.CAP_3
+    assert report["noninferiority"]["positive_control"] == {
+        "slowdown": 1.05,
+        "cells": 3,
+        "flagged": 3,
+    }
+
+
+def test_the_committed_full_depth_run_is_judged_by_the_rule():
+    """The committed measurement under the judging rule: its verdicts are those its pairs give
+    (re-judging the file writes the same bytes: ``python3 -m e2e.side_by_side FILE --out FILE``
+    from tools/), every measured cell is judged, the positive control is flagged in every cell,
+    and every cell that has not passed is in ``not_noninferior`` (the fork must not serve that
+    flag set at that batch), with its arguments and why."""
+    import tempfile
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / RESULT
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "again.json"
+        assert sbs.main([str(path), "--out", str(out)]) == 0
+        assert (
+            out.read_bytes() == path.read_bytes()
+        ), "verdicts not re-judged: python3 -m e2e.side_by_side FILE --out FILE (tools/)"
     stored = json.loads(path.read_text())
-    again = copy.deepcopy(stored)
-    sbs.step_verdicts(again)
-    for key in ("slower", "faster", "slower_per_cell"):
-        assert stored["step_verdicts"][key] == again["step_verdicts"][key], key
+    control = stored["noninferiority"]["positive_control"]
+    assert control["flagged"] == control["cells"] > 0
+    assert stored["noninferiority"]["margin"] == sbs.DELTA == 0.02
+    failing = {(c["flag_set"], c["bs"]): c for c in stored["not_noninferior"]}
+    judged = 0
     for name, rec in stored["flag_sets"].items():
-        for bs, b in rec["batches"].items():
-            assert (
-                b["step_verdict"]
-                == again["flag_sets"][name]["batches"][bs]["step_verdict"]
-            ), f"{name} {bs}: verdict not re-judged (python -m e2e.side_by_side FILE --out FILE)"
-    assert stored["step_verdicts"]["slower"] == [], (
-        f"{stored['step_verdicts']['slower']}: the fork serves a flag where it makes the step "
-        "slower; fix the dispatch, then re-measure"
-    )
+        for b in rec["batches"].values():
+            t = b["tpot_ratio"]
+            judged += 1
+            assert t["ni_pass"] == ((name, b["bs"]) not in failing), (name, b["bs"])
+            assert t["ni_pass"] == (
+                t["ni_upper95"] < 1 + sbs.DELTA
+                and not t["drifting"]
+                and t["n"] == t["planned_pairs"]
+            )
+            if not t["ni_pass"]:
+                cell = failing[(name, b["bs"])]
+                assert cell["args"] == rec["args"] and cell["reason"]
+                assert cell["ni_upper95"] == t["ni_upper95"]
+    assert judged == 25 and len(failing) < judged
 
 
 def test_interleave_order_alternates_the_first_side():
@@ -627,6 +875,8 @@ def test_the_command_line_refuses_what_it_cannot_run(tmp_path, capsys):
         main(base + up + ["--side-by-side", "all_on", "--sbs-profile", "2"])
     with pytest.raises(SystemExit, match="--sbs-repeats"):
         main(base + up + ["--side-by-side", "all_on", "--sbs-repeats", "1"])
+    with pytest.raises(SystemExit, match="--sbs-plan"):
+        main(base + up + ["--side-by-side", "all_on", "--sbs-plan", "5"])
     assert not (tmp_path / "m").exists()  # refused before any checkpoint is written
 
 
@@ -654,7 +904,13 @@ def test_merge_keeps_earlier_flag_sets_of_the_same_build():
         sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
 
 
-def _batch(bs: int, fork_ms: list[float], up_ms: list[float], identical=True) -> dict:
+def _batch(
+    bs: int,
+    fork_ms: list[float],
+    up_ms: list[float],
+    identical=True,
+    planned: int | None = None,
+) -> dict:
     """A batch's record as ``measure_batch`` writes it, from its paired step times."""
 
     def runs(ms: list[float]) -> list[dict]:
@@ -669,7 +925,11 @@ def _batch(bs: int, fork_ms: list[float], up_ms: list[float], identical=True) ->
         ]
 
     rec = sbs.summarize_batch(
-        bs, {"fork": runs(fork_ms), "upstream": runs(up_ms)}, [], [len(fork_ms)]
+        bs,
+        {"fork": runs(fork_ms), "upstream": runs(up_ms)},
+        [],
+        [len(fork_ms)],
+        planned,
     )
     return {**rec, "tokens_identical": identical, "upstream_repeatable": True}
 
@@ -723,12 +983,12 @@ def test_merge_gathers_a_flag_sets_batches_from_two_sittings():
 
 
 def test_merge_pools_a_batch_both_sittings_measured():
-    """A batch measured in two sittings with one method is one measurement of all their pairs:
-    n adds up, the mean is over every pair, the order means keep each sitting's own
-    alternation (each began upstream first), the token check is both sittings'; merging one
-    sitting twice is refused."""
-    first = _batch(1, [9.0, 10.0, 9.0], [10.0, 10.0, 10.0])  # ratios 0.9, 1.0, 0.9
-    second = _batch(1, [11.0, 10.0], [10.0, 10.0], identical=False)  # 1.1, 1.0
+    """A batch measured in two runs of one plan with one method is one measurement of all their
+    pairs: n adds up, the mean is over every pair, the order means keep each run's own
+    alternation (each began upstream first), the token check is both runs'; merging one run
+    twice is refused."""
+    first = _batch(1, [9.0, 10.0, 9.0], [10.0] * 3, planned=5)  # ratios 0.9, 1.0, 0.9
+    second = _batch(1, [11.0, 10.0], [10.0] * 2, identical=False, planned=5)  # 1.1, 1.0
     later = _sitting({"bs1": second}, [1])
     sbs.merge_flag_sets(later, _sitting({"bs1": first}, [1]))
     pooled = later["flag_sets"]["wo_a_mid"]["batches"]["bs1"]

@@ -31,8 +31,10 @@ attributes the change: kernel names grouped (``KERNEL_GROUPS``), time per decode
 group on each side, and the sum of the groups' savings beside the measured step change
 (``attribute``). The JSON, ``DIR/e2e-full-depth-<device>.json``, carries the provenance block
 (build, device, torch, triton), per batch the cost model's command for that measurement, and
-which flag set is shown slower or faster at which batch, decided over all its cells
-(``step_verdicts``: a flag shown slower at a batch must not be served there).
+the judging rule's verdict per flag set x batch (``noninferiority``): the fork's time per output
+token over upstream's, its one-sided 95 % upper bound below 1 + ``DELTA``, no upward drift, and
+exactly the pairs its plan fixed before the run (``--sbs-plan``). A cell that has not passed is
+in the report's ``not_noninferior``, and the fork must not serve that flag set at that batch.
 """
 
 from __future__ import annotations
@@ -198,17 +200,16 @@ def holm(pvalues: dict[str, float], alpha: float = 0.05) -> list[str]:
 
 
 def step_verdicts(report: dict, alpha: float = 0.05) -> None:
-    """Which flag set makes the step slower, or faster, at which batch, over all the file's cells.
+    """Which flag set makes the verify step slower, or faster, at which batch, over all the
+    file's cells: secondary information beside the judging rule (``noninferiority``), which
+    judges time per output token (a step may shorten while its accepted tokens fall) against a
+    margin (a test against 1 lets any slowdown its pairs cannot resolve through).
 
-    The dispatch rule (a flag must not be served at a batch where it makes the step slower) is one
-    decision over every flag set x batch cell, so it is taken at a family-wise error: of 25 cells'
-    95 % intervals about one misses the true ratio by chance, and if no flag had any effect some
-    cell's interval would lie above 1 in about half of all runs (1 - 0.975**25). Per cell, a paired
-    one-sided t-test of the step ratios against 1 (``p_slower``, ``p_faster`` in ``step_ratio``);
-    over the cells, Holm's step-down at ``alpha`` for each direction. Each batch gets its
-    ``step_verdict`` (slower, faster, or not shown), the report the lists (``step_verdicts``) and
-    the cells whose own 95 % t-interval lies above 1 (``slower_per_cell``: for a later sitting to
-    confirm or clear with fresh pairs)."""
+    Per cell, a paired one-sided t-test of the step ratios against 1 (``p_slower``,
+    ``p_faster`` in ``step_ratio``); over the cells, Holm's step-down at ``alpha`` for each
+    direction. Each batch gets its ``step_verdict`` (slower, faster, or not shown), the report
+    the lists (``step_verdicts``) and the cells whose own 95 % t-interval lies above 1
+    (``slower_per_cell``)."""
     cells: dict[str, dict] = {}
     for name, rec in report.get("flag_sets", {}).items():
         for key, b in rec.get("batches", {}).items():
@@ -233,6 +234,302 @@ def step_verdicts(report: dict, alpha: float = 0.05) -> None:
             k for k, b in cells.items() if b["step_ratio"]["t95"][0] > 1
         ),
     }
+
+
+# ---------------------------------------------------------------------------- the judging rule
+
+# Non-inferiority on time per output token, per flag set x batch cell (``noninferiority``): the
+# fork serves a flag set at a batch only once that cell passes. Every constant is fixed in advance.
+DELTA = 0.02  # the margin: a cell's TPOT ratio's upper bound must lie below 1 + DELTA
+NI_ALPHA = 0.05  # the upper bound is one-sided 95 %
+DRIFT_ALPHA = 0.05  # one-sided level of the test for an upward trend over the pairs
+POWER = 0.90  # pairs_needed: the chance that a cell of equal speed passes the bound
+MIN_PAIRS = 4  # the trend's fit (mu, order, slope) needs one degree of freedom left
+CONTROL_SLOWDOWN = 1.05  # the positive control's injected slowdown (positive_control)
+
+
+def t_ppf(q: float, df: int) -> float:
+    """The ``q`` quantile of Student's t with ``df`` degrees of freedom (scipy)."""
+    from scipy.stats import t as student_t
+
+    return float(student_t.ppf(q, df))
+
+
+def pair_orders(n: int, sittings: list[int] | None = None) -> list[float]:
+    """Each pair's order as the model's centred covariate: +1/2 where upstream went first, -1/2
+    where the fork did. Every run begins upstream first and alternates (``interleave_order``);
+    ``sittings``: the pairs of each run pooled in one record, in order."""
+    out: list[float] = []
+    for m in sittings or [n]:
+        out += [0.5 if j % 2 == 0 else -0.5 for j in range(m)]
+    if len(out) != n:
+        raise ValueError(f"{n} pairs, but the record's runs hold {len(out)}")
+    return out
+
+
+def tpot_ratios(b: dict) -> list[float]:
+    """Per pair, the fork's time per output token over upstream's, from a batch record.
+
+    Each side's request of ``bs`` prompts yields ``tokens`` output tokens per prompt in its wall
+    time, and its recorded tokens/s is ``bs x tokens`` over that time: upstream's tokens/s over
+    the fork's is the ratio of the two wall times per output token (prefill and HTTP included,
+    once per request, on both sides alike). Exact up to the 0.1 tokens/s the record keeps
+    (under 0.07 % of a value from 75 tokens/s up)."""
+    up, fork = b["upstream"]["tokens_per_s_runs"], b["fork"]["tokens_per_s_runs"]
+    if len(up) != len(fork):
+        raise ValueError(f"paired runs needed: {len(fork)} fork, {len(up)} upstream")
+    return [u / f for u, f in zip(up, fork)]
+
+
+def order_fit(y: list[float], order: list[float]) -> dict:
+    """Least squares of y = mu + beta x order + noise, order +-1/2 (``pair_orders``): ``mu`` is
+    the mean of the two orders' means (balanced whatever their counts), ``beta`` upstream-first
+    minus fork-first, ``sd`` the residuals' spread and ``se`` mu's standard error, both on ``df``
+    = n - 2 degrees of freedom."""
+    groups = [[v for v, c in zip(y, order) if c == o] for o in (0.5, -0.5)]
+    if len(y) < 3 or not all(groups):
+        raise ValueError("the order model needs pairs of both orders and n >= 3")
+    means = [statistics.fmean(g) for g in groups]
+    ss = sum((v - m) ** 2 for g, m in zip(groups, means) for v in g)
+    df = len(y) - 2
+    sd = math.sqrt(ss / df)
+    return {
+        "mu": (means[0] + means[1]) / 2,
+        "beta": means[0] - means[1],
+        "sd": sd,
+        "se": sd / 2 * math.sqrt(1 / len(groups[0]) + 1 / len(groups[1])),
+        "df": df,
+    }
+
+
+def drift(y: list[float], order: list[float]) -> tuple[float, float]:
+    """The trend of y over the pair index with order as a covariate (y = mu + beta x order +
+    slope x index + noise, least squares: index and y centred on their order's means) and the
+    one-sided p that the slope is above 0 (t on n - 3 degrees of freedom)."""
+    n = len(y)
+    if n < MIN_PAIRS:
+        raise ValueError(f"a trend needs at least {MIN_PAIRS} pairs")
+    ix: list[float] = []
+    iy: list[float] = []
+    for o in (0.5, -0.5):
+        members = [i for i in range(n) if order[i] == o]
+        mi = statistics.fmean(members)
+        my = statistics.fmean(y[i] for i in members)
+        ix += [i - mi for i in members]
+        iy += [y[i] - my for i in members]
+    sxx = sum(a * a for a in ix)
+    sxy = sum(a * b for a, b in zip(ix, iy))
+    slope = sxy / sxx
+    rss = max(sum(b * b for b in iy) - slope * sxy, 0.0)
+    se = math.sqrt(rss / (n - 3) / sxx)
+    if se == 0.0:
+        return slope, 0.0 if slope > 0 else 1.0
+    return slope, t_sf(slope / se, n - 3)
+
+
+def pairs_needed(
+    sd_log: float, delta: float = DELTA, power: float = POWER, alpha: float = NI_ALPHA
+) -> int:
+    """The pairs a cell of equal speed needs for its upper bound to fall below 1 + ``delta`` with
+    probability ``power``, ``sd_log`` the spread of its log ratios about the order model: the
+    smallest even n (both orders alike, so mu's standard error is sd / sqrt(n)) with P(T' <
+    -t(1 - alpha, n - 2)) >= power, T' noncentral t on n - 2 degrees of freedom with
+    noncentrality -log(1 + delta) sqrt(n) / sd_log. The margin enters squared: half the
+    margin takes about four times the pairs."""
+    from scipy.stats import nct, norm
+
+    if sd_log <= 0:
+        return MIN_PAIRS
+    margin = math.log1p(delta)
+
+    def enough(n: int) -> bool:
+        nc = -margin * math.sqrt(n) / sd_log
+        return float(nct.cdf(-t_ppf(1 - alpha, n - 2), n - 2, nc)) >= power
+
+    z = float(norm.ppf(1 - alpha) + norm.ppf(power))
+    n = max(MIN_PAIRS, 2 * math.ceil((z * sd_log / margin) ** 2 / 2))
+    while not enough(n):
+        n += 2
+    while n - 2 >= MIN_PAIRS and enough(n - 2):
+        n -= 2
+    return n
+
+
+def planned_pairs(b: dict) -> int:
+    """The pairs a cell's plan called for, fixed before its run (``--sbs-plan``, recorded per
+    batch). A record from before plans were recorded planned its first run's pairs."""
+    return (
+        b.get("planned_pairs")
+        or (b.get("sittings") or [len(b["fork"]["tokens_per_s_runs"])])[0]
+    )
+
+
+def tpot_noninferiority(b: dict) -> dict:
+    """One cell's non-inferiority on time per output token (the judging rule, per cell).
+
+    The log of each pair's TPOT ratio (``tpot_ratios``) = mu + beta x order + noise
+    (``order_fit``): exp(mu) is the order-balanced ratio, its one-sided 95 % upper bound
+    exp(mu + t(0.95, n - 2) se). The cell passes iff that bound lies below 1 + ``DELTA``, its
+    log ratio does not trend upward over the pairs (``drift``, one-sided p >= ``DRIFT_ALPHA``;
+    else it is drifting) and it holds exactly its plan's pairs (the fixed stopping rule: fewer
+    is a plan not finished, more is pairs added after the plan ended). ``pairs_needed`` at 2 %
+    and 1 % from the cell's own spread size a fresh run's plan."""
+    ratios = tpot_ratios(b)
+    n, plan = len(ratios), planned_pairs(b)
+    out: dict = {
+        "n": n,
+        "planned_pairs": plan,
+        "per_repeat": [round(r, 4) for r in ratios],
+    }
+    if n < MIN_PAIRS:
+        return {
+            **out,
+            "ni_upper95": None,
+            "ni_pass": False,
+            "reasons": [f"fewer than {MIN_PAIRS} pairs"],
+        }
+    y = [math.log(r) for r in ratios]
+    order = pair_orders(n, b.get("sittings"))
+    fit = order_fit(y, order)
+    upper = math.exp(fit["mu"] + t_ppf(1 - NI_ALPHA, fit["df"]) * fit["se"])
+    slope, p = drift(y, order)
+    reasons = []
+    if not upper < 1 + DELTA:
+        reasons.append(f"upper bound {upper:.4f} not below {1 + DELTA:g}")
+    if p < DRIFT_ALPHA:
+        reasons.append(f"drifting up {100 * slope:+.2f} % per pair (p {p:.4f})")
+    if n != plan:
+        reasons.append(
+            f"{n} pairs, the plan {plan}"
+            + (": pairs added after the plan ended" if n > plan else "")
+        )
+    return {
+        **out,
+        "order_balanced": round(math.exp(fit["mu"]), 4),
+        "order_effect": round(math.exp(fit["beta"]), 4),
+        "sd_log": round(fit["sd"], 4),
+        "df": fit["df"],
+        "ni_upper95": round(upper, 4),
+        "drift_per_pair": round(slope, 5),
+        "drift_p": round(p, 4),
+        "drifting": p < DRIFT_ALPHA,
+        "ni_pass": not reasons,
+        "reasons": reasons,
+        "pairs_needed_2pct": pairs_needed(fit["sd"], 0.02),
+        "pairs_needed_1pct": pairs_needed(fit["sd"], 0.01),
+    }
+
+
+def inject_slowdown(b: dict, factor: float) -> dict:
+    """A copy of batch record ``b`` whose fork took ``factor`` times as long in every pair (its
+    step times x ``factor``, its tokens/s / ``factor``), its ratios recomputed."""
+    out = json.loads(json.dumps(b))
+    up, fork = out["upstream"], out["fork"]
+    fork["step_ms_runs"] = [m * factor for m in fork["step_ms_runs"]]
+    fork["tokens_per_s_runs"] = [t / factor for t in fork["tokens_per_s_runs"]]
+    out["step_ratio"] = ratio_summary(fork["step_ms_runs"], up["step_ms_runs"])
+    out["throughput_ratio"] = ratio_summary(
+        fork["tokens_per_s_runs"], up["tokens_per_s_runs"]
+    )
+    if "step_ratio_by_order" in out:
+        out["step_ratio_by_order"] = order_means(
+            out["step_ratio"]["per_repeat"], out.get("sittings")
+        )
+    out.pop("tpot_ratio", None)
+    return out
+
+
+def positive_control(b: dict, slowdown: float = CONTROL_SLOWDOWN) -> dict:
+    """Batch record ``b`` made exactly ``slowdown`` times slower than upstream: the fork's times
+    scaled so that the order-balanced TPOT ratio is ``slowdown``, each pair's own deviation
+    (order, noise, trend) kept. From ``slowdown`` >= 1 + ``DELTA`` the rule must flag it in
+    every cell whatever its spread (the upper bound is never below the ratio); a control that
+    passes means the rule is broken."""
+    ratios = tpot_ratios(b)
+    fit = order_fit(
+        [math.log(r) for r in ratios], pair_orders(len(ratios), b.get("sittings"))
+    )
+    return inject_slowdown(b, slowdown / math.exp(fit["mu"]))
+
+
+def _not_served(name: str, bs: int, args: list[str], why: str, t: dict | None) -> dict:
+    return {
+        "flag_set": name,
+        "bs": bs,
+        "args": args,
+        "reason": why,
+        "ni_upper95": (t or {}).get("ni_upper95"),
+        "pairs_needed_2pct": (t or {}).get("pairs_needed_2pct"),
+    }
+
+
+def noninferiority(report: dict) -> None:
+    """The judging rule over a report: every measured cell's ``tpot_ratio``
+    (``tpot_noninferiority``), the rule with its positive control (``noninferiority``: each
+    measured cell made ``CONTROL_SLOWDOWN`` slower must fail), and the table the dispatch
+    follows (``not_noninferior``: each flag set x batch that has not passed, with its
+    arguments and why, a batch of the method that was not measured included). A cell absent
+    from the file has not passed either."""
+    failing = []
+    controls = flagged = 0
+    for name, rec in report.get("flag_sets", {}).items():
+        args = rec.get("args", FLAG_SETS.get(name, []))
+        method = rec.get("method") or report.get("method") or {}
+        batches = rec.get("batches", {})
+        why = None if "batches" in rec else (rec.get("skipped") or rec.get("error"))
+        for bs in method.get("batches", []):
+            if f"bs{bs}" not in batches:
+                missing = "not measured" + (f": {why}" if why else "")
+                failing.append(_not_served(name, bs, args, missing, None))
+        for key, b in batches.items():
+            if "skipped" in b:
+                failing.append(
+                    _not_served(
+                        name, int(key[2:]), args, f"not measured: {b['skipped']}", None
+                    )
+                )
+                continue
+            b["tpot_ratio"] = t = tpot_noninferiority(b)
+            if t["n"] >= MIN_PAIRS:
+                controls += 1
+                flagged += not tpot_noninferiority(positive_control(b))["ni_pass"]
+            if not t["ni_pass"]:
+                failing.append(
+                    _not_served(name, b["bs"], args, "; ".join(t["reasons"]), t)
+                )
+    known = list(FLAG_SETS)
+    failing.sort(
+        key=lambda c: (
+            known.index(c["flag_set"]) if c["flag_set"] in known else len(known),
+            c["flag_set"],
+            c["bs"],
+        )
+    )
+    report["noninferiority"] = {
+        "rule": "per flag set x batch, the fork's time per output token over upstream's per "
+        "pair (upstream's tokens/s over the fork's); log ratio = mu + beta x order (+1/2 "
+        "upstream first, -1/2 fork first) + noise; a cell passes iff exp(mu + t(0.95, n - 2) "
+        "se) < 1 + margin, its log ratio has no upward trend over the pairs (one-sided t-test "
+        "of the slope, order as a covariate, at drift_alpha) and it holds exactly its planned "
+        "pairs",
+        "margin": DELTA,
+        "upper_bound": "one-sided 95 %",
+        "drift_alpha": DRIFT_ALPHA,
+        "pairs_needed_power": POWER,
+        "positive_control": {
+            "slowdown": CONTROL_SLOWDOWN,
+            "cells": controls,
+            "flagged": flagged,
+        },
+    }
+    report["not_noninferior"] = failing
+
+
+def judge_cells(report: dict) -> None:
+    """Every verdict a report carries, from its pairs alone (a run's, a merge's, a re-judged
+    file's): the step time's over all cells (secondary), then the judging rule's."""
+    step_verdicts(report)
+    noninferiority(report)
 
 
 def order_means(per_repeat: list[float], sittings: list[int] | None = None) -> dict:
@@ -424,9 +721,16 @@ def cost_model_command(flags: list[str], bs: int, up_ms: float, fork_ms: float) 
 
 
 def measure_batch(
-    servers: dict[str, Server], bs: int, repeats: int, tokens: int, flags: list[str]
+    servers: dict[str, Server],
+    bs: int,
+    repeats: int,
+    tokens: int,
+    flags: list[str],
+    planned: int | None = None,
 ) -> dict:
-    """One batch size: warm-up on both, then ``repeats`` interleaved pairs (``interleave_order``)."""
+    """One batch size: warm-up on both, then ``repeats`` interleaved pairs (``interleave_order``)
+    of the cell's plan of ``planned`` pairs (by default ``repeats``: the whole plan in one run).
+    """
     ids = batch_ids(servers["upstream"], bs)
     for side in ("upstream", "fork"):
         timed_request(servers[side], ids, tokens)
@@ -435,17 +739,22 @@ def measure_batch(
         runs[side].append(timed_request(servers[side], ids, tokens))
     reference = runs["upstream"][0]["tokens"]
     return {
-        **summarize_batch(bs, runs, flags, [repeats]),
+        **summarize_batch(bs, runs, flags, [repeats], planned or repeats),
         "tokens_identical": all(r["tokens"] == reference for r in runs["fork"]),
         "upstream_repeatable": all(r["tokens"] == reference for r in runs["upstream"]),
     }
 
 
 def summarize_batch(
-    bs: int, runs: dict[str, list[dict]], flags: list[str], sittings: list[int]
+    bs: int,
+    runs: dict[str, list[dict]],
+    flags: list[str],
+    sittings: list[int],
+    planned: int | None = None,
 ) -> dict:
     """The timing part of a batch's record from its paired runs (``sittings``: the pairs of
-    each sitting they come from, in order)."""
+    each run they come from, in order; ``planned``: the pairs the cell's plan called for, by
+    default those it holds)."""
     up, fork = _side(runs["upstream"]), _side(runs["fork"])
     step = ratio_summary(
         [r["step_ms"] for r in runs["fork"]],
@@ -463,43 +772,54 @@ def summarize_batch(
         ),
         "cost_model": cost_model_command(flags, bs, up["step_ms"], fork["step_ms"]),
         **({"sittings": sittings} if len(sittings) > 1 else {}),
+        "planned_pairs": planned or sum(sittings),
     }
 
 
+def _runs(rec: dict, side: str) -> list[dict]:
+    """One side's runs as ``summarize_batch`` takes them, from a batch record."""
+    s = rec[side]
+    return [
+        {
+            "step_ms": ms,
+            "tokens_per_s": tps,
+            "accepted_drafts_per_step": s["accepted_drafts_per_step"],
+            "verify_steps_per_request": s["verify_steps_per_request"],
+        }
+        for ms, tps in zip(s["step_ms_runs"], s["tokens_per_s_runs"])
+    ]
+
+
 def pool_batch(earlier: dict, later: dict, flags: list[str]) -> dict:
-    """One batch measured in two sittings with one method, as one measurement of all their pairs
-    (a batch whose interval is wide gets more pairs from a later device call): ratios,
-    intervals and medians over the pooled pairs, the token checks of both, the later sitting's
-    profile if it took one. Refuses two records that share their pairs (a sitting merged twice
-    would count its pairs twice)."""
+    """One batch measured in two runs of one cell's plan, as one measurement of all their pairs
+    (a plan of more pairs than one device call holds): ratios, intervals and medians over the
+    pooled pairs, the token checks of both, the later run's profile if it took one. Refuses two
+    records that share their pairs (a run merged twice would count its pairs twice), two plans,
+    and more pairs than the plan (adding pairs until a cell passes is no fixed stopping rule).
+    """
     a, b = earlier["step_ratio"]["per_repeat"], later["step_ratio"]["per_repeat"]
     if any(a[i : i + len(b)] == b for i in range(len(a) - len(b) + 1)) or any(
         b[i : i + len(a)] == a for i in range(len(b) - len(a) + 1)
     ):
         raise SystemExit(
-            f"merge: bs{later['bs']} holds the same pairs twice (a sitting merged twice?)"
+            f"merge: bs{later['bs']} holds the same pairs twice (a run merged twice?)"
         )
-
-    def runs(rec: dict, side: str) -> list[dict]:
-        s = rec[side]
-        return [
-            {
-                "step_ms": ms,
-                "tokens_per_s": tps,
-                "accepted_drafts_per_step": s["accepted_drafts_per_step"],
-                "verify_steps_per_request": s["verify_steps_per_request"],
-            }
-            for ms, tps in zip(s["step_ms_runs"], s["tokens_per_s_runs"])
-        ]
-
+    plan = planned_pairs(later)
+    if planned_pairs(earlier) != plan or len(a) + len(b) > plan:
+        raise SystemExit(
+            f"merge: bs{later['bs']}: {len(a)} + {len(b)} pairs of plans of "
+            f"{planned_pairs(earlier)} and {plan}: runs pool only within one plan, up to its "
+            "pairs (a cell is re-measured in a fresh run with a new plan)"
+        )
     pooled = summarize_batch(
         later["bs"],
         {
-            side: runs(earlier, side) + runs(later, side)
+            side: _runs(earlier, side) + _runs(later, side)
             for side in ("upstream", "fork")
         },
         flags,
         earlier.get("sittings", [len(a)]) + later.get("sittings", [len(b)]),
+        plan,
     )
     profile = later.get("profile", earlier.get("profile"))
     return {
@@ -676,6 +996,12 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
         raise SystemExit(
             "--sbs-repeats: at least 2 (a confidence interval needs two pairs)"
         )
+    plan = args.sbs_plan or args.sbs_repeats
+    if plan < args.sbs_repeats:
+        raise SystemExit(
+            f"--sbs-plan: {plan} pairs, fewer than --sbs-repeats {args.sbs_repeats} (a run "
+            "takes no more pairs than its cell's plan)"
+        )
     t_start = time.monotonic()
     env = {**env, **SERVE_ENV}
     model = ensure_checkpoint(args.models, args.sbs_experts, _gen_device())
@@ -700,12 +1026,17 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
         "method": {
             "batches": batches,
             "repeats": args.sbs_repeats,
+            "planned_pairs": plan,
             "output_tokens": args.sbs_tokens,
             "order": "pairs, first side alternating (upstream-fork, fork-upstream, ...)",
             "step_time": "wall time of one /generate of bs prompts over the verify steps per "
             "request (spec_verify_ct summed / bs): prefill and HTTP included",
             "batch": "bs prompts as token ids (one message to the scheduler, one prefill)",
             "ratios": "fork / upstream per repeat; mean with 95 % t and bootstrap intervals",
+            "time_per_output_token": "wall time of one /generate over its output tokens per "
+            "request (bs x tokens / tokens/s): prefill and HTTP included",
+            "stopping": "each batch takes its plan's pairs (planned_pairs), no more, whatever "
+            "its ratios; runs of one plan pool up to its pairs",
             "tokens": "greedy tokens identical to upstream's (the agree checkpoints' rule)",
             "server_args": server_args(upstream_row()),
             "server_env": SERVE_ENV,
@@ -726,7 +1057,7 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
         done = json.loads(json.dumps(report))  # not a result: a deep copy
         if args.sbs_merge:
             merge_flag_sets(done, json.loads(Path(args.sbs_merge).read_text()))
-        step_verdicts(done)
+        judge_cells(done)
         return write_result(dest, done, overwrite=args.overwrite, quiet=True)
 
     def late() -> bool:
@@ -782,7 +1113,12 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
                         rec["batches"][f"bs{bs}"] = {"skipped": "past --sbs-deadline"}
                         continue
                     rec["batches"][f"bs{bs}"] = b = measure_batch(
-                        servers, bs, args.sbs_repeats, args.sbs_tokens, FLAG_SETS[name]
+                        servers,
+                        bs,
+                        args.sbs_repeats,
+                        args.sbs_tokens,
+                        FLAG_SETS[name],
+                        plan,
                     )
                     print(
                         f"    bs {bs:>2}: step {b['upstream']['step_ms']:.2f} -> "
@@ -883,12 +1219,14 @@ def merge_flag_sets(report: dict, earlier: dict) -> None:
 
 
 def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
-    """``kept``'s measured batches that ``now`` lacks, and those both measured pooled, if both used
-    one method (the batch list and the number of pairs aside: each batch's ratios record their
-    own ``n``); ``now``'s token check and verdict then cover them too."""
+    """``kept``'s measured batches that ``now`` lacks, and those both measured pooled if both
+    runs are of one plan (``planned_pairs``; else ``now``'s fresh run replaces the earlier), if
+    both used one method (the batch list and the pairs aside: each batch records its own ``n``
+    and plan); ``now``'s token check and verdict then cover them too."""
 
     def same(m: dict | None) -> dict:
-        return {k: v for k, v in (m or {}).items() if k not in ("batches", "repeats")}
+        skip = ("batches", "repeats", "planned_pairs")
+        return {k: v for k, v in (m or {}).items() if k not in skip}
 
     if same(kept["method"]) != same(method):
         return
@@ -898,7 +1236,7 @@ def _keep_batches(now: dict, kept: dict, method: dict | None) -> None:
             continue
         if "skipped" in batches.get(key, {"skipped": ""}):
             batches[key] = {**b, "earlier_sitting": True}
-        else:
+        elif planned_pairs(b) == planned_pairs(batches[key]):
             batches[key] = pool_batch(b, batches[key], now.get("args", []))
     now["batches"] = dict(sorted(batches.items(), key=lambda kv: int(kv[0][2:])))
     if "checks" in now:
@@ -914,7 +1252,7 @@ def merge_files(paths: list[Path]) -> dict:
     merged = json.loads(Path(paths[-1]).read_text())
     for path in reversed(paths[:-1]):
         merge_flag_sets(merged, json.loads(Path(path).read_text()))
-    step_verdicts(merged)
+    judge_cells(merged)
     return merged
 
 
@@ -952,6 +1290,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=REPEATS,
         help="side by side: interleaved pairs per batch",
+    )
+    p.add_argument(
+        "--sbs-plan",
+        type=int,
+        help="side by side: the pairs each batch's plan calls for, fixed before the run "
+        "(default --sbs-repeats); a plan of more pairs than one call holds is taken in runs of "
+        "--sbs-repeats pairs, pooled by the merge up to the plan",
     )
     p.add_argument(
         "--sbs-tokens",
