@@ -142,6 +142,7 @@ def cmd_build(args) -> None:
         old.unlink()  # a failed build must leave no wheel that could be installed
     stamp_file.unlink(missing_ok=True)
     asm, wheel = assemble_series(args, tag=tag)
+    step(_needs_line(asm.tree, [a.patch for a in asm.applied], asm.upstream_version))
     step(f"packaging sglang {asm.version}")
     built = build_wheel(asm.tree, wheel, asm.upstream_version, asm.version, dist)
     table = patch_table(asm)
@@ -210,7 +211,32 @@ def cmd_check(args) -> None:
             + "\n  ".join(stale)
         )
     print("README.md and CONTRIBUTING.md: the series' flags and the pinned release")
+    print(_needs_line(None, patches, tag=python_tag(target_python(args))))
     cmd_lint(args)
+
+
+def _needs_line(
+    tree: Path | None, patches: list, release: str = "", tag: str = ""
+) -> str:
+    """Every upstream name our modules read exists in ``tree`` (an assembled tree), or in
+    the pinned release with the series: else ForkError naming it, its reader, the release.
+    """
+    from . import needs
+
+    if tree is None:
+        return needs.verify(needs.target_tree(None, patches, tag), patches)
+    return needs.verify(needs.UpstreamTree.from_dir(tree, release), patches, tree)
+
+
+def cmd_needs(args) -> int:
+    """List every upstream name our modules read, with its status in the target."""
+    from .needs import check, render, target_tree
+
+    patches = load_series(args.series)
+    tag = python_tag(target_python(args)) if args.target_tree is None else ""
+    report = check(target_tree(args.target_tree, patches, tag), patches)
+    print(render(report))
+    return 1 if report.missing else 0
 
 
 def cmd_docs(args) -> None:
@@ -401,6 +427,18 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "refresh", help="write build/tree's commits back to patches/ and python/sglang/"
     ).set_defaults(fn=cmd_refresh)
+    p = sub.add_parser(
+        "needs",
+        help="every upstream name our modules read, ok / missing / unknown in a release",
+    )
+    p.add_argument(
+        "--target-tree",
+        type=Path,
+        metavar="DIR",
+        help="an assembled tree, a site-packages or a .whl (default: the pinned release "
+        "with the series)",
+    )
+    p.set_defaults(fn=cmd_needs)
     sub.add_parser(
         "docs",
         help="write README.md's flag table from patches/series and docs/flags.toml",
