@@ -11,7 +11,8 @@ all:
 	$(FORK) --python $(PYTHON) build --install $(VENV)
 
 # Headers complete, every file under python/sglang owned by exactly one patch, and upstream's
-# formatters (black, isort, codespell at its pins; installed into .venv by `make`) clean.
+# hooks (black, isort, codespell, ruff F401 at its pins, installed into .venv by `make`; scripts
+# with a shebang executable) clean.
 check:
 	$(FORK) check
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from conftest import HAS_CUDA, with_model
+from conftest import with_model
 
 from sglang.srt.layers import engram_row_store as rs
 

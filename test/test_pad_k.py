@@ -16,7 +16,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import HAS_CUDA
 from pad_k import E8M0_ONE, KPad, pad_block_scales_k, plan_k_pad
 
 

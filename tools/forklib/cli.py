@@ -258,8 +258,8 @@ def cmd_lint(args) -> None:
             "(`tools/fork lint --fix` rewrites them):\n" + "\n".join(problems)
         )
     print(
-        f"black {VERSIONS['black']}, isort {VERSIONS['isort']}, "
-        f"codespell {VERSIONS['codespell']}: clean"
+        ", ".join(f"{tool} {version}" for tool, version in VERSIONS.items())
+        + ", run bits: clean"
     )
 
 
@@ -392,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--venv", type=Path, default=VENV, help="where the formatters are")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser(
-        "lint", help="black, isort and codespell at upstream's versions and settings"
+        "lint",
+        help="black, isort, codespell and ruff F401 at upstream's versions and settings; "
+        "scripts with a shebang executable",
     )
     p.add_argument("--venv", type=Path, default=VENV, help="where the formatters are")
     p.add_argument("--fix", action="store_true", help="rewrite the files instead")
