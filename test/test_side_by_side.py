@@ -475,7 +475,9 @@ def test_the_tpot_ratio_is_the_wall_time_per_output_token_ratio(monkeypatch):
     assert sbs.measure_batch(servers, 4, 6, 14, [])["planned_pairs"] == 6
     t = sbs.tpot_noninferiority(b)
     assert t["order_balanced"] == pytest.approx(0.8, rel=1e-3) and t["n"] == 6
-    assert not t["ni_pass"] and t["reasons"] == ["6 pairs, the plan 12"]
+    assert not t["ni_pass"] and t["reasons"] == [
+        "6 of 12 planned pairs: the plan is not finished"
+    ]
 
 
 def test_the_order_is_a_fixed_effect_and_mu_its_balanced_mean():
@@ -593,14 +595,14 @@ def test_the_fixed_stopping_rule():
     pairs = [1.01, 1.01, 1 / 1.01, 1 / 1.01] * 5
     assert sbs.tpot_noninferiority(_tpot_cell(pairs[:10], planned=10))["ni_pass"]
     short = sbs.tpot_noninferiority(_tpot_cell(pairs[:10], planned=20))
-    assert not short["ni_pass"] and short["reasons"] == ["10 pairs, the plan 20"]
+    assert not short["ni_pass"] and short["reasons"] == [
+        "10 of 20 planned pairs: the plan is not finished"
+    ]
     legacy = _tpot_cell(pairs, sittings=[10, 10])
     del legacy["planned_pairs"]
     over = sbs.tpot_noninferiority(legacy)
     assert over["planned_pairs"] == 10 and not over["ni_pass"]
-    assert over["reasons"] == [
-        "20 pairs, the plan 10: pairs added after the plan ended"
-    ]
+    assert over["reasons"] == ["20 pairs of a 10-pair plan: pairs added after it ended"]
 
     first = _batch(1, [9.0, 10.0, 9.0], [10.0, 10.0, 10.0], planned=5)
     second = _batch(1, [11.0, 10.0], [10.0, 10.0], planned=5)
@@ -609,10 +611,14 @@ def test_the_fixed_stopping_rule():
         sbs.pool_batch(first, _batch(1, [11.0, 10.0, 9.5], [10.0] * 3, planned=5), [])
     with pytest.raises(SystemExit, match="within one plan"):
         sbs.pool_batch(first, _batch(1, [11.0, 10.0], [10.0] * 2, planned=6), [])
+    # a fresh run of another plan replaces the cell and keeps the set's other batches
     fresh = _batch(1, [9.5] * 6, [10.0] * 6, planned=6)
     later = _sitting({"bs1": fresh}, [1])
-    sbs.merge_flag_sets(later, _sitting({"bs1": first}, [1]))
+    later["method"]["planned_pairs"] = 6
+    earlier = _sitting({"bs1": first, "bs4": _batch(4, [9.0] * 3, [10.0] * 3)}, [1, 4])
+    sbs.merge_flag_sets(later, earlier)
     assert later["flag_sets"]["wo_a_mid"]["batches"]["bs1"] == fresh
+    assert "bs4" in later["flag_sets"]["wo_a_mid"]["batches"]
 
 
 def test_a_cell_not_measured_is_not_served():
@@ -1208,15 +1214,20 @@ def test_a_whole_run_against_stand_in_servers(tmp_path, monkeypatch):
 
 def test_the_docs_table_renders_a_run():
     """docs_tables.e2e_full_depth on a synthetic run: every flag set and batch of the method
-    has its cells; a set not run, a skipped set, a skipped batch and differing tokens are said.
-    """
+    has its cells; the judging rule's row first, a cell that has not passed says "not served"
+    (and why, past the bound); a set not run, a skipped set, a skipped batch and differing
+    tokens are said; the step time carries no verdict of its own."""
     import docs_tables
 
-    def batch(mean, identical=True, verdict="not shown"):
+    def batch(mean, identical=True, ratio=1.0, upper=1.01, ok=True, n=10, **kw):
+        tpot = {"order_balanced": ratio, "ni_upper95": upper, "ni_pass": ok, "n": n}
+        tpot.update(planned_pairs=10, drifting=False, reasons=[])
+        tpot.update(pairs_needed_2pct=22, pairs_needed_1pct=84, **kw)
         return {
-            "step_verdict": verdict,
-            "step_ratio": {"mean": mean, "t95": [mean - 0.01, mean + 0.01]},
-            "throughput_ratio": {"mean": 1 / mean, "t95": [1.0, 1.2]},
+            "step_verdict": "faster",
+            "step_ratio": {"mean": mean, "t95": [mean - 0.01, mean + 0.01], "n": n},
+            "throughput_ratio": {"mean": 1 / mean, "t95": [1.0, 1.2], "n": n},
+            "tpot_ratio": tpot,
             "tokens_identical": identical,
             "upstream": {"step_ms": 31.5, "accepted_drafts_per_step": 2.5},
             "fork": {"accepted_drafts_per_step": 2.25},
@@ -1227,14 +1238,16 @@ def test_the_docs_table_renders_a_run():
         "flag_sets": {
             "all_on": {
                 "batches": {
-                    "bs1": batch(0.9, verdict="faster"),
+                    "bs1": batch(
+                        0.9, ratio=0.95, upper=0.99, ok=False, n=20, drifting=True
+                    ),
                     "bs32": {"skipped": "past --sbs-deadline"},
                 }
             },
             "cap_3": {
                 "batches": {
-                    "bs1": batch(1.0, identical=False),
-                    "bs32": batch(0.99, verdict="slower"),
+                    "bs1": batch(1.0, identical=False, upper=1.012),
+                    "bs32": batch(0.99, ratio=1.01, upper=1.031, ok=False),
                 }
             },
             "head_fp8": {"skipped": "over the time budget (400 s)"},
@@ -1245,23 +1258,36 @@ def test_the_docs_table_renders_a_run():
     assert table[2] == "| wo_a mid | not run | not run |"
     assert table[3].startswith("| head fp8 | over the time budget")
     assert table[4] == (
-        "| cap 3: step time | 1.000 [0.990, 1.010] (tokens differ) "
-        "| 0.990 [0.980, 1.000] slower |"
+        "| cap 3: time per output token | 1.000 (upper 1.012) (tokens differ) "
+        "| 1.010 (upper 1.031) **not served** |"
+    )
+    assert table[5] == "| cap 3: pairs for 2 % / 1 % | 22 / 84 | 22 / 84 |"
+    assert table[6] == (
+        "| cap 3: step time | 1.000 [0.990, 1.010] | 0.990 [0.980, 1.000] |"
     )
     assert (
-        table[5]
+        table[7]
         == "| cap 3: output tokens/s | 1.000 [1.000, 1.200] | 1.010 [1.000, 1.200] |"
     )
-    assert table[6] == (
+    assert table[8] == (
         "| cap 3: accepted drafts per step, fork / upstream | 2.25 / 2.50 | 2.25 / 2.50 |"
     )
-    assert table[7] == "| wo_a mid + head fp8 | not run | not run |"
-    assert (
-        table[8]
-        == "| all three: step time | **0.900 [0.890, 0.910]** | past --sbs-deadline |"
+    assert table[9] == "| wo_a mid + head fp8 | not run | not run |"
+    assert table[10] == (
+        "| all three: time per output token | 0.950 (upper 0.990) (n = 20) **not served: "
+        "drifting, plan of 10** | past --sbs-deadline |"
     )
-    assert table[9] == "| all three: output tokens/s | 1.111 [1.000, 1.200] | - |"
-    assert table[11] == "| upstream step (ms) | 31.5 | 31.5 |"
+    assert table[12] == ("| all three: step time | 0.900 [0.890, 0.910] (n = 20) | - |")
+    assert (
+        table[13]
+        == "| all three: output tokens/s | 1.111 [1.000, 1.200] (n = 20) | - |"
+    )
+    assert table[15] == "| upstream step (ms) | 31.5 | 31.5 |"
+    # a record the rule has not judged says so
+    del run["flag_sets"]["cap_3"]["batches"]["bs1"]["tpot_ratio"]
+    assert "| cap 3: time per output token | not judged (tokens differ) |" in (
+        docs_tables.e2e_full_depth(run)
+    )
 
 
 def test_the_attribution_table_holds_the_flags_groups_against_the_model():

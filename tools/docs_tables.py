@@ -416,15 +416,18 @@ def e2e_attribution(d: dict, model: dict) -> str:
 
 
 def e2e_full_depth(d: dict) -> str:
-    """Per flag set and batch: the step time and the output tokens/s, fork / upstream (mean of
-    the paired repeats, 95 % t-interval; their number where it is not most cells'; a step time
-    shown faster over all cells in bold, one shown slower says so), and the accepted drafts per
-    step on both sides; the upstream step time last. Every flag set and batch of the method
-    appears: one the run did not measure says so (not run, skipped and why, or its error).
+    """Per flag set and batch: the judging rule's row first (``side_by_side.noninferiority``:
+    the time per output token fork / upstream, order-balanced, with its one-sided 95 % upper
+    bound; a cell that has not passed says "not served" and, past the bound, why), the pairs a
+    fresh run's plan needs for the 2 % and the 1 % margin, then the step time and the output
+    tokens/s (mean of the paired repeats, 95 % t-interval; their number where it is not most
+    cells') and the accepted drafts per step on both sides; the upstream step time last. Every
+    flag set and batch of the method appears: one the run did not measure says so (not run,
+    skipped and why, or its error).
     """
     sets = d.get("flag_sets", {})
     measured = {b for rec in sets.values() for b in rec.get("batches", {})}
-    batches = sorted(  # a sitting may list its batches in any order
+    batches = sorted(  # a run may list its batches in any order
         measured | {f"bs{b}" for b in d.get("method", {}).get("batches", [])},
         key=lambda b: int(b[2:]),
     )
@@ -441,13 +444,34 @@ def e2e_full_depth(d: dict) -> str:
     ]
     repeats = max(set(ns), key=ns.count) if ns else None
 
+    def pairs(r: dict) -> str:
+        return f" (n = {r['n']})" if r.get("n", repeats) != repeats else ""
+
     def ratio(b: dict, key: str) -> str:
         r = b[key]
-        n = f" (n = {r['n']})" if r.get("n", repeats) != repeats else ""
-        cell = f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]{n}"
-        # the step time's verdict over all cells (side_by_side.step_verdicts)
-        verdict = b.get("step_verdict") if key == "step_ratio" else None
-        return {"slower": f"{cell} slower", "faster": f"**{cell}**"}.get(verdict, cell)
+        return f"{r['mean']:.3f} [{r['t95'][0]:.3f}, {r['t95'][1]:.3f}]{pairs(r)}"
+
+    def tpot(b: dict) -> str:
+        t = b.get("tpot_ratio")
+        if t is None:
+            return "not judged"
+        if t.get("ni_upper95") is None:
+            return f"not served: {'; '.join(t['reasons'])}"
+        cell = f"{t['order_balanced']:.3f} (upper {t['ni_upper95']:.3f}){pairs(t)}"
+        if t["ni_pass"]:
+            return cell
+        why = [
+            "drifting" if t["drifting"] else "",
+            f"plan of {t['planned_pairs']}" if t["n"] != t["planned_pairs"] else "",
+        ]
+        why = ", ".join(w for w in why if w)
+        return f"{cell} **not served{': ' + why if why else ''}**"
+
+    def needed(b: dict) -> str:
+        t = b.get("tpot_ratio") or {}
+        if t.get("pairs_needed_2pct") is None:
+            return "-"
+        return f"{t['pairs_needed_2pct']} / {t['pairs_needed_1pct']}"
 
     def drafts(b: dict) -> str:
         return (
@@ -458,6 +482,7 @@ def e2e_full_depth(d: dict) -> str:
     def row(what: str, cells: list[str]) -> None:
         lines.append(f"| {what} | " + " | ".join(cells) + " |")
 
+    first = "time per output token"
     reference = None
     for key, label in FULL_DEPTH_SETS:
         rec = sets.get(key)
@@ -468,6 +493,8 @@ def e2e_full_depth(d: dict) -> str:
         got = {b: m for b, m in rec["batches"].items() if "skipped" not in m}
         reference = reference or rec
         for what, cell in (
+            (first, tpot),
+            ("pairs for 2 % / 1 %", needed),
             ("step time", lambda b: ratio(b, "step_ratio")),
             ("output tokens/s", lambda b: ratio(b, "throughput_ratio")),
             ("accepted drafts per step, fork / upstream", drafts),
@@ -475,9 +502,9 @@ def e2e_full_depth(d: dict) -> str:
             cells = []
             for b in batches:
                 m = rec["batches"].get(b, {"skipped": "not run"})
-                if b not in got:  # why, once: in the step time's row
-                    cells.append(m["skipped"] if what == "step time" else "-")
-                elif what == "step time" and not m["tokens_identical"]:
+                if b not in got:  # why, once: in the first row
+                    cells.append(m["skipped"] if what == first else "-")
+                elif what == first and not m["tokens_identical"]:
                     cells.append(cell(m) + " (tokens differ)")
                 else:
                     cells.append(cell(m))
@@ -491,6 +518,31 @@ def e2e_full_depth(d: dict) -> str:
             ],
         )
     return "\n".join(lines)
+
+
+def e2e_not_served(d: dict) -> str:
+    """The cells the dispatch must not serve (``side_by_side.noninferiority``'s
+    ``not_noninferior``), in the file's order: flag set, batch, the time per output token fork /
+    upstream and its upper bound where the cell was measured, why, and the pairs a fresh run
+    needs for the 2 % and the 1 % margin."""
+    out = [
+        "| flag set | bs | time per output token | upper bound | why | pairs for 2 % / 1 % |",
+        "| --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for c in d.get("not_noninferior", []):
+        rec = d["flag_sets"].get(c["flag_set"], {})
+        t = rec.get("batches", {}).get(f"bs{c['bs']}", {}).get("tpot_ratio") or {}
+        ratio = f"{t['order_balanced']:.3f}" if "order_balanced" in t else "-"
+        upper = f"{c['ni_upper95']:.3f}" if c["ni_upper95"] is not None else "-"
+        pairs = (
+            f"{t['pairs_needed_2pct']} / {t['pairs_needed_1pct']}"
+            if "pairs_needed_2pct" in t
+            else "-"
+        )
+        out.append(
+            f"| `{c['flag_set']}` | {c['bs']} | {ratio} | {upper} | {c['reason']} | {pairs} |"
+        )
+    return "\n".join(out)
 
 
 # --- measured tables of the feature pages --------------------------------------------------
@@ -682,6 +734,9 @@ TABLES: dict[str, Table] = {
     "e2e_last_run": Table("docs/gpu-testing.md", "e2e-NVIDIA_H200.json", e2e_last_run),
     "e2e_full_depth": Table(
         "docs/performance.md", "e2e-full-depth-NVIDIA_H200.json", e2e_full_depth
+    ),
+    "e2e_not_served": Table(
+        "docs/performance.md", "e2e-full-depth-NVIDIA_H200.json", e2e_not_served
     ),
     "e2e_attribution": Table(
         "docs/performance.md",

@@ -398,11 +398,10 @@ def tpot_noninferiority(b: dict) -> dict:
         reasons.append(f"upper bound {upper:.4f} not below {1 + DELTA:g}")
     if p < DRIFT_ALPHA:
         reasons.append(f"drifting up {100 * slope:+.2f} % per pair (p {p:.4f})")
-    if n != plan:
-        reasons.append(
-            f"{n} pairs, the plan {plan}"
-            + (": pairs added after the plan ended" if n > plan else "")
-        )
+    if n < plan:
+        reasons.append(f"{n} of {plan} planned pairs: the plan is not finished")
+    elif n > plan:
+        reasons.append(f"{n} pairs of a {plan}-pair plan: pairs added after it ended")
     return {
         **out,
         "order_balanced": round(math.exp(fit["mu"]), 4),
@@ -1033,10 +1032,6 @@ def run(args, env: dict, trees: dict, device_label: str, meta: dict) -> int:
             "request (spec_verify_ct summed / bs): prefill and HTTP included",
             "batch": "bs prompts as token ids (one message to the scheduler, one prefill)",
             "ratios": "fork / upstream per repeat; mean with 95 % t and bootstrap intervals",
-            "time_per_output_token": "wall time of one /generate over its output tokens per "
-            "request (bs x tokens / tokens/s): prefill and HTTP included",
-            "stopping": "each batch takes its plan's pairs (planned_pairs), no more, whatever "
-            "its ratios; runs of one plan pool up to its pairs",
             "tokens": "greedy tokens identical to upstream's (the agree checkpoints' rule)",
             "server_args": server_args(upstream_row()),
             "server_env": SERVE_ENV,
