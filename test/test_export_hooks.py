@@ -1,7 +1,8 @@
 """Upstream's Python pre-commit hooks on an exported diff (``forklib.hooks.check_diff``): black on
-the lines a hunk adds to an upstream file, isort where that file was isort-clean, codespell on
-the added lines, the whole of a file the diff creates. ``test_export.py`` runs it on every real
-patch's ``make export`` output; here it must fail on each kind of problem and only on ours."""
+the lines a hunk adds to an upstream file, isort on the whole file where it was isort-clean and
+on the order of the imports we add in every file, codespell on the added lines, the whole of a
+file the diff creates. ``test_export.py`` runs it on every real patch's ``make export`` output;
+here it must fail on each kind of problem and only on ours."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forklib.hooks import added_lines, check_diff, line_ranges
+from forklib.hooks import added_lines, check_diff, import_neighbours, line_ranges
+from forklib.lint import ISORT_ARGS
 
 BIN = Path(sys.executable).parent
 TYPO = "recie" + "ved"  # split, so codespell over this file does not flag it
@@ -89,7 +91,67 @@ def test_each_hook_fails_on_our_lines_only(tmp_path):
     assert "lines 5" not in problems and "python/a.py: isort" not in problems
 
 
-def test_isort_is_not_held_where_upstream_was_not_clean(tmp_path):
-    old = "import sys\nimport os\n"  # upstream's own order, isort-unclean
-    diff, up = _diff(tmp_path, {"python/c.py": (old, old + "import abc\n")})
-    assert check_diff(diff, up, BIN) == []
+# upstream's imports out of isort's order (sys before os) and in a style isort rewrites (the
+# parenthesized typing import): isort over the whole file fails before any patch
+UPSTREAM_UNSORTED = (
+    "import sys\nimport os\nfrom typing import (\n    Any,\n)\n\nimport torch\n\n"
+    "from sglang.srt.b import B\n\n\ndef f():\n    import re\n    import zlib\n"
+    "    return re, zlib\n"
+)
+
+
+def _isort_fails(bindir: Path, text: str, tmp_path: Path) -> bool:
+    f = tmp_path / "probe.py"
+    f.write_text(text)
+    cmd = [str(bindir / "isort"), *ISORT_ARGS, "--check-only", "-q", str(f)]
+    return subprocess.run(cmd, capture_output=True).returncode != 0
+
+
+def test_our_imports_are_held_to_isort_order_where_upstream_was_not_clean(tmp_path):
+    """In a file upstream left isort-unclean the whole-file isort check is skipped (it would
+    fail on upstream's own lines), so before the per-statement check an import we add out of
+    order passed; now each misplaced one is refused, and well-placed ones still pass."""
+    assert _isort_fails(BIN, UPSTREAM_UNSORTED, tmp_path)
+    well_placed = (
+        UPSTREAM_UNSORTED.replace("import sys\n", "import abc\nimport sys\n")
+        .replace("import torch\n", "import numpy\nimport torch\n")
+        .replace(
+            "from sglang.srt.b import B\n",
+            "from sglang.srt.a import A\nfrom sglang.srt.b import B\n",
+        )
+        .replace("    import re\n", "    import json\n    import re\n")
+    )
+    misplaced = (  # our lines: 3 after os, 9 after torch, 12 after B, 17 after re
+        "import sys\nimport os\nimport abc\nfrom typing import (\n    Any,\n)\n\n"
+        "import torch\nimport numpy\n\nfrom sglang.srt.b import B\nimport json\n\n\n"
+        "def f():\n    import re\n    import json\n    import zlib\n    return re, zlib\n"
+    )
+    names = UPSTREAM_UNSORTED.replace(
+        "from sglang.srt.b import B\n",
+        "from sglang.srt.b import B\nfrom sglang.srt.c import Z, Y\n",
+    )
+    diff, up = _diff(
+        tmp_path,
+        {
+            "python/good.py": (UPSTREAM_UNSORTED, well_placed),
+            "python/bad.py": (UPSTREAM_UNSORTED, misplaced),
+            "python/names.py": (UPSTREAM_UNSORTED, names),
+        },
+    )
+    problems = check_diff(diff, up, BIN)
+    assert problems == [
+        "python/bad.py: isort would reorder the imports we add at line(s) 3, 9, 12, 17",
+        "python/names.py: isort would reorder the imports we add at line(s) 10",
+    ]
+
+
+def test_the_neighbours_of_an_added_import():
+    source = "import os\n\n# ours\nimport abc\nx = 1\nif x:\n    import re\n    import json\n"
+    found = import_neighbours(source, {3, 4, 8})
+    assert found == {
+        4: ("import os\n", "\n# ours\n", "import abc\n", "", None),
+        8: ("import re\n", "", "import json\n", "", None),
+    }
+    assert import_neighbours("import os  # isort: skip_file\nimport abc\n", {2}) == {}
+    off = "# isort: off\nimport os\nimport abc\n# isort: on\nimport re\n"
+    assert list(import_neighbours(off, {3, 5})) == [5]
