@@ -287,6 +287,25 @@ def test_refusals():
         )
 
 
+def test_the_advised_limits_are_accepted():
+    """Each change the N < 3P refusal advises passes the validator, the other limit kept: a
+    period only where N >= 3 leaves one of at least 1 (for N 1 and 2, P <= 0 is refused).
+    """
+    cases = [(None, n) for n in (1, 2, 3, 100, 383)] + [(64, 100), (5, 14), (4096, 1)]
+    for max_period, min_tokens in cases:
+        flags = dict(loop_abort_max_period=max_period, loop_abort_min_tokens=min_tokens)
+        with pytest.raises(ValueError, match="3 x --loop-abort-max-period") as refusal:
+            la.validate_loop_abort(cfg(enable_loop_abort=True, **flags))
+        advised = re.findall(r"(--loop-abort-[a-z-]+) [<>]= (\d+)", str(refusal.value))
+        assert [f for f, _ in advised][:1] == ["--loop-abort-min-tokens"], refusal.value
+        assert len(advised) == (2 if min_tokens >= 3 else 1), refusal.value
+        for flag, value in advised:
+            field = "loop_abort_" + flag[len("--loop-abort-") :].replace("-", "_")
+            la.validate_loop_abort(
+                cfg(enable_loop_abort=True, **{**flags, field: int(value)})
+            )
+
+
 def test_flags_on_the_command_line():
     from sglang.srt.server_args import ServerArgs
 

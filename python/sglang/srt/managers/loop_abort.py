@@ -78,10 +78,13 @@ def resolve_limits(
         else positive_int(names[1], min_tokens)
     )
     if n < MIN_TOKENS_PER_PERIOD * p:
+        # each advised value passes these checks: a period P <= N // 3 only where that is >= 1
+        advice = f"{names[1]} >= {MIN_TOKENS_PER_PERIOD * p}"
+        if n >= MIN_TOKENS_PER_PERIOD:
+            advice += f", or {names[0]} <= {n // MIN_TOKENS_PER_PERIOD}"
         raise ValueError(
             f"{names[1]} {n} < {MIN_TOKENS_PER_PERIOD} x {names[0]} {p}: the detector needs N >= 3P "
-            f"to catch every loop on the token where it reaches N (use {names[1]} >= "
-            f"{MIN_TOKENS_PER_PERIOD * p}, or {names[0]} <= {n // MIN_TOKENS_PER_PERIOD})"
+            f"to catch every loop on the token where it reaches N (use {advice})"
         )
     return p, n
 
