@@ -1,6 +1,9 @@
 """benchmark/e2e/cost_model.py: the calls it counts per decode step, the fall-back to stock above
 the kernels' row limits, interpolation only within measured shapes, and the check that a
-prediction explains a measured step-time change (failing on a synthetic mismatch)."""
+prediction explains a measured step-time change (failing on a synthetic mismatch); the step by
+kernel group: its groups add up, each figure's status, no figure past its measured rows, a MoE
+runner result picked up when it lands (a synthetic file in a scratch folder), and a flag set's
+saving the sum of its flags'."""
 
 from __future__ import annotations
 
@@ -284,5 +287,216 @@ def test_report_writes_its_json_with_provenance(tmp_path, capsys):
     assert cm.main(["--report", "--out", str(tmp_path)]) == 0
     out = json.loads((tmp_path / "cost_model-cpu.json").read_text())
     assert out["provenance"]["fork_version"] and out["rows"]
+    assert [b["bs"] for b in out["step_share"]["batches"]] == list(cm.BATCHES)
     text = capsys.readouterr().out
     assert "No measurement on NVIDIA GB10" in text and "## H200, TP4" in text
+    assert "## NVIDIA H200, TP4: the step by kernel group" in text
+
+
+# ------------------------------------------------------------------ the step by kernel group
+
+STOCK_FILES = ("wo_a_fp8", "draft_head_fp8", "verify_cap_moe", "wo_a_stock")
+
+
+@pytest.fixture
+def results(tmp_path):
+    """The committed H200 result files the step reads, without any MoE runner result."""
+    for name in STOCK_FILES:
+        f = f"{name}-NVIDIA_H200.json"
+        (tmp_path / f).write_text((cm.RESULTS / f).read_text())
+    return tmp_path
+
+
+def _moe_file(folder, device="NVIDIA_H200", rows=(4, 6, 8, 12, 24, 48), upstream_to=24):
+    """A small synthetic MoE runner result: the fork at 20 + rows us, upstream's Triton route
+    at 40 + 2 rows us up to ``upstream_to`` rows (none where 0), the floor at 10 + rows.
+    """
+    out = []
+    for m in rows:
+        for kind in ("random", "shared") if m % 6 == 0 else ("random",):
+            r = {
+                "shape": "v41_flash_tp4",
+                "hidden": 5120,
+                "inter": 576,
+                "rows": m,
+                "routing": kind,
+                "floor_us": 10.0 + m,
+                "fork_us": 20.0 + m,
+            }
+            if m <= upstream_to:
+                r["upstream_triton_fp8_us"] = 40.0 + 2 * m
+            out.append(r)
+    data = {"benchmark": "moe_verify", "experts": 384, "topk": 6, "rows": out}
+    (folder / f"moe_verify-{device}.json").write_text(json.dumps(data))
+
+
+def _parts(batch, group):
+    return {p["part"].split(":")[0]: p for p in batch["parts"] if p["group"] == group}
+
+
+def test_the_groups_add_up_to_the_step(results):
+    s = cm.step_share(results=results)
+    assert [b["bs"] for b in s["batches"]] == [1, 2, 4, 8, 16, 32]
+    for b in s["batches"]:
+        assert sum(g["us"] for g in b["groups"].values()) == pytest.approx(b["step_us"])
+        assert sum(g["share"] for g in b["groups"].values()) == pytest.approx(
+            1, abs=1e-4
+        )
+        assert sum(p["us"] for p in b["parts"]) == pytest.approx(b["step_us"], abs=0.1)
+        for g in b["groups"].values():
+            assert g["measured_us"] + g["assumed_us"] == pytest.approx(g["us"])
+        assert b["verify_rows"] == 6 * b["bs"] and b["draft_rows"] == 5 * b["bs"]
+    assert set(s["assumptions"]) == set(cm.asdict(cm.StepAssumptions()))
+    assert all(a["why"] for a in s["assumptions"].values())
+    assert s["hbm_tbps"]["value"] == cm.engine_constant(cm.HARNESS, "HBM_TBPS")
+
+
+def test_each_group_has_its_status_and_source(results):
+    s = cm.step_share(results=results)
+    by_bs = {b["bs"]: b for b in s["batches"]}
+    for group in ("dense linears", "attention", "all-reduce", "other"):
+        assert {b["groups"][group]["status"] for b in s["batches"]} == {cm.ASSUMED}
+    # wo_a: 6 and 192 verify rows were measured, 12 lies between 9 and 16
+    assert by_bs[1]["groups"]["wo_a"]["status"] == cm.MEASURED
+    assert by_bs[2]["groups"]["wo_a"]["status"] == cm.INTERPOLATED
+    rows = {
+        (r["G"], r["M"]): r
+        for r in json.loads((results / "wo_a_fp8-NVIDIA_H200.json").read_text())["rows"]
+    }
+    verify = _parts(by_bs[1], "wo_a")["target verify"]
+    assert verify["calls"] == 43 and verify["rows"] == 6
+    assert verify["us_per_call"] == pytest.approx(rows[2, 6]["einsum_us"], abs=1e-3)
+    assert "wo_a_fp8-NVIDIA_H200.json einsum_us" in verify["source"]
+    # every part of every group names its status and its source
+    for b in s["batches"]:
+        for p in b["parts"]:
+            assert p["status"] in (cm.MEASURED, cm.INTERPOLATED, cm.ASSUMED)
+            assert p["source"].startswith("assumed") == (p["status"] == cm.ASSUMED)
+
+
+def test_no_figure_is_extrapolated_past_its_measured_rows(results):
+    s = cm.step_share(results=results)
+    by_bs = {b["bs"]: b for b in s["batches"]}
+    heads = _parts(by_bs[16], "LM heads")  # 96 and 80 rows: measured
+    assert {p["status"] for p in heads.values()} == {cm.MEASURED}
+    heads = _parts(by_bs[32], "LM heads")  # 192 and 160 rows: past the 128 measured
+    assert {p["status"] for p in heads.values()} == {cm.ASSUMED}
+    assert "not extrapolated" in heads["target verify"]["source"]
+    assert by_bs[32]["groups"]["LM heads"]["status"] == cm.ASSUMED
+    _moe_file(results, rows=(4, 6, 8, 12, 24, 48))
+    s = cm.step_share(results=results)
+    experts = _parts(s["batches"][4], "routed experts")  # bs 16: 96 and 80 rows
+    assert {p["status"] for p in experts.values()} == {cm.ASSUMED}
+    assert "not extrapolated" in experts["target verify"]["source"]
+    assert s["batches"][4]["flags"][cm.MOE_FLAG]["cell"] == "not measured"
+
+
+def test_routed_experts_at_the_floor_without_the_moe_file(results):
+    s = cm.step_share(results=results)
+    assert (
+        s["moe_file"] is None
+        and "no moe_verify result file" in s["how"]["routed experts"]
+    )
+    b = s["batches"][0]
+    verify = _parts(b, "routed experts")["target verify"]
+    experts = 384 * (1 - (1 - 6 / 384) ** 6)
+    floor = experts * 3 * 5120 * 576 * 0.53125 / (cm.hbm_tbps() * 1e6)
+    assert verify["status"] == cm.ASSUMED and verify["us_per_call"] == pytest.approx(
+        floor, abs=1e-3
+    )
+    assert cm.distinct_experts(V41, 6) == pytest.approx(experts)
+    for b in s["batches"]:
+        assert b["flags"][cm.MOE_FLAG]["cell"] == cm.NO_UPSTREAM
+        assert b["flags"][cm.MOE_FLAG]["saved_us"] == 0
+
+
+def test_the_moe_file_is_picked_up_when_it_lands(results):
+    _moe_file(results)
+    s = cm.step_share(results=results)
+    assert s["moe_file"] == "moe_verify-NVIDIA_H200.json"
+    bs1 = s["batches"][0]
+    experts = _parts(bs1, "routed experts")
+    # upstream measured at 6 rows: the step takes upstream's time there
+    assert experts["target verify"]["status"] == cm.MEASURED
+    assert experts["target verify"]["us_per_call"] == 40.0 + 2 * 6
+    assert "upstream_triton_fp8_us" in experts["target verify"]["source"]
+    # the draft's 5 rows lie between the measured 4 and 6
+    assert experts["draft stages"]["status"] == cm.INTERPOLATED
+    assert experts["draft stages"]["us_per_call"] == pytest.approx(40.0 + 2 * 5)
+    saved = 43 * ((40 + 12) - (20 + 6)) + 3 * ((40 + 10) - (20 + 5))
+    moe = bs1["flags"][cm.MOE_FLAG]
+    assert moe["complete"] and moe["saved_us"] == pytest.approx(saved)
+    assert moe["percent"] == pytest.approx(100 * saved / bs1["step_us"], abs=1e-3)
+    assert moe["cell"].endswith(
+        "us)*"
+    )  # the draft's sites at an interpolated row count
+    # bs 8: 48 verify rows, upstream measured only to 24: the step takes the fork's runner
+    bs8 = s["batches"][3]
+    verify = _parts(bs8, "routed experts")["target verify"]
+    assert verify["us_per_call"] == 20.0 + 48 and "fork_us" in verify["source"]
+    assert bs8["flags"][cm.MOE_FLAG]["cell"] == "not measured"
+    # a file without an upstream route: the fork's runner times the step, no saving
+    _moe_file(results, upstream_to=0)
+    s = cm.step_share(results=results)
+    verify = _parts(s["batches"][0], "routed experts")["target verify"]
+    assert verify["us_per_call"] == 20.0 + 6 and verify["status"] == cm.MEASURED
+    assert {b["flags"][cm.MOE_FLAG]["cell"] for b in s["batches"]} == {cm.NO_UPSTREAM}
+
+
+def test_another_hoppers_moe_file_is_read_and_named(results):
+    _moe_file(results, device="NVIDIA_H100_80GB_HBM3")
+    s = cm.step_share(results=results)
+    group = s["batches"][0]["groups"]["routed experts"]
+    assert group["devices"] == ["NVIDIA H100 80GB HBM3"]
+    assert "measured on NVIDIA H100 80GB HBM3" in s["how"]["routed experts"]
+    _moe_file(results)  # the H200's own file comes first
+    assert cm.step_share(results=results)["moe_file"] == "moe_verify-NVIDIA_H200.json"
+
+
+def test_a_sets_saving_is_the_sum_of_its_flags(results):
+    without = cm.step_share(results=results)
+    _moe_file(results)
+    for s in (without, cm.step_share(results=results), cm.step_share()):
+        for b in s["batches"]:
+            f = b["flags"]
+            parts = ("wo_a mid", "head fp8", "cap 3", cm.MOE_FLAG)
+            together = f["wo_a mid + head fp8 + cap 3 + " + cm.MOE_FLAG]
+            assert together["saved_us"] == pytest.approx(
+                sum(f[x]["saved_us"] for x in parts), abs=1e-2
+            )
+            assert together["percent"] == pytest.approx(
+                sum(f[x]["percent"] for x in parts), abs=1e-3
+            )
+            for x in f.values():
+                assert x["percent"] == pytest.approx(
+                    100 * x["saved_us"] / b["step_us"], abs=1e-3
+                )
+    # the cap is not measured at V4.1-Flash's experts: every set with it says so
+    for b in without["batches"]:
+        assert b["flags"]["cap 3"]["cell"] == "not measured"
+        together = b["flags"]["wo_a mid + head fp8 + cap 3 + " + cm.MOE_FLAG]["cell"]
+        assert "not measured" in together and together.endswith("moe: not a saving")
+
+
+def test_the_twin_and_the_head_save_the_cost_models_figures(results):
+    s = cm.step_share(results=results)
+    for b in s["batches"]:
+        p = cm.predict(cm.Setup(V41, 4, 5, b["bs"], cm.Flags("mid", True)))
+        assert b["flags"]["wo_a mid"]["saved_us"] + b["flags"]["head fp8"][
+            "saved_us"
+        ] == pytest.approx(p["saved_us_per_step"], abs=1e-2)
+        # a saving never exceeds the group it comes from
+        assert b["flags"]["wo_a mid"]["saved_us"] <= b["groups"]["wo_a"]["us"]
+        assert b["flags"]["head fp8"]["saved_us"] <= b["groups"]["LM heads"]["us"]
+
+
+def test_the_step_share_command_line(capsys):
+    assert cm.main(["--step-share", "--bs", "1", "8"]) == 0
+    text = capsys.readouterr().out
+    assert "| kernel group | bs 1 | bs 8 |" in text and "| **step** |" in text
+    assert "| routed experts |" in text and "How each group is timed:" in text
+    assert cm.main(["--step-share", "--bs", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["batches"][0]["bs"] == 1 and out["tp"] == 4
+    with pytest.raises(ValueError, match="routing"):
+        cm.step_share(routing="trained")

@@ -338,6 +338,80 @@ def cost_model_gb10(d: dict) -> str:
     )
 
 
+STEP_MARKS = {
+    "measured": "m",
+    "interpolated": "i",
+    "assumed": "a",
+    "measured + assumed": "m+a",
+}
+
+
+def step_share_table(s: dict) -> str:
+    """The cost model's step by kernel group (``step_share``): us per step on one rank with
+    each figure's status, the flag sets' savings as a percent of it, and how each group is
+    timed; the cost model's ``--step-share`` prints the same."""
+    batches = s["batches"]
+    head = "| {} | " + " | ".join(f"bs {b['bs']}" for b in batches) + " |"
+    rule = "| --- |" + " ---: |" * len(batches)
+    out = [head.format("kernel group"), rule]
+    for group in s["how"]:
+        cells = []
+        for b in batches:
+            x = b["groups"][group]
+            if x["status"] == "none":
+                cells.append("-")
+                continue
+            where = "".join(f", {d.removeprefix('NVIDIA ')}" for d in x["devices"])
+            cells.append(f"{x['us']:,.0f} ({STEP_MARKS[x['status']]}{where})")
+        out.append(f"| {group} | " + " | ".join(cells) + " |")
+    out.append(
+        "| **step** | " + " | ".join(f"**{b['step_us']:,.0f}**" for b in batches) + " |"
+    )
+    out.append(
+        "| of it measured (m, i) | "
+        + " | ".join(
+            f"{b['measured_us'] / b['step_us']:.0%}".replace("%", " %") for b in batches
+        )
+        + " |"
+    )
+    out += ["", head.format("saving, % of the step (us)"), rule]
+    for label in batches[0]["flags"]:
+        out.append(
+            f"| {label} | "
+            + " | ".join(b["flags"][label]["cell"] for b in batches)
+            + " |"
+        )
+    out += [
+        "",
+        "m: measured; i: interpolated between two measured row counts; a: assumed; m+a: parts "
+        "of both. `*`: a saving read at an interpolated row count.",
+        "",
+        "How each group is timed:",
+        "",
+    ]
+    out += [f"- {group}: {how}." for group, how in s["how"].items()]
+    check = s.get("kernel_us_check", {})
+    if check:
+        spans = "; ".join(
+            f"{name} {c['min_us']:g}-{c['max_us']:g} us (`{c['source']}`)"
+            for name, c in check.items()
+        )
+        out += [
+            "",
+            f"The fixed cost per kernel ({s['assumptions']['kernel_us']['value']:g} us) against "
+            f"what the measured stock GEMMs of this rank take over their bytes' time at up to 8 "
+            f"rows: {spans}.",
+        ]
+    out += ["", "Not modelled:", ""] + [f"- {x}." for x in s["not_modelled"]]
+    return "\n".join(out)
+
+
+def cost_model_step_share(d: dict) -> str:
+    build = d.get("provenance", {}).get("fork_version")
+    table = step_share_table(d["step_share"])
+    return table + (f"\n\nPredicted by build {build}." if build else "")
+
+
 # --- full-depth side by side (tools/e2e/side_by_side.py) --------------------------------------
 
 FULL_DEPTH_SETS = (
@@ -716,6 +790,9 @@ TABLES: dict[str, Table] = {
     ),
     "cost_model_gb10": Table(
         "docs/performance.md", "cost_model-cpu.json", cost_model_gb10
+    ),
+    "cost_model_step_share": Table(
+        "docs/performance.md", "cost_model-cpu.json", cost_model_step_share
     ),
     "draft_head_fp8": Table(
         "docs/draft-head-fp8.md", "draft_head_fp8-NVIDIA_H200.json", draft_head_fp8

@@ -29,6 +29,13 @@ extrapolated. Each input is marked measured, derived (from the engine code) or a
 ``explains()`` / ``--measured-step-us STOCK FORK`` compare a prediction with a measured step-time
 change: explained when they differ by at most a third of the measured change.
 
+``step_share()`` / ``--step-share`` time the whole step on one H200 rank, every fork flag off, per
+kernel group (routed experts, dense linears, ``wo_a``, LM heads, attention, all-reduce, other), so
+each flag set's saving reads as a percent of it. A part is measured where a result file of the
+step's device covers its rows (the MoE runner's ``moe_verify-<device>.json`` once it exists), else
+assumed as a whole: bytes at the measured HBM bandwidth plus a fixed cost per kernel, or a stated
+figure (``StepAssumptions``, each with its reason in the JSON).
+
 Standard library only. Figures and assumptions: docs/performance.md.
 """
 
@@ -38,6 +45,7 @@ import argparse
 import ast
 import json
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -704,6 +712,7 @@ def report(
         "lines": [{"line": t, "tp": tp, "device": d} for t, tp, d in lines],
         "served": {t: served_table(model, gamma, tp, d, batches) for t, tp, d in lines},
         "rows": out,
+        "step_share": step_share(model, gamma, batches=batches, results=results),
     }
 
 
@@ -778,7 +787,847 @@ def render(rep: dict) -> str:
             ]
         else:
             parts.append(cost_model_table(rep, title))
+    parts += ["", render_step_share(rep["step_share"])]
     return "\n".join(parts)
+
+
+def render_step_share(s: dict) -> str:
+    from docs_tables import step_share_table  # the docs render the same table
+
+    return (
+        f"## {s['device'].replace('_', ' ')}, TP{s['tp']}: the step by kernel group\n\n"
+        f"{s['model']}, gamma {s['gamma']}, {s['routing']} routing: us per decode step on one "
+        "rank, every fork flag off, and what each flag set saves of it.\n\n"
+        + step_share_table(s)
+    )
+
+
+# ------------------------------------------------------------------ the step, kernel group by kernel group
+
+HARNESS = REPO / "benchmark" / "harness.py"
+ASSUMED = "assumed"
+NONE = "none"
+GROUPS = (
+    "routed experts",
+    "dense linears",
+    "wo_a",
+    "LM heads",
+    "attention",
+    "all-reduce",
+    "other",
+)
+# The step table models one device: its assumed figures divide by that device's HBM bandwidth.
+STEP_DEVICE = "NVIDIA_H200"
+# The MoE runner benchmark's result files (benchmark/moe_verify/), read in this order: the step's
+# own device first; another device's figures carry that device's name.
+MOE_DEVICES = ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3")
+# The benchmark's shape names, for a row that carries its name but not its widths.
+MOE_SHAPES = {
+    "v41_flash_tp4": (5120, 576),
+    "v41_flash_tp1": (5120, 2304),
+    "v4_tp4": (7168, 768),
+}
+MOE_FLAG = "moe triton_mxfp4"  # --moe-runner-backend triton_mxfp4
+NO_UPSTREAM = "upstream has no default path: not a saving"
+UPSTREAM_KEY = re.compile(r"upstream_(?P<route>.+)_us")
+ROUTINGS = ("random", "shared")
+
+
+@dataclass(frozen=True)
+class StepAssumptions:
+    """The figures the step table assumes where no result file times a kernel group. Each goes
+    into the JSON with its reason (``ASSUMPTION_WHY``); none is read from a checkpoint or a GPU.
+    """
+
+    kernel_us: float = 3.0
+    expert_bytes_per_weight: float = 0.53125
+    dense_bytes_per_weight: float = 1 + 4 / 1024
+    router_bytes_per_weight: float = 2.0
+    shared_experts: int = 1
+    index_topk: int = 512
+    window: int = 128
+    kv_entry_bytes: int = 656
+    attention_kernels: int = 4
+    collective_us: float = 10.0
+    nvlink_gbps: float = 450.0
+    logits_bytes_per_value: int = 2
+    other_kernels_per_layer: int = 17
+    other_kernels_per_step: int = 20
+
+    def marked(self) -> dict:
+        return {
+            name: {"value": value, "why": ASSUMPTION_WHY[name]}
+            for name, value in asdict(self).items()
+        }
+
+
+ASSUMPTION_WHY = {
+    "kernel_us": "the fixed cost of one kernel in the CUDA graph (launch, ramp, tail), added to "
+    "every assumed call; kernel_us_check holds what the measured stock GEMMs take over the time "
+    "of their bytes",
+    "expert_bytes_per_weight": "MXFP4 routed experts: an e2m1 nibble per weight and a ue8m0 "
+    "scale per 32 weights",
+    "dense_bytes_per_weight": "dense linears in e4m3 with one fp32 scale per 32 x 32 block, as "
+    "DeepSeek-V4.1 ships them",
+    "router_bytes_per_weight": "the router's gate in bf16",
+    "shared_experts": "shared experts per layer, each as wide as a routed one and split over "
+    "the TP ranks like a dense MLP (not fused into the routed experts' call)",
+    "index_topk": "cache entries the sparse attention selects per query: DeepSeekV4Config's "
+    "default (configs/deepseek_v4.py), not read from a V4.1-Flash checkpoint",
+    "window": "the sliding window's entries per query: DeepSeekV4Config's default",
+    "kv_entry_bytes": "one cache entry in FlashMLA's fp8 sparse layout (512 e4m3, 4 fp32 "
+    "scales, 64 bf16 rope values), read once per query row (rows of one request are not "
+    "assumed to share reads)",
+    "attention_kernels": "kernels per attention layer: the indexer's logits, its top-k, the "
+    "sparse decode and its metadata",
+    "collective_us": "one TP collective's fixed latency at TP4 on NVLink (the stand-in "
+    "collective of benchmark/l2_prefetch)",
+    "nvlink_gbps": "NVLink bandwidth per direction (the H200's specification), for the bytes "
+    "a ring moves: 2 (tp - 1) / tp of an all-reduce's message, (tp - 1) / tp of a gather",
+    "logits_bytes_per_value": "the target's logits gathered over the TP ranks in bf16",
+    "other_kernels_per_layer": "small kernels per layer outside the other groups: "
+    "hyper-connection mixing before and after both sublayers (4), q and kv norms (2), rope "
+    "and the cache store (2), fp8 activation quantisation before the dense linears (5), the "
+    "router's top-k (1), the experts' alignment (1), the shared expert's activation (1), the "
+    "expert sum (1)",
+    "other_kernels_per_step": "small kernels once per step: embedding, the final norm and "
+    "hyper-connection head, the verify's accept and sampling, the draft's Markov block over "
+    "its positions, input preparation",
+}
+
+NOT_MODELLED = (
+    "compute: an assumed time is bytes over bandwidth plus a fixed cost, a lower bound where "
+    "a call is compute-bound (attention and the dense linears at the larger batches)",
+    "the indexer's and the compressor's own linears and their read of the compressed keys "
+    "(it grows with the context)",
+    "the draft's main_proj (its width depends on the checkpoint's dspark_target_layer_ids) "
+    "and its Markov head's weights",
+    "V4.1's Engram layers (their lookups and all-reduces)",
+    "host time and overlap: the kernels are added as if the step were GPU-bound",
+)
+
+
+@dataclass
+class Part:
+    """One part of a kernel group's time in one step: ``calls`` calls of ``us_per_call`` each,
+    with its status (measured, interpolated between two measured row counts, or assumed) and
+    where the figure comes from. A part is never a mix: a call whose rows lie outside what its
+    result file measured is assumed as a whole."""
+
+    group: str
+    part: str
+    calls: int
+    rows: int
+    us_per_call: float
+    status: str
+    source: str
+    device: str | None = None  # the device that measured it, where not the step's
+
+    @property
+    def us(self) -> float:
+        return self.calls * self.us_per_call
+
+
+def hbm_tbps() -> float:
+    """The H200's measured HBM read bandwidth, as the kernel benchmarks' floor divides by it."""
+    return float(engine_constant(HARNESS, "HBM_TBPS"))
+
+
+def bytes_us(nbytes: float, tbps: float) -> float:
+    return nbytes / (tbps * 1e6)
+
+
+def distinct_experts(model: Model, rows: int) -> float:
+    """The expected distinct experts a call of ``rows`` rows reads when every row draws its
+    top-k uniformly: more than a trained router's, whose rows of one request share experts.
+    """
+    return model.experts * (1 - (1 - model.topk / model.experts) ** rows)
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _result(results: Path, name: str, device: str) -> tuple[dict | None, str]:
+    path = results / f"{name}-{device}.json"
+    if not path.is_file():
+        return None, f"no {path.name}"
+    return json.loads(path.read_text()), path.name
+
+
+Points = dict[float, tuple[float, str]]
+
+
+def _read(points: Points, rows: int) -> tuple[float | None, str, str]:
+    """(value, status, note) at ``rows``: measured, interpolated, or None outside the points."""
+    if not points:
+        return None, NOT_MEASURED, "no measured rows"
+    return interpolate(points, rows)
+
+
+def _span(points: Points) -> str:
+    return f"{min(points):g}..{max(points):g} rows" if points else "no rows"
+
+
+def _timed(
+    group: str,
+    part: str,
+    calls: int,
+    rows: int,
+    points: Points,
+    source: str,
+    assumed_us: float,
+    assumed_source: str,
+) -> Part:
+    """The part from its measured points where they cover ``rows``, else assumed as a whole."""
+    value, status, note = _read(points, rows)
+    if value is not None:
+        return Part(group, part, calls, rows, value, status, f"{source}, rows {note}")
+    return Part(
+        group,
+        part,
+        calls,
+        rows,
+        assumed_us,
+        ASSUMED,
+        f"{assumed_source} ({source}: {note}, not extrapolated)",
+    )
+
+
+def _gemm_us(
+    k: int,
+    n: int,
+    rows: int,
+    weight_bytes: float,
+    a: StepAssumptions,
+    tbps: float,
+    act_in: float = 1.0,
+) -> float:
+    """An assumed linear: its weights, its input and bf16 output at the floor, plus one kernel."""
+    nbytes = k * n * weight_bytes + rows * (k * act_in + n * 2)
+    return bytes_us(nbytes, tbps) + a.kernel_us
+
+
+@dataclass(frozen=True)
+class StockFiles:
+    """The measured stock times the step reads besides the experts: Hopper's ``wo_a`` einsum
+    per row count at this rank's G, and cuBLAS's bf16 LM head per row count at this rank's
+    vocab shard (the fp8 draft head benchmark's baseline)."""
+
+    wo_a: Points
+    wo_a_file: str
+    head: Points
+    head_file: str
+
+    @classmethod
+    def read(cls, results: Path, model: Model, tp: int) -> StockFiles:
+        g, _ = groups_per_rank(model, tp)
+        wo_a, wo_a_file = _result(results, "wo_a_fp8", STEP_DEVICE)
+        head, head_file = _result(results, "draft_head_fp8", STEP_DEVICE)
+        d = model.heads // model.o_groups * model.head_dim
+        wo_a_points: Points = {}
+        if wo_a is not None and (wo_a["R"], wo_a["D"]) == (model.o_lora, d):
+            wo_a_points = {
+                float(r["M"]): (r["einsum_us"], "einsum")
+                for r in wo_a["rows"]
+                if r["G"] == g and _finite(r.get("einsum_us"))
+            }
+        head_points: Points = {}
+        if head is not None and head["K"] == model.hidden:
+            head_points = {
+                float(r["rows"]): (r["stock_us"], "cuBLAS bf16")
+                for r in head["rows"]
+                if r["N"] == vocab_shard(model.vocab, tp) and _finite(r.get("stock_us"))
+            }
+        return cls(wo_a_points, wo_a_file, head_points, head_file)
+
+
+def load_moe(results: Path) -> tuple[dict | None, str, str | None]:
+    """The MoE runner benchmark's result: the step's device's file, else another Hopper's."""
+    for device in MOE_DEVICES:
+        data, name = _result(results, "moe_verify", device)
+        if data is not None:
+            return data, name, device
+    return None, "no moe_verify result file", None
+
+
+def moe_rows(data: dict, model: Model, tp: int, routing: str) -> list[dict]:
+    """The benchmark's rows at this rank's expert shape and this routing."""
+    if (data.get("experts", model.experts), data.get("topk", model.topk)) != (
+        model.experts,
+        model.topk,
+    ):
+        return []
+    want = (model.hidden, model.expert_width // tp)
+
+    def shape(r: dict) -> tuple | None:
+        if "hidden" in r and "inter" in r:
+            return (r["hidden"], r["inter"])
+        return MOE_SHAPES.get(r.get("shape"))
+
+    return [
+        r
+        for r in data.get("rows", [])
+        if r.get("routing") == routing and shape(r) == want
+    ]
+
+
+def _moe_points(rows_of: list[dict], key: str) -> Points:
+    return {float(r["rows"]): (r[key], "moe") for r in rows_of if _finite(r.get(key))}
+
+
+def moe_site(
+    model: Model,
+    tp: int,
+    routing: str,
+    site: str,
+    calls: int,
+    rows: int,
+    moe: tuple[dict | None, str, str | None],
+    a: StepAssumptions,
+    tbps: float,
+) -> tuple[Part, dict]:
+    """The routed experts of one call site: the step's time, and the MoE runner's saving.
+
+    The step takes upstream's time where the MoE benchmark measured an upstream route at these
+    rows (the fastest one, so the saving is the smallest measured), else the fork's runner
+    (``fork_us``: upstream has no path there, and the step cannot run without one), else the
+    floor: the expected distinct experts' bytes at the HBM bandwidth, assumed. The saving is
+    upstream's time minus the fork's where both are measured at these rows."""
+    data, source, device = moe
+    per_expert_bytes = (
+        3 * model.hidden * (model.expert_width // tp) * a.expert_bytes_per_weight
+    )
+    experts = distinct_experts(model, rows)
+    floor = bytes_us(experts * per_expert_bytes, tbps)
+    floor_source = (
+        f"assumed: the floor, {experts:.1f} distinct experts x "
+        f"{per_expert_bytes / 1e6:.2f} MB at {tbps:g} TB/s"
+    )
+    name = f"{site}: one MoE call per layer"
+    if data is None:
+        part = Part(
+            "routed experts",
+            name,
+            calls,
+            rows,
+            floor,
+            ASSUMED,
+            f"{floor_source} ({source})",
+        )
+        return part, {"status": "no upstream", "why": source}
+    rows_of = moe_rows(data, model, tp, routing)
+    shape = f"hidden {model.hidden}, {model.expert_width // tp} wide, {routing} routing"
+    mark = None if device == STEP_DEVICE else str(device).replace("_", " ")
+    fork, fork_status, fork_note = _read(_moe_points(rows_of, "fork_us"), rows)
+    routes = sorted(
+        {
+            m.group("route")
+            for r in rows_of
+            for k in r
+            if (m := UPSTREAM_KEY.fullmatch(k))
+        }
+    )
+    best = None
+    for route in routes:
+        value, status, note = _read(_moe_points(rows_of, f"upstream_{route}_us"), rows)
+        if value is not None and (best is None or value < best[0]):
+            best = (value, status, note, route)
+    if best is not None:
+        part = Part(
+            "routed experts",
+            name,
+            calls,
+            rows,
+            best[0],
+            best[1],
+            f"{source} upstream_{best[3]}_us ({shape}), rows {best[2]}: upstream's "
+            f"{best[3]} route",
+            mark,
+        )
+    elif fork is not None:
+        part = Part(
+            "routed experts",
+            name,
+            calls,
+            rows,
+            fork,
+            fork_status,
+            f"{source} fork_us ({shape}), rows {fork_note}: the fork's triton_mxfp4 runner, "
+            "upstream having no measured path here",
+            mark,
+        )
+    else:
+        part = Part(
+            "routed experts",
+            name,
+            calls,
+            rows,
+            floor,
+            ASSUMED,
+            f"{floor_source} ({source}, {shape}: {fork_note}, not extrapolated)",
+        )
+    if best is not None and fork is not None:
+        status = INTERPOLATED if INTERPOLATED in (best[1], fork_status) else MEASURED
+        saving = {
+            "status": status,
+            "saved_us": calls * (best[0] - fork),
+            "why": f"upstream's {best[3]} route minus the fork's runner",
+        }
+    elif any(_moe_points(rows_of, f"upstream_{r}_us") for r in routes):
+        saving = {
+            "status": NOT_MEASURED,
+            "why": f"{rows} rows: upstream and the fork not both measured",
+        }
+    else:
+        saving = {
+            "status": "no upstream",
+            "why": f"{source}: no upstream route measured",
+        }
+    return part, saving
+
+
+def step_parts(
+    model: Model,
+    gamma: int,
+    tp: int,
+    bs: int,
+    results: Path = RESULTS,
+    routing: str = "random",
+    a: StepAssumptions = StepAssumptions(),
+) -> tuple[list[Part], list[dict]]:
+    """Every kernel group's parts in one DSpark decode step on one rank, every fork flag off,
+    and the MoE runner's saving per call site. The target verifies ``bs * (gamma + 1)`` rows
+    over every layer, the draft runs ``bs * gamma`` rows (it samples from its anchor) over its
+    stages, batches padded to their CUDA graph's size."""
+    tbps = hbm_tbps()
+    b = graph_bs(bs)
+    g, _ = groups_per_rank(model, tp)
+    vocab = vocab_shard(model.vocab, tp)
+    moe = load_moe(results)
+    stock = StockFiles.read(results, model, tp)
+    d_wo_a = model.heads // model.o_groups * model.head_dim
+    shared = model.expert_width // tp * a.shared_experts
+    fp8 = a.dense_bytes_per_weight
+    dense = (  # (name, K, N, bytes per weight, bytes per input value)
+        ("wq_a + wkv (fused)", model.hidden, model.q_lora + model.head_dim, fp8, 1.0),
+        ("wq_b", model.q_lora, model.heads * model.head_dim // tp, fp8, 1.0),
+        ("wo_b", g * model.o_lora, model.hidden, fp8, 1.0),
+        ("shared expert w13", model.hidden, 2 * shared, fp8, 1.0),
+        ("shared expert w2", shared, model.hidden, fp8, 1.0),
+        ("router gate", model.hidden, model.experts, a.router_bytes_per_weight, 2.0),
+    )
+    at = f"at {tbps:g} TB/s + {a.kernel_us:g} us"
+    parts: list[Part] = []
+    savings: list[dict] = []
+    sites = (
+        ("target verify", model.layers, b * (gamma + 1)),
+        ("draft stages", model.draft_stages, b * gamma),
+    )
+    for site, calls, rows in sites:
+        part, saving = moe_site(model, tp, routing, site, calls, rows, moe, a, tbps)
+        parts.append(part)
+        savings.append({"site": site, "calls": calls, "rows": rows, **saving})
+        for name, k, n, wb, act in dense:
+            parts.append(
+                Part(
+                    "dense linears",
+                    f"{site}: {name} ({k} x {n})",
+                    calls,
+                    rows,
+                    _gemm_us(k, n, rows, wb, a, tbps, act),
+                    ASSUMED,
+                    f"assumed: weights, input and bf16 output {at}",
+                )
+            )
+        wo_a_bytes = (
+            g * model.o_lora * d_wo_a * 2 + rows * g * (d_wo_a + model.o_lora) * 2
+        )
+        parts.append(
+            _timed(
+                "wo_a",
+                f"{site}: wo_a (G = {g})",
+                calls,
+                rows,
+                stock.wo_a,
+                f"{stock.wo_a_file} einsum_us (Hopper's stock)",
+                bytes_us(wo_a_bytes, tbps) + a.kernel_us,
+                f"assumed: the bf16 weight, input and output {at}",
+            )
+        )
+        kv = rows * (a.index_topk + a.window) * a.kv_entry_bytes
+        parts.append(
+            Part(
+                "attention",
+                f"{site}: sparse attention",
+                calls,
+                rows,
+                bytes_us(kv, tbps) + a.attention_kernels * a.kernel_us,
+                ASSUMED,
+                f"assumed: {a.index_topk + a.window} cache entries of {a.kv_entry_bytes} "
+                f"bytes per row at {tbps:g} TB/s + {a.attention_kernels} kernels of "
+                f"{a.kernel_us:g} us",
+            )
+        )
+        if tp > 1:
+            msg = rows * model.hidden * 2
+            parts.append(
+                Part(
+                    "all-reduce",
+                    f"{site}: after attention and after the MoE",
+                    2 * calls,
+                    rows,
+                    a.collective_us + 2 * (tp - 1) / tp * msg / (a.nvlink_gbps * 1e3),
+                    ASSUMED,
+                    f"assumed: {a.collective_us:g} us + a ring's bytes of a "
+                    f"{msg / 1e3:.0f} kB bf16 message at {a.nvlink_gbps:g} GB/s",
+                )
+            )
+        parts.append(
+            Part(
+                "other",
+                f"{site}: small kernels of a layer",
+                calls * a.other_kernels_per_layer,
+                rows,
+                a.kernel_us,
+                ASSUMED,
+                f"assumed: {a.other_kernels_per_layer} kernels a layer of {a.kernel_us:g} us",
+            )
+        )
+    for name, rows in (("target verify", b * (gamma + 1)), ("draft", b * gamma)):
+        parts.append(
+            _timed(
+                "LM heads",
+                f"{name}: LM head (N = {vocab}, K = {model.hidden})",
+                1,
+                rows,
+                stock.head,
+                f"{stock.head_file} stock_us (cuBLAS bf16)",
+                _gemm_us(model.hidden, vocab, rows, 2.0, a, tbps, act_in=2.0),
+                f"assumed: the bf16 shard, input and output {at}",
+            )
+        )
+    if tp > 1:
+        gathered = b * (gamma + 1) * vocab * tp * a.logits_bytes_per_value
+        parts.append(
+            Part(
+                "all-reduce",
+                "target verify: the logits' all-gather",
+                1,
+                b * (gamma + 1),
+                a.collective_us + (tp - 1) / tp * gathered / (a.nvlink_gbps * 1e3),
+                ASSUMED,
+                f"assumed: {a.collective_us:g} us + a ring's bytes of {gathered / 1e6:.1f} "
+                f"MB gathered at {a.nvlink_gbps:g} GB/s",
+            )
+        )
+        parts.append(
+            Part(
+                "all-reduce",
+                "draft: a candidate gather per draft position",
+                gamma,
+                b,
+                a.collective_us,
+                ASSUMED,
+                f"assumed: {a.collective_us:g} us each (a few kB)",
+            )
+        )
+    parts.append(
+        Part(
+            "other",
+            "once per step",
+            a.other_kernels_per_step,
+            b,
+            a.kernel_us,
+            ASSUMED,
+            f"assumed: {a.other_kernels_per_step} kernels of {a.kernel_us:g} us",
+        )
+    )
+    return parts, savings
+
+
+def group_status(parts: list[Part]) -> str:
+    """measured, interpolated, assumed, 'measured + assumed' where a group has parts of both
+    (the JSON keeps each side's microseconds), or none where the step has no such kernel.
+    """
+    statuses = {p.status for p in parts}
+    if not statuses:
+        return NONE
+    if statuses == {ASSUMED}:
+        return ASSUMED
+    if ASSUMED in statuses:
+        return "measured + assumed"
+    return INTERPOLATED if INTERPOLATED in statuses else MEASURED
+
+
+def moe_saving(sites: list[dict]) -> dict:
+    """The MoE runner's saving over a step's call sites: a number where every site has
+    upstream and the fork measured, at least the counted sites where some have, and not a
+    saving where no site has an upstream route measured."""
+    counted = [s for s in sites if "saved_us" in s]
+    out = {
+        "saved_us": sum(s["saved_us"] for s in counted),
+        "complete": len(counted) == len(sites),
+        "counted": len(counted),
+        "interpolated": any(s["status"] == INTERPOLATED for s in counted),
+    }
+    if not counted and all(s["status"] == "no upstream" for s in sites):
+        out.update(complete=True, text=NO_UPSTREAM)
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1f} %" if abs(x) >= 1 or x == 0 else f"{x:.2f} %"
+
+
+def share_cell(
+    saved: float, step: float, complete: bool, counted: int, interpolated: bool
+) -> str:
+    """A saving as a percent of the step and in us ('*': at an interpolated row count)."""
+    if counted == 0:
+        return "0 (stock)" if complete else "not measured"
+    text = f"{_pct(100 * saved / step)} ({saved:.0f} us){'*' if interpolated else ''}"
+    return text if complete else f">= {text} (part not measured)"
+
+
+# (the cost model's flags or None, with the MoE runner): each flag alone, then all together
+STEP_FLAG_SETS = (
+    (Flags(wo_a_twin="small"), False),
+    (Flags(wo_a_twin="mid"), False),
+    (Flags(wo_a_twin="drop"), False),
+    (Flags(draft_head_fp8=True), False),
+    (Flags(verify_cap="3"), False),
+    (None, True),
+    (Flags(wo_a_twin="mid", draft_head_fp8=True, verify_cap="3"), True),
+)
+
+
+def flag_label(flags: Flags | None, moe: bool) -> str:
+    parts = [flags.label()] if flags is not None else []
+    return " + ".join(parts + ([MOE_FLAG] if moe else []))
+
+
+def flag_saving(
+    model: Model,
+    gamma: int,
+    tp: int,
+    bs: int,
+    results: Path,
+    flags: Flags | None,
+    with_moe: bool,
+    moe_cut: dict,
+    step_us: float,
+) -> dict:
+    """One flag set's predicted saving at one batch: the cost model's sites (``predict``) plus
+    the MoE runner's, in us and as a percent of the step."""
+    saved, complete, counted, interpolated = 0.0, True, 0, False
+    if flags is not None:
+        p = predict(
+            Setup(model, tp, gamma, bs, flags, device=STEP_DEVICE, results=results)
+        )
+        saved = p["saved_us_per_step"]
+        complete = p["complete"]
+        done = [x for x in p["sites"] if x["status"] in (MEASURED, INTERPOLATED)]
+        counted = len(done)
+        interpolated = any(x["status"] == INTERPOLATED for x in done if x["saved_us"])
+    note = ""
+    if with_moe:
+        saved += moe_cut["saved_us"]
+        complete = complete and moe_cut["complete"]
+        counted += moe_cut["counted"]
+        interpolated = interpolated or moe_cut["interpolated"]
+        note = moe_cut.get("text", "")
+    if note and flags is None:
+        cell = note
+    else:
+        cell = share_cell(saved, step_us, complete, counted, interpolated)
+        if note:
+            cell += "; moe: not a saving"
+    return {
+        "saved_us": round(saved, 3),
+        "percent": round(100 * saved / step_us, 4),
+        "complete": complete,
+        "cell": cell,
+    }
+
+
+def kernel_us_check(results: Path, model: Model, tp: int) -> dict:
+    """What the measured stock GEMMs of this rank take over the time of their bytes at the HBM
+    bandwidth, at decode sizes (up to 8 rows): the range the assumed fixed cost per kernel is
+    held against. A check beside the table, not an input to it."""
+    out = {}
+
+    def span(source: str, over: list[float]) -> dict:
+        return {
+            "source": source,
+            "min_us": round(min(over), 2),
+            "max_us": round(max(over), 2),
+        }
+
+    stock, name = _result(results, "wo_a_stock", STEP_DEVICE)
+    if stock is not None:
+        g, _ = groups_per_rank(model, tp)
+        over = [r["einsum_us"] - r["floor_us"] for r in stock["rows"] if r["G"] == g]
+        if over:
+            out["wo_a einsum"] = span(name, over)
+    head, name = _result(results, "draft_head_fp8", STEP_DEVICE)
+    if head is not None:
+        n = vocab_shard(model.vocab, tp)
+        over = [
+            r["stock_us"] - r["floor_bf16_us"]
+            for r in head["rows"]
+            if r["rows"] <= 8 and r["N"] == n
+        ]
+        if over:
+            out["LM head, cuBLAS bf16"] = span(name, over)
+    return out
+
+
+def group_how(
+    model: Model, tp: int, routing: str, results: Path, a: StepAssumptions
+) -> dict[str, str]:
+    """How each group is timed, in words, with the files and figures it reads."""
+    tbps = hbm_tbps()
+    g, _ = groups_per_rank(model, tp)
+    stock = StockFiles.read(results, model, tp)
+    data, moe_file, device = load_moe(results)
+    per_expert = (
+        3 * model.hidden * (model.expert_width // tp) * a.expert_bytes_per_weight
+    )
+    floor = (
+        f"the floor: the expected distinct experts of uniform routing, {model.experts} (1 - "
+        f"(1 - {model.topk}/{model.experts})^rows), x {per_expert / 1e6:.2f} MB each at "
+        f"{tbps:g} TB/s (assumed: a trained router's rows of one request share experts, so "
+        "fewer)"
+    )
+    if data is None:
+        experts = f"assumed, {floor}; no moe_verify result file yet"
+    else:
+        where = (
+            ""
+            if device == STEP_DEVICE
+            else f" (measured on {device.replace('_', ' ')})"
+        )
+        experts = (
+            f"measured: {moe_file}{where}, {routing} routing, one call per layer; upstream's "
+            "fastest measured route where it has one, else the fork's runner; rows it did not "
+            f"measure: assumed, {floor}"
+        )
+    collectives = (
+        f"assumed: two all-reduces per layer, {a.collective_us:g} us each plus a ring's "
+        f"bytes at {a.nvlink_gbps:g} GB/s; the target's logits all-gather; a gather per "
+        "draft position"
+        if tp > 1
+        else "none at TP1"
+    )
+    return {
+        "routed experts": experts,
+        "dense linears": f"assumed: per layer wq_a + wkv, wq_b, wo_b and the shared expert's "
+        f"w13 and w2 (e4m3, {a.dense_bytes_per_weight:.4g} bytes a weight) and the router's "
+        f"gate (bf16): weights, input and bf16 output at {tbps:g} TB/s + {a.kernel_us:g} us "
+        "a call",
+        "wo_a": f"measured: {stock.wo_a_file} einsum_us at G = {g} (Hopper's stock), "
+        f"{_span(stock.wo_a)}, interpolated between measured row counts",
+        "LM heads": f"measured: {stock.head_file} stock_us (cuBLAS bf16, the fp8 head's "
+        f"baseline) for the target's and the draft's head, {_span(stock.head)}; more rows: "
+        f"assumed, the bf16 shard at {tbps:g} TB/s + {a.kernel_us:g} us",
+        "attention": f"assumed: {a.index_topk + a.window} cache entries of "
+        f"{a.kv_entry_bytes} bytes per query row at {tbps:g} TB/s, plus "
+        f"{a.attention_kernels} kernels of {a.kernel_us:g} us a layer",
+        "all-reduce": collectives,
+        "other": f"assumed: {a.other_kernels_per_layer} kernels a layer and "
+        f"{a.other_kernels_per_step} a step, {a.kernel_us:g} us each",
+    }
+
+
+def step_share(
+    model: Model = V41_FLASH,
+    gamma: int = 5,
+    tp: int = 4,
+    batches=BATCHES,
+    results: Path = RESULTS,
+    routing: str = "random",
+    a: StepAssumptions = StepAssumptions(),
+    flag_sets=STEP_FLAG_SETS,
+) -> dict:
+    """Per batch: one DSpark decode step's time per kernel group on one rank of the H200 (every
+    fork flag off), each part measured, interpolated or assumed with its source, and each flag
+    set's predicted saving as a percent of that step.
+
+    Invariants: the groups' times add up to the step; a set's saving is the sum of its flags'
+    savings; a figure counts as measured only at row counts its result file measured or lies
+    between; the MoE runner saves only where upstream and the fork are both measured."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing {routing!r}: one of {', '.join(ROUTINGS)}")
+    moe = load_moe(results)
+    out = []
+    for bs in batches:
+        parts, moe_sites = step_parts(model, gamma, tp, bs, results, routing, a)
+        step = sum(p.us for p in parts)
+        groups = {}
+        for group in GROUPS:
+            mine = [p for p in parts if p.group == group]
+            total = sum(p.us for p in mine)
+            measured = sum(p.us for p in mine if p.status != ASSUMED)
+            groups[group] = {
+                "us": round(total, 3),
+                "status": group_status(mine),
+                "measured_us": round(measured, 3),
+                "assumed_us": round(total - measured, 3),
+                "share": round(total / step, 5),
+                "devices": sorted({p.device for p in mine if p.device}),
+            }
+        moe_cut = moe_saving(moe_sites)
+        flags = {
+            flag_label(f, m): flag_saving(
+                model, gamma, tp, bs, results, f, m, moe_cut, step
+            )
+            for f, m in flag_sets
+        }
+        out.append(
+            {
+                "bs": bs,
+                "graph_bs": graph_bs(bs),
+                "verify_rows": graph_bs(bs) * (gamma + 1),
+                "draft_rows": graph_bs(bs) * gamma,
+                "step_us": round(step, 3),
+                "measured_us": round(
+                    sum(p.us for p in parts if p.status != ASSUMED), 3
+                ),
+                "groups": groups,
+                "flags": flags,
+                "moe_sites": moe_sites,
+                "parts": [
+                    {
+                        **asdict(p),
+                        "us_per_call": round(p.us_per_call, 3),
+                        "us": round(p.us, 3),
+                    }
+                    for p in parts
+                ],
+            }
+        )
+    return {
+        "what": "one DSpark decode step's time per kernel group (us, one rank, every fork flag "
+        "off) and each flag set's predicted saving as a percent of it; each figure measured (a "
+        "result file), interpolated between two measured row counts, or assumed (bytes at the "
+        "HBM bandwidth plus a fixed cost per kernel, or a stated figure)",
+        "model": model.name,
+        "tp": tp,
+        "gamma": gamma,
+        "device": STEP_DEVICE,
+        "routing": routing,
+        "hbm_tbps": {
+            "value": hbm_tbps(),
+            "mark": "measured: benchmark/harness.py HBM_TBPS",
+        },
+        "moe_file": moe[1] if moe[0] is not None else None,
+        "how": group_how(model, tp, routing, results, a),
+        "assumptions": a.marked(),
+        "kernel_us_check": kernel_us_check(results, model, tp),
+        "not_modelled": list(NOT_MODELLED),
+        "batches": out,
+    }
 
 
 # ------------------------------------------------------------------ command line
@@ -793,6 +1642,18 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the standard predictions: V4.1-Flash on H200 at TP4 and TP1, the GB10 line "
         "at TP3 and TP4, bs 1..32, each flag set",
+    )
+    p.add_argument(
+        "--step-share",
+        action="store_true",
+        help="the step's time per kernel group on the H200 (--tp, --gamma, --bs; every figure "
+        "measured or assumed) and each flag set's predicted saving as a percent of it",
+    )
+    p.add_argument(
+        "--routing",
+        default="random",
+        choices=ROUTINGS,
+        help="with --step-share: the MoE benchmark's routing to read (default: random)",
     )
     p.add_argument("--model", default="v4.1-flash", choices=sorted(MODELS))
     p.add_argument(
@@ -843,6 +1704,10 @@ def main(argv=None) -> int:
         )
     else:
         model = MODELS[a.model]
+    if a.step_share:
+        s = step_share(model, a.gamma, a.tp, tuple(a.bs), routing=a.routing)
+        print(json.dumps(s, indent=1) if a.json else render_step_share(s))
+        return 0
     if a.report:
         rep = report(model, a.gamma)
         print(render(rep))
