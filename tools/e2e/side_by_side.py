@@ -40,6 +40,7 @@ in the report's ``not_noninferior``, and the fork must not serve that flag set a
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import math
@@ -422,7 +423,7 @@ def tpot_noninferiority(b: dict) -> dict:
 def inject_slowdown(b: dict, factor: float) -> dict:
     """A copy of batch record ``b`` whose fork took ``factor`` times as long in every pair (its
     step times x ``factor``, its tokens/s / ``factor``), its ratios recomputed."""
-    out = json.loads(json.dumps(b))
+    out = copy.deepcopy(b)
     up, fork = out["upstream"], out["fork"]
     fork["step_ms_runs"] = [m * factor for m in fork["step_ms_runs"]]
     fork["tokens_per_s_runs"] = [t / factor for t in fork["tokens_per_s_runs"]]
