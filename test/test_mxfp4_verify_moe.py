@@ -22,6 +22,10 @@ E, H, I, K = 8, 256, 96, 3
 
 @pytest.fixture(autouse=True)
 def bf16_dot_in_interpreter(monkeypatch):
+    patch_interpreter_bf16_dot(monkeypatch)
+
+
+def patch_interpreter_bf16_dot(monkeypatch) -> None:
     """Triton 3.6's interpreter multiplies bf16 operands of ``tl.dot`` as their uint16 bit
     patterns; give it their float32 values (exact), as the GPU's MMA reads them."""
     from triton.runtime import interpreter as interp

@@ -10,16 +10,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_mxfp4_verify_moe import experts, inputs, patch_interpreter_bf16_dot
 
 from sglang.kernels.ops.moe import mxfp4_verify_moe as mv
 from sglang.srt.layers.quantization import mxfp4_triton_moe as tm
 
-from test_mxfp4_verify_moe import (
-    bf16_dot_in_interpreter,
-)  # noqa: F401  (autouse fixture)
-from test_mxfp4_verify_moe import experts, inputs
-
 PREFIX = "model.layers.3.mlp.experts"
+
+
+@pytest.fixture(autouse=True)
+def bf16_dot_in_interpreter(monkeypatch):
+    patch_interpreter_bf16_dot(monkeypatch)
 
 
 def vcfg(**kw):
@@ -28,7 +29,15 @@ def vcfg(**kw):
     )
 
 
-def test_validate():
+def test_validate(monkeypatch):
+    from sglang.srt.arg_groups import model_override_base
+
+    arch = ["DeepseekV4ForCausalLM"]
+    monkeypatch.setattr(
+        model_override_base,
+        "model_config_of",
+        lambda sa: SimpleNamespace(hf_config=SimpleNamespace(architectures=arch)),
+    )
     tm.validate_triton_mxfp4_moe(vcfg(moe_runner_backend="auto"))  # off: nothing asked
     tm.validate_triton_mxfp4_moe(vcfg())
     with pytest.raises(
@@ -36,6 +45,12 @@ def test_validate():
     ):
         tm.validate_triton_mxfp4_moe(vcfg(moe_a2a_backend="deepep"))
     tm.validate_triton_mxfp4_moe(vcfg(moe_a2a_backend="none"))  # the advised value
+    arch[0] = "LlamaForCausalLM"
+    with pytest.raises(
+        ValueError, match="would do nothing; use --moe-runner-backend auto"
+    ):
+        tm.validate_triton_mxfp4_moe(vcfg())
+    tm.validate_triton_mxfp4_moe(vcfg(moe_runner_backend="auto"))  # the advised value
 
 
 def test_flag_on_command_line():
@@ -60,11 +75,11 @@ def test_dispatch_chooses_it_exactly_for_mxfp4_experts_under_the_flag():
 
 
 def test_fp8_config_returns_the_method(monkeypatch):
+    from test_b12x_moe import fp8_config_for_fp4_experts
+
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.moe.utils import MoeRunnerBackend
     from sglang.srt.layers.quantization import fp8 as fp8_mod
-
-    from test_b12x_moe import fp8_config_for_fp4_experts
 
     monkeypatch.setattr(
         fp8_mod, "Fp8MoEMethod", lambda cfg: SimpleNamespace(kind="fp8")

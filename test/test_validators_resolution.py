@@ -88,6 +88,11 @@ CASES = {
         "--moe-runner-backend b12x refused",
         "resolve",
     ),
+    "validate_triton_mxfp4_moe": (
+        {"moe_runner_backend": "triton_mxfp4"},
+        "the target is LlamaForCausalLM; only DeepseekV4ForCausalLM",
+        "resolve",
+    ),
     "validate_block_fp8_mxfp8_backend": (
         {"block_fp8_mxfp8_backend": "b12x"},
         "not 32x32 ue8m0 block-fp8",

@@ -247,7 +247,7 @@ def main() -> None:
                 ref, mag = mxfp4_moe_reference(x, ids, w, w13, s13, w2, s2)
                 best = None
                 for i, cfg in enumerate(configs):
-                    c = {**cfg, "dot_scaled": True}
+                    c = {"dot_scaled": True, **cfg}
                     out = mxfp4_verify_moe(x, ids, w, w13, s13, w2, s2, config=c)
                     us = graph_us_per_call(
                         [lambda x=x, ids=ids, w=w, c=c: mxfp4_verify_moe(

@@ -36,8 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_PAIRS = 2048  # rows x top-k whose experts one program sorts (decode and verify sizes)
-BLOCK_M = 16  # rows per dot: fixed, so a row's sums never depend on how many rows came
+# rows x top-k whose experts one program sorts (decode and verify sizes)
+MAX_PAIRS = 2048
+# rows per dot: fixed, so a row's sums never depend on how many rows came
+BLOCK_M = 16
 
 
 @triton.jit
@@ -79,8 +81,11 @@ def _segments(
 @triton.jit
 def _e2m1_dequant(wp, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Packed e2m1 ``wp`` [BLOCK_N, BLOCK_K/2] uint8 with ue8m0 ``sc`` [BLOCK_N, BLOCK_K/32]
-    as exact bf16 [BLOCK_N, BLOCK_K], built from the fp32 bit fields (the in-register path)."""
-    code = tl.join(wp & 15, wp >> 4).to(tl.int32)  # [N, K/2, 2]: element 2j in the low nibble
+    as exact bf16 [BLOCK_N, BLOCK_K], built from the fp32 bit fields (the in-register path).
+    """
+    code = tl.join(wp & 15, wp >> 4).to(
+        tl.int32
+    )  # [N, K/2, 2]: element 2j in the low nibble
     code = tl.reshape(code, (BLOCK_N, BLOCK_K))
     s = tl.broadcast_to(sc.to(tl.int32)[:, :, None], (BLOCK_N, BLOCK_K // 32, 32))
     s = tl.reshape(s, (BLOCK_N, BLOCK_K))
@@ -161,7 +166,9 @@ def _gate_up(
             acc_u = _dot_mxfp4(wu, su, xt, acc_u, DOT_SCALED, BLOCK_K)
         g = acc_g.to(tl.bfloat16).to(tl.float32)
         u = acc_u.to(tl.bfloat16).to(tl.float32)
-        if HAS_LIMIT:  # swiglu_limit is a bf16 value: clamping the fp32 of bf16s is bf16's
+        if (
+            HAS_LIMIT
+        ):  # swiglu_limit is a bf16 value: clamping the fp32 of bf16s is bf16's
             g = tl.minimum(g, swiglu_limit)
             u = tl.minimum(tl.maximum(u, -swiglu_limit), swiglu_limit)
         h = g / (1.0 + tl.exp(-g)) * u
@@ -308,61 +315,133 @@ def mxfp4_verify_moe(
     assert topk_ids.shape == topk_weights.shape == (m, topk), "topk ids/weights: [M, k]"
     assert w13.dtype == w2.dtype == torch.uint8, "weights: packed e2m1 as uint8"
     assert w13_scale.dtype == w2_scale.dtype == torch.uint8, "scales: ue8m0 as uint8"
-    assert half_hidden * 2 == hidden and hidden % cfg["gate_up_block_k"] == 0, "w13: [E, 2I, H/2]"
+    assert (
+        half_hidden * 2 == hidden and hidden % cfg["gate_up_block_k"] == 0
+    ), "w13: [E, 2I, H/2]"
     assert hidden % cfg["down_block_n"] == 0, "H % the down tile"
     assert w2.shape == (experts, hidden, inter // 2), "w2: [E, H, I/2]"
-    assert w13_scale.shape == (experts, two_inter, hidden // 32), "w13 scale: [E, 2I, H/32]"
+    assert w13_scale.shape == (
+        experts,
+        two_inter,
+        hidden // 32,
+    ), "w13 scale: [E, 2I, H/32]"
     assert w2_scale.shape == (experts, hidden, inter // 32), "w2 scale: [E, H, I/32]"
     assert inter % 32 == 0, "I % 32: one scale per 32 along K"
     for t in (w13, w13_scale, w2, w2_scale):
         assert t.stride(2) == 1, "weights and scales: K contiguous"
     assert (live_lens is None) == (live_stride == 0), "live_lens with its live_stride"
-    assert live_stride == 0 or m % live_stride == 0, f"{m} rows, live stride {live_stride}"
+    assert (
+        live_stride == 0 or m % live_stride == 0
+    ), f"{m} rows, live stride {live_stride}"
     # upstream clamps in bf16 (silu_and_mul_clamp): the limit as the bf16 it becomes there
-    limit = 0.0 if swiglu_limit is None else float(torch.tensor(swiglu_limit).bfloat16())
+    limit = (
+        0.0 if swiglu_limit is None else float(torch.tensor(swiglu_limit).bfloat16())
+    )
     dev = x.device
     pairs = m * topk
     ids = topk_ids.to(torch.int32).contiguous()
-    lens = ids if live_lens is None else live_lens  # any pointer: read only with a stride
-    if pairs <= MAX_PAIRS:  # decode and verify: the distinct experts, compacted on the GPU
+    lens = (
+        ids if live_lens is None else live_lens
+    )  # any pointer: read only with a stride
+    if (
+        pairs <= MAX_PAIRS
+    ):  # decode and verify: the distinct experts, compacted on the GPU
         pairs_pad = max(16, triton.next_power_of_2(pairs))
         sorted_pair = torch.empty(pairs_pad, dtype=torch.int32, device=dev)
         seg = torch.empty((3, min(pairs, experts)), dtype=torch.int32, device=dev)
         n_seg = torch.empty(1, dtype=torch.int32, device=dev)
         _segments[(1,)](
-            ids, sorted_pair, seg[0], seg[1], seg[2], n_seg, lens, pairs, experts,
-            TOPK=topk, STRIDE=live_stride, PAIRS=pairs_pad,
+            ids,
+            sorted_pair,
+            seg[0],
+            seg[1],
+            seg[2],
+            n_seg,
+            lens,
+            pairs,
+            experts,
+            TOPK=topk,
+            STRIDE=live_stride,
+            PAIRS=pairs_pad,
             E_PAD=triton.next_power_of_2(experts + 1),
-        )  # fmt: skip
+        )
         max_seg = min(pairs, experts)
     else:  # prefill: one segment per expert (an empty one returns at once)
-        seg, sorted_pair, n_seg = _all_expert_segments(ids, experts, live_lens, live_stride)
+        seg, sorted_pair, n_seg = _all_expert_segments(
+            ids, experts, live_lens, live_stride
+        )
         max_seg = experts
     h = torch.empty((pairs, inter), dtype=torch.bfloat16, device=dev)
     bn1 = cfg["gate_up_block_n"]
     _gate_up[(max_seg, triton.cdiv(inter, bn1))](
-        x, w13, w13_scale, h, sorted_pair, seg[0], seg[1], seg[2], n_seg,
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        h.stride(0), limit,
-        I=inter, TOPK=topk, H=hidden, HAS_LIMIT=swiglu_limit is not None, BLOCK_N=bn1,
-        BLOCK_K=cfg["gate_up_block_k"], BLOCK_MM=BLOCK_M, DOT_SCALED=cfg["dot_scaled"],
-        num_warps=cfg["gate_up_warps"], num_stages=cfg["gate_up_stages"],
-    )  # fmt: skip
+        x,
+        w13,
+        w13_scale,
+        h,
+        sorted_pair,
+        seg[0],
+        seg[1],
+        seg[2],
+        n_seg,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
+        h.stride(0),
+        limit,
+        I=inter,
+        TOPK=topk,
+        H=hidden,
+        HAS_LIMIT=swiglu_limit is not None,
+        BLOCK_N=bn1,
+        BLOCK_K=cfg["gate_up_block_k"],
+        BLOCK_MM=BLOCK_M,
+        DOT_SCALED=cfg["dot_scaled"],
+        num_warps=cfg["gate_up_warps"],
+        num_stages=cfg["gate_up_stages"],
+    )
     y = torch.empty((pairs, hidden), dtype=torch.float32, device=dev)
     bn2 = cfg["down_block_n"]
     _down[(max_seg, hidden // bn2)](
-        h, w2, w2_scale, y, sorted_pair, seg[0], seg[1], seg[2], n_seg,
-        h.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        h,
+        w2,
+        w2_scale,
+        y,
+        sorted_pair,
+        seg[0],
+        seg[1],
+        seg[2],
+        n_seg,
+        h.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
         y.stride(0),
-        I=inter, H=hidden, BLOCK_N=bn2, BLOCK_K=cfg["down_block_k"], BLOCK_MM=BLOCK_M,
+        I=inter,
+        H=hidden,
+        BLOCK_N=bn2,
+        BLOCK_K=cfg["down_block_k"],
+        BLOCK_MM=BLOCK_M,
         DOT_SCALED=cfg["dot_scaled"],
-        num_warps=cfg["down_warps"], num_stages=cfg["down_stages"],
-    )  # fmt: skip
+        num_warps=cfg["down_warps"],
+        num_stages=cfg["down_stages"],
+    )
     out = torch.empty_like(x)
     _combine[(m, triton.cdiv(hidden, 1024))](
-        y, ids, topk_weights.contiguous(), out, y.stride(0), out.stride(0), lens, hidden,
-        TOPK=topk, STRIDE=live_stride, BLOCK_N=1024,
-    )  # fmt: skip
+        y,
+        ids,
+        topk_weights.contiguous(),
+        out,
+        y.stride(0),
+        out.stride(0),
+        lens,
+        hidden,
+        TOPK=topk,
+        STRIDE=live_stride,
+        BLOCK_N=1024,
+    )
     return out
 
 
@@ -411,7 +490,8 @@ def mxfp4_moe_reference(
     swiglu_limit: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same computation expert by expert in torch (fp32 sums, the same bf16 roundings),
-    and beside it the magnitude ``sum_k |w_k| sum_i |h_i W2_ji|`` that ``BOUND`` scales."""
+    and beside it the magnitude ``sum_k |w_k| sum_i |h_i W2_ji|`` that ``BOUND`` scales.
+    """
     inter = w13.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     mag = torch.zeros_like(out)
@@ -439,7 +519,11 @@ def mxfp4_moe_reference(
 BOUND = 2.0**-6
 
 
-def within_bound(out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
+def within_bound(
+    out: torch.Tensor, ref: torch.Tensor, mag: torch.Tensor
+) -> torch.Tensor:
     """Per element: is ``out`` within the stated bound of the reference ``(ref, mag)``?"""
-    ulp = torch.exp2(torch.floor(torch.log2(ref.float().abs().clamp(min=2.0**-126))) - 7)
+    ulp = torch.exp2(
+        torch.floor(torch.log2(ref.float().abs().clamp(min=2.0**-126))) - 7
+    )
     return (out.float() - ref.float()).abs() <= BOUND * mag + 2 * ulp

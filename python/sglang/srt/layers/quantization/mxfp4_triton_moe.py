@@ -28,16 +28,28 @@ from sglang.kernels.ops.moe.mxfp4_verify_moe import (
 logger = logging.getLogger(__name__)
 
 FLAG = "--moe-runner-backend triton_mxfp4"
+TARGETS = (
+    "DeepseekV4ForCausalLM",
+)  # models whose MXFP4 experts Fp8Config hands to this method
 PROBE_ROWS = 4  # rows of the first-use check (top-k experts each)
 
 
 def validate_triton_mxfp4_moe(server_args) -> None:
     """Resolution-hook check, when the backend is triton_mxfp4."""
-    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.arg_groups.model_override_base import (
+        model_config_of,
+        resolving_view,
+    )
 
     cfg = resolving_view(server_args)
     if cfg.moe_runner_backend != "triton_mxfp4":
         return
+    arch = model_config_of(server_args).hf_config.architectures[0]
+    if arch not in TARGETS:
+        raise ValueError(
+            f"{FLAG}: the target is {arch}; only {', '.join(TARGETS)} has the MXFP4 experts it "
+            "serves, so it would do nothing; use --moe-runner-backend auto"
+        )
     a2a = getattr(cfg, "moe_a2a_backend", "none")
     if a2a not in (None, "none"):
         raise ValueError(
@@ -48,7 +60,9 @@ def validate_triton_mxfp4_moe(server_args) -> None:
         raise ValueError(f"{FLAG} runs on CUDA GPUs, found --device {cfg.device}")
 
 
-def wants_triton_mxfp4_moe(is_fp4_experts: bool, backend_value: str, prefix: str) -> bool:
+def wants_triton_mxfp4_moe(
+    is_fp4_experts: bool, backend_value: str, prefix: str
+) -> bool:
     """The dispatch in ``Fp8Config.get_quant_method``: True for MXFP4 experts under this
     backend; the backend for other experts refuses, naming the layer."""
     if backend_value != "triton_mxfp4":
@@ -142,7 +156,9 @@ class Mxfp4TritonMoEMethod:
         ids = ids.to(torch.int32)
         tw = torch.rand(PROBE_ROWS, top_k, generator=gen, device=dev)
         out = mxfp4_verify_moe(x, ids, tw, *weights, swiglu_limit=self.swiglu_limit)
-        ref, mag = mxfp4_moe_reference(x, ids, tw, *weights, swiglu_limit=self.swiglu_limit)
+        ref, mag = mxfp4_moe_reference(
+            x, ids, tw, *weights, swiglu_limit=self.swiglu_limit
+        )
         ok = within_bound(out, ref, mag)
         if not bool(ok.all()):
             bad = (~ok).nonzero()[0].tolist()
