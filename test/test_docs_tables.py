@@ -99,7 +99,8 @@ def test_a_missing_or_unknown_block_is_found(copy):
 
 def _example_builds(text: str) -> list[int]:
     """Builds a reader is to type (``--fork-expect-version``, an image tag), not a measured one
-    named as such (a result's "build X+fork.20.5b3f095" stays true when the series grows)."""
+    named as such (a result's "build X+fork.20.5b3f095" stays true when the series grows).
+    """
     pattern = r"(build [\d.]+)?\+fork\.(\d+)\.[0-9a-fx]{7}\b"
     return [int(n) for measured, n in re.findall(pattern, text) if not measured]
 
