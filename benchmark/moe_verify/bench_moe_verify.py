@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmark/: harn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # upstream_paths.py
 
 import upstream_paths  # noqa: E402
+from dspark.bench_verify_cap_moe import CONFIG as UPSTREAM_CONFIG  # noqa: E402
 from dspark.bench_verify_cap_moe import align  # noqa: E402
 from harness import HBM_TBPS, arg_parser, graph_us_per_call, report  # noqa: E402
 
@@ -91,16 +92,6 @@ def routing(m: int, kind: str, rng: random.Random) -> list[list[int]]:
             row = rng.sample(range(EXPERTS), TOPK)
         rows.append(row)
     return rows
-
-
-UPSTREAM_CONFIG = {
-    "BLOCK_SIZE_M": 16,
-    "BLOCK_SIZE_N": 128,
-    "BLOCK_SIZE_K": 128,
-    "GROUP_SIZE_M": 1,
-    "num_warps": 4,
-    "num_stages": 3,
-}
 
 
 def fp8(shape, dev):
