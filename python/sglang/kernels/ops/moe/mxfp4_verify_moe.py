@@ -30,6 +30,7 @@ when ``swiglu_limit`` is set (gate from above, up both ways), then ``silu(gate) 
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -284,6 +285,13 @@ DEFAULT_CONFIG = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def bf16_limit(swiglu_limit: float) -> float:
+    """The SwiGLU limit as the bf16 value upstream clamps with (silu_and_mul_clamp clamps in
+    bf16); computed once per value, not on every call."""
+    return float(torch.tensor(swiglu_limit).bfloat16())
+
+
 def mxfp4_verify_moe(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -333,10 +341,7 @@ def mxfp4_verify_moe(
     assert (
         live_stride == 0 or m % live_stride == 0
     ), f"{m} rows, live stride {live_stride}"
-    # upstream clamps in bf16 (silu_and_mul_clamp): the limit as the bf16 it becomes there
-    limit = (
-        0.0 if swiglu_limit is None else float(torch.tensor(swiglu_limit).bfloat16())
-    )
+    limit = 0.0 if swiglu_limit is None else bf16_limit(swiglu_limit)
     dev = x.device
     pairs = m * topk
     ids = topk_ids.to(torch.int32).contiguous()
@@ -501,7 +506,7 @@ def mxfp4_moe_reference(
         gu = xf[rows] @ dequant_mxfp4(w13[e], w13_scale[e]).T
         gate, up = gu[:, :inter].bfloat16().float(), gu[:, inter:].bfloat16().float()
         if swiglu_limit is not None:
-            limit = float(torch.tensor(swiglu_limit).bfloat16())
+            limit = bf16_limit(swiglu_limit)
             gate = gate.clamp(max=limit)
             up = up.clamp(-limit, limit)
         h = (gate / (1 + torch.exp(-gate)) * up).bfloat16().float()
