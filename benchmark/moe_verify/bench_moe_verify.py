@@ -227,12 +227,12 @@ def main() -> None:
                          for x, ids, w in cases],
                         args.replays,
                     )  # fmt: skip
-                    row[f"fork{i}_us"] = us
-                    if best is None or us < best[0]:
+                    ok = bool(within_bound(out, ref, mag).all())
+                    row[f"fork{i}_us"], row[f"fork{i}_within_bound"] = us, ok
+                    if ok and (
+                        best is None or us < best[0]
+                    ):  # only a right answer counts
                         best = (us, i)
-                    row[f"fork{i}_within_bound"] = bool(
-                        within_bound(out, ref, mag).all()
-                    )
                     if i == 0:
                         reg = mxfp4_verify_moe(
                             x,
@@ -249,8 +249,8 @@ def main() -> None:
                             (out.float() - ref.float()).abs().max()
                             / ref.float().abs().max()
                         ).item()
-                row["fork_us"], row["fork_config"] = best
-                row["fork_of_floor"] = floor_us / best[0]
+                row["fork_us"], row["fork_config"] = best or (None, None)
+                row["fork_of_floor"] = floor_us / best[0] if best else None
                 for name in args.upstream:
                     try:
                         fn = paths[name]
@@ -265,9 +265,10 @@ def main() -> None:
                             ],
                             args.replays,
                         )
-                        row[f"fork_vs_upstream_{name}"] = (
-                            row[f"upstream_{name}_us"] / best[0]
-                        )
+                        if best:
+                            row[f"fork_vs_upstream_{name}"] = (
+                                row[f"upstream_{name}_us"] / best[0]
+                            )
                     except Exception as exc:  # noqa: BLE001  recorded, the run goes on
                         row[f"upstream_{name}_error"] = repr(exc)[:300]
                 if up_weights is not None:
@@ -281,7 +282,8 @@ def main() -> None:
                     try:
                         fns = upstream_calls(hidden, inter, cases, up_weights, dev)
                         row[f"{key}_us"] = graph_us_per_call(fns, args.replays)
-                        row[f"fork_vs_{key}"] = row[f"{key}_us"] / best[0]
+                        if best:
+                            row[f"fork_vs_{key}"] = row[f"{key}_us"] / best[0]
                     except Exception as exc:  # noqa: BLE001  recorded, the run goes on
                         row[f"{key}_error"] = repr(exc)[:300]
                 print(
