@@ -18,6 +18,7 @@ from e2e.matrix import (
     chi2_same,
     evaluate,
     evidence,
+    judge_speculation,
     feature_lines,
     kernel_summary,
     main,
@@ -336,6 +337,125 @@ def _speculative(n, seed, q_temp_sampled, q_temp_rule, margin=4.84, bias=6.6):
             prev = t
         out.append(seq)
     return out
+
+
+def _speculated(tokens, accepts):
+    rec = _served(tokens)
+    rec["_greedy"]["accepts"] = accepts
+    return rec
+
+
+def test_speculation_is_judged_a_server_that_dropped_it_fails():
+    """DSpark is lossless: a server that stopped speculating emits the reference's tokens and
+    passes every token check; the speculation check alone refuses it."""
+    counts = [[20, 40, [0, 0, 20]], [22, 41, [1, 2, 19]]]
+    recs = {"ref": _speculated([[1, 2], [3, 4]], counts)}
+    same = _speculated([[1, 2], [3, 4]], [list(c) for c in counts])
+    evaluate(_row("a", same_as=("ref",), accepts="reference"), same, recs)
+    assert same["ok"] and same["speculation"]["rule"] == "equal to ref's"
+    dropped = _speculated([[1, 2], [3, 4]], [[0, 0, None], [0, 0, None]])
+    evaluate(_row("b", same_as=("ref",), accepts="reference"), dropped, recs)
+    assert dropped["ok"] is False and dropped["checks"] == {
+        "fork_flags_line": True,
+        "no_log_errors": True,
+        "completion_matches_generate": True,
+        "identical_to_ref": True,
+        "speculation": False,
+    }
+    # the negative control passes only because the speculation check refuses it
+    control = _speculated([[1, 2], [3, 4]], [[0, 0, None], [0, 0, None]])
+    evaluate(
+        _row("c", same_as=("ref",), accepts="reference", must_fail="speculation"),
+        control,
+        recs,
+    )
+    assert control["ok"]
+    # one request accepting one draft fewer over the same tokens: not the reference's
+    fewer = _speculated([[1, 2], [3, 4]], [[20, 40, [0, 0, 20]], [22, 40, [1, 3, 18]]])
+    evaluate(_row("d", same_as=("ref",), accepts="reference"), fewer, recs)
+    assert fewer["checks"]["speculation"] is False
+    # other tokens (a rounding-level row on random weights): held to running only
+    other = _speculated([[1, 2], [3, 5]], [[20, 30, None], [20, 30, None]])
+    evaluate(_row("e", bound_to="ref", accepts="reference"), other, recs)
+    assert other["checks"]["speculation"] and "runs" in other["speculation"]["rule"]
+    # a flag that moves acceptance by design must still speculate; a no-speculation row must not
+    for accepts, counts_, ok in (
+        ("design", [[25, 10, None], [25, 10, None]], True),
+        ("design", [[0, 0, None], [0, 0, None]], False),
+        ("none", [[0, 0, None], [0, 0, None]], True),
+        ("none", [[20, 40, None], [22, 41, None]], False),
+    ):
+        rec = _speculated([[1, 2], [3, 4]], counts_)
+        assert judge_speculation(_row("f", accepts=accepts), rec, recs)["ok"] is ok
+    # a raw record from before the check cannot pass it
+    old = _served([[1, 2], [3, 4]])
+    assert judge_speculation(_row("g", accepts="reference"), old, recs)["ok"] is False
+
+
+def _sampled_accepts(n, seed, p):
+    """n requests of 3 verify steps accepting 0..3 drafts each step, every draft in turn with
+    probability p."""
+    rng, out = random.Random(seed), []
+    for _ in range(n):
+        accepted = 0
+        for _ in range(3):
+            k = 0
+            while k < 3 and rng.random() < p:
+                k += 1
+            accepted += k
+        out.append([3, accepted])
+    return out
+
+
+def test_sampled_acceptance_held_to_upstreams_interval_and_a_small_shift_refused():
+    n = 20000
+    recs = {"s_up_off": {"_sampled": {"accepts": _sampled_accepts(n, 1, 0.6)}}}
+    row = _row("s", accepts="reference")
+    same = {"_sampled": {"accepts": _sampled_accepts(n, 2, 0.6)}}
+    assert judge_speculation(row, same, recs)["ok"]
+    # a 3 % lower per-draft acceptance (0.6 -> 0.582) is refused at 20,000 requests
+    lower = {"_sampled": {"accepts": _sampled_accepts(n, 3, 0.582)}}
+    verdict = judge_speculation(row, lower, recs)
+    assert verdict["ok"] is False and verdict["z"] < 0, verdict
+    dropped = {"_sampled": {"accepts": [[0, 0]] * n}}
+    assert judge_speculation(row, dropped, recs)["ok"] is False
+
+
+def test_rows_judge_their_speculation_and_the_dropped_control_is_there():
+    named = {r.name: r for r in rows()}
+    for r in named.values():
+        if r.refused_with:
+            assert r.accepts is None, r.name
+        elif "--speculative-algorithm" not in r.args:
+            assert r.accepts == "none", r.name
+        else:
+            assert r.accepts in ("reference", "design"), r.name
+    assert named["cap_3"].accepts == named["s_tau_0.7"].accepts == "design"
+    assert named["off"].accepts == named["s_head_fp8"].accepts == "reference"
+    control = named["off_speculation_dropped"]
+    assert control.fault == "speculation_off" and control.must_fail == "speculation"
+
+
+def test_the_speculation_fault_drops_every_speculative_argument():
+    import subprocess
+    import sys
+
+    code = (
+        "import sitecustomize, sglang.srt.server_args as m\n"
+        "print(sitecustomize.without_speculation(['--model-path', 'x', "
+        "'--speculative-algorithm', 'DSPARK', '--speculative-moe-runner-backend', "
+        "'triton', '--tp', '1', '--speculative-use-block-verification', '--port', '9']))\n"
+        "print(m.prepare_server_args.__module__)\n"
+    )
+    env = {**os.environ, "E2E_FAULT": "speculation_off"}
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS[0]), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.stdout.splitlines() == [
+        "['--model-path', 'x', '--tp', '1', '--port', '9']",
+        "sitecustomize",
+    ], out.stderr[-2000:]
 
 
 def test_sample_test_accepts_the_exact_rule_and_refuses_both_negative_controls():

@@ -26,6 +26,13 @@ to. Per row, every check is recorded under ``checks`` and the row passes when al
   (``sample_test``). Two negative controls must be refused every run: upstream without
   speculation at 0.97 T, and a fork server whose accept rule reads q at T while its draft samples
   at 0.7 T (a fault the harness injects, ``E2E_FAULT``; never a switch of the engine);
+* speculation (``judge_speculation``): DSpark is lossless, so a server that silently stopped
+  speculating passes every token check; each DSpark row's responses must report verify steps,
+  and a greedy row's per-request accepted drafts equal its reference's where their tokens are
+  equal (a sampled row's accepted drafts per step within ``SPEC_Z`` standard errors of
+  upstream's). Rows of flags that move acceptance by design must speculate; rows without
+  DSpark must not. A negative control that drops speculation (``speculation_off``) must be
+  refused every run;
 * a reference row that did not serve fails the rows that compare with it.
 
 Rows on the real-shape checkpoint time decode instead (``timing`` rows). ``--side-by-side SETS``
@@ -44,8 +51,10 @@ import dataclasses
 import gzip
 import hashlib
 import json
+import math
 import os
 import re
+import statistics
 import sys
 import threading
 import time
@@ -242,6 +251,10 @@ class Row:
     engaged: tuple[str, ...] = ()  # log regexes: the feature's evidence
     probes: tuple[str, ...] = ()  # E2E_PROBES; each must log (added to ``engaged``)
     below_gamma: bool = False  # greedy drafts accepted per step must stay below gamma
+    # how its speculation is judged (``judge_speculation``): "reference" (accepted drafts as the
+    # reference's), "design" (the flag moves acceptance: speculation must run), "none" (no
+    # speculation); None: not judged (a refusal row)
+    accepts: str | None = None
     fault: str | None = None  # E2E_FAULT: a negative control
     must_fail: str | None = None  # the check a negative control must fail
     requests: str | None = None  # extra requests: "loop" | "thinking"
@@ -262,12 +275,25 @@ def _flags(args) -> dict[str, str]:
 
 def _row(name, *flag_args, spec=True, extra=(), **kw) -> Row:
     args = list(flag_args)
+    if spec:
+        kw.setdefault(
+            "accepts", "design" if ACCEPTANCE_FLAGS & set(args) else "reference"
+        )
+    else:
+        kw.setdefault("accepts", "none")
     return Row(
         name, (DSPARK if spec else []) + args + list(extra), flags=_flags(args), **kw
     )
 
 
 TWIN = ["--dsv4-wo-a-fp8-twin"]
+# Flags that move how many drafts a verify step accepts, by design: their rows must speculate,
+# and their acceptance is recorded, not held to the reference's.
+ACCEPTANCE_FLAGS = {
+    "--speculative-dspark-verify-cap",
+    "--speculative-dspark-draft-temperature-scale",
+    "--speculative-use-block-verification",
+}
 CAP_CONF = ["--speculative-dspark-verify-cap", "conf:0.1"]
 FENCE = ["--speculative-dspark-fence-accept-results"]
 TAU = ["--speculative-dspark-draft-temperature-scale", "0.7"]
@@ -332,6 +358,14 @@ def rows() -> list[Row]:
         ),
         _row("cap_conf", *CAP_CONF, engaged=(L_CAP,), below_gamma=True, **agree_bound),
         _row("head_fp8", *HEAD, engaged=(L_HEAD,), probes=(P_HEAD,), **agree_bound),
+        # negative control: a server that drops speculation emits upstream's tokens, so only
+        # the speculation check can refuse it
+        _row(
+            "off_speculation_dropped",
+            fault="speculation_off",
+            must_fail="speculation",
+            **agree_off,
+        ),
         # greedy outputs cycle with period 100 here: at P <= 128 a long greedy request must be
         # finished as a loop, a long sampled one not; the 64-token prompts stay upstream's bits
         _row(
@@ -742,6 +776,7 @@ def greedy(server: Server, model: str) -> dict:
         == outs[0]["text"],
         "tokens_per_s": len(outs) * GREEDY_TOKENS / seconds,
         "spec": spec_stats(outs),
+        "accepts": [request_accepts(o, histogram=True) for o in outs],
     }
 
 
@@ -777,7 +812,11 @@ def sampled(
         )
         tokens += [o["output_ids"] for o in outs]
         metas += outs
-    return {"tokens": tokens, "spec": spec_stats(metas)}
+    return {
+        "tokens": tokens,
+        "spec": spec_stats(metas),
+        "accepts": [request_accepts(o) for o in metas],
+    }
 
 
 def loop_requests(server: Server) -> dict:
@@ -817,6 +856,14 @@ def thinking_request(server: Server) -> str:
     except RuntimeError as e:
         return str(e)[:300]
     return "served"
+
+
+def request_accepts(out: dict, histogram: bool = False) -> list:
+    """One request's speculation as its response reports it: [verify steps, accepted drafts]
+    and, with ``histogram``, upstream's steps per accepted count (its meta_info)."""
+    meta = out["meta_info"]
+    got = [meta.get("spec_verify_ct", 0), meta.get("spec_num_correct_drafts", 0)]
+    return got + [meta.get("spec_correct_drafts_histogram")] if histogram else got
 
 
 def spec_stats(outs: list[dict]) -> dict | None:
@@ -1213,6 +1260,98 @@ def within_bound(model: str, spread: dict) -> bool:
     )
 
 
+# A sampled row's accepted drafts per step is held to upstream's DSpark row on the same
+# checkpoint at the sampled tests' significance (two-sided, P_MIN).
+SAMPLED_SPEC_REFERENCE = "s_up_off"
+SPEC_Z = statistics.NormalDist().inv_cdf(1 - P_MIN / 2)
+
+
+def acceptance_rate(accepts: list) -> tuple[float, float]:
+    """Accepted drafts per verify step over requests ``[[steps, accepted], ...]`` and the
+    standard error of that ratio (requests independent; the ratio estimator's linearisation).
+    """
+    n = len(accepts)
+    steps = sum(a[0] for a in accepts)
+    rate = sum(a[1] for a in accepts) / steps
+    spread = sum((a[1] - rate * a[0]) ** 2 for a in accepts) / max(n - 1, 1)
+    return rate, math.sqrt(spread / n) / (steps / n)
+
+
+def _identical(vs: dict | None) -> bool:
+    return bool(vs and vs["tokens_identical"] and vs["logprobs_identical"])
+
+
+def judge_speculation(row: Row, rec: dict, recs: dict) -> dict | None:
+    """Whether the row speculated as it promises (``Row.accepts``); None where not judged.
+
+    A server that silently stops speculating emits upstream's tokens (DSpark is lossless), so
+    every token and logprob check passes it: only the responses' speculation counts see it.
+    "none": no verify step. Otherwise verify steps must have run, and for "reference":
+    - greedy: each request's [verify steps, accepted drafts, histogram] equal to the first
+      reference (same_as, the matched same_as_one_of, tokens_as, bound_to) whose tokens equal
+      this row's and which speculated; acceptance of greedy decoding is a function of the
+      tokens, so only a row whose tokens differ (rounding-level rows on random weights) is held
+      to running alone;
+    - sampled: accepted drafts per step within ``SPEC_Z`` standard errors of
+      ``SAMPLED_SPEC_REFERENCE``'s.
+    Timing rows: every batch size speculated."""
+    if row.accepts is None:
+        return None
+    if "timing" in rec and "_greedy" not in rec:
+        ran = all(t.get("spec") for t in rec["timing"].values())
+        return {"ok": ran == (row.accepts != "none"), "rule": "timing: speculated"}
+    part = rec.get("_greedy") or rec.get("_sampled")
+    if part is None:
+        return None
+    mine = part.get("accepts")
+    if mine is None:
+        return {"ok": False, "rule": "per-request counts not recorded"}
+    steps = sum(a[0] for a in mine)
+    out = {"verify_steps": steps, "accepted_drafts": sum(a[1] for a in mine)}
+    if row.accepts == "none" or not steps:
+        rule = "no speculation" if row.accepts == "none" else "speculation must run"
+        return {**out, "ok": (steps == 0) == (row.accepts == "none"), "rule": rule}
+    if row.accepts == "design":
+        return {**out, "ok": True, "rule": "runs (the flag moves acceptance)"}
+    if "_greedy" in rec:
+        for name in (
+            row.same_as
+            + tuple(r for r in row.same_as_one_of if _identical(rec.get(f"vs_{r}")))
+            + row.tokens_as
+            + ((row.bound_to,) if row.bound_to else ())
+        ):
+            ref = recs.get(name, {}).get("_greedy") or {}
+            theirs = ref.get("accepts")
+            if theirs and sum(a[0] for a in theirs) and ref["tokens"] == part["tokens"]:
+                return {**out, "ok": mine == theirs, "rule": f"equal to {name}'s"}
+        return {
+            **out,
+            "ok": True,
+            "rule": "runs (no speculating reference, same tokens)",
+        }
+    if row.name == SAMPLED_SPEC_REFERENCE:
+        return {**out, "ok": True, "rule": "runs (the reference)"}
+    ref = recs.get(SAMPLED_SPEC_REFERENCE, {}).get("_sampled") or {}
+    if not ref.get("accepts") or not sum(a[0] for a in ref["accepts"]):
+        return {
+            **out,
+            "ok": False,
+            "rule": f"{SAMPLED_SPEC_REFERENCE} did not speculate",
+        }
+    (rate, se), (ref_rate, ref_se) = acceptance_rate(mine), acceptance_rate(
+        ref["accepts"]
+    )
+    z = (rate - ref_rate) / math.hypot(se, ref_se)
+    return {
+        **out,
+        "ok": abs(z) <= SPEC_Z,
+        "rule": f"within {SPEC_Z:.2f} SE of {SAMPLED_SPEC_REFERENCE}'s",
+        "accepted_per_step": round(rate, 4),
+        "reference_per_step": round(ref_rate, 4),
+        "z": round(z, 2),
+    }
+
+
 def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> None:
     """Every check of a served row against its references, into ``rec["checks"]``; sets ``ok``.
     A negative control (``must_fail``) passes when that check fails and every other holds.
@@ -1294,6 +1433,10 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
         checks["disagreeing_switches_refused"] = rec[
             "thinking_disagreeing_switches"
         ].startswith("POST /v1/chat/completions -> 400")
+    spec = judge_speculation(row, rec, recs)
+    if spec is not None:
+        rec["speculation"] = spec
+        checks["speculation"] = spec["ok"]
     reference = recs.get(SAMPLED_REFERENCE, {}).get("_sampled")
     if "_sampled" in rec:
         s = rec["_sampled"]
@@ -1340,7 +1483,9 @@ def _public(rec: dict) -> dict:
     greedy digest stands for them)."""
     g = rec.pop("_greedy", None)
     if g is not None:
-        rec["greedy"] = {k: v for k, v in g.items() if k not in ("tokens", "logprobs")}
+        rec["greedy"] = {
+            k: v for k, v in g.items() if k not in ("tokens", "logprobs", "accepts")
+        }
     for key in ("_sampled", "_control", "_evidence"):
         rec.pop(key, None)
     return rec
