@@ -14,6 +14,7 @@ from e2e.matrix import (
     LOGPROB_BOUND,
     P_MIN,
     STANDINS,
+    V41_MODELS,
     Row,
     chi2_same,
     evaluate,
@@ -193,22 +194,28 @@ def test_rows_hold_their_promises():
     ):
         assert named[name].same_as == ("random_up_off",), name
     assert named["random_nospec"].same_as == ("random_up_nospec",)
-    # DeepSeek-V4.1: flags off and every V4.1 feature identical to upstream's V4.1 rows, each
-    # engaged; the V4 checkpoints' refusals of the same flags stay
+    # DeepSeek-V4.1: flags off and every V4.1 feature held to upstream without speculation bit
+    # for bit, upstream's known flip an expected failure; the V4 checkpoints' refusals stay
     for name in (
         "v41_off",
         "v41_engram_prefetch",
         "v41_engram_prefetch_check",
         "v41_hc_fused_stats",
+        "v41_agree_off",
+        "v41_partial_off",
+        "v41_agree_engram_prefetch",
     ):
-        assert named[name].model == "v41" and named[name].same_as_one_of == (
-            "v41_up_off",
-            "v41_up_off_again",
-        )
-    # upstream V4.1 with DSpark served twice: compared and recorded, not judged
-    again = named["v41_up_off_again"]
-    assert again.tree == "upstream" and again.recorded_vs == ("v41_up_off",)
-    assert not again.same_as and not again.same_as_one_of
+        r = named[name]
+        assert r.model in V41_MODELS and r.same_as == (f"{r.model}_up_nospec",), name
+        assert r.upstream_defect == "v41_dspark_graph_flip" and not r.same_as_one_of
+        assert r.recorded_vs == (f"{r.model}_up_off",) and r.accepts == "reference"
+    # upstream's V4.1 DSpark on three servers per checkpoint, each held to the same rule
+    for model in V41_MODELS:
+        servers = [named[f"{model}_up_off{s}"] for s in ("", "_again", "_third")]
+        for r in servers:
+            assert r.tree == "upstream" and r.same_as == (f"{model}_up_nospec",)
+            assert r.upstream_defect == "v41_dspark_graph_flip"
+        assert [r.recorded_vs for r in servers] == [()] + [(f"{model}_up_off",)] * 2
     # the diagnosis: upstream with the Engram commit inside the verify graph, on two servers
     for name in ("v41_up_engram_graph", "v41_up_engram_graph_again"):
         r = named[name]
@@ -233,7 +240,7 @@ def test_rows_hold_their_promises():
         "--engram-row-store-dir",
     ):
         served = [r for r in rows() if flag in r.args and not r.refused_with]
-        assert served and all(r.model == "v41" and r.engaged for r in served), flag
+        assert served and all(r.model in V41_MODELS and r.engaged for r in served)
         assert any(flag in r.args and r.refused_with for r in rows()), flag
     # the harness's own control: upstream twice, the same bits
     again = named["random_up_nospec_again"]
@@ -390,6 +397,75 @@ def test_speculation_is_judged_a_server_that_dropped_it_fails():
     # a raw record from before the check cannot pass it
     old = _served([[1, 2], [3, 4]])
     assert judge_speculation(_row("g", accepts="reference"), old, recs)["ok"] is False
+
+
+def test_upstreams_v41_flip_is_an_expected_failure_never_a_pass():
+    """V4.1 DSpark rows are held to upstream without speculation; a row that gives the second
+    result an upstream server of the run also gave (or a pinned one) is an expected failure
+    naming the defect; any other result, or another failing check, is a plain failure.
+    """
+    from e2e.matrix import defect_counts, greedy_digest
+
+    flip = "v41_dspark_graph_flip"
+    nospec, other = [[1, 2, 3]], [[1, 2, 9]]
+
+    def v41(name, tokens, tree="fork"):
+        rec = _served(tokens)
+        rec.update(model="v41", tree=tree, args=["--speculative-algorithm", "DSPARK"])
+        return rec
+
+    def row(name, tree="fork"):
+        return Row(
+            name,
+            [],
+            model="v41",
+            tree=tree,
+            same_as=("v41_up_nospec",),
+            upstream_defect=flip,
+        )
+
+    recs = {
+        "v41_up_nospec": {**v41("n", nospec, "upstream"), "args": []},
+        "v41_up_off": v41("a", nospec, "upstream"),
+        "v41_up_off_again": v41("b", other, "upstream"),
+    }
+    for name, tree in (("v41_up_off", "upstream"), ("v41_up_off_again", "upstream")):
+        recs[name]["fork_flags_line"] = None
+        evaluate(row(name, tree), recs[name], recs)
+    assert recs["v41_up_off"]["ok"] and "expected_failure" not in recs["v41_up_off"]
+    again = recs["v41_up_off_again"]
+    assert again["ok"] is False and again["expected_failure"] == flip
+    # a fork row on upstream's second result: expected failure; on a third: failure
+    same_flip = v41("c", other)
+    evaluate(row("v41_off"), same_flip, recs)
+    assert same_flip["ok"] is False and same_flip["expected_failure"] == flip
+    third = v41("d", [[1, 7, 7]])
+    evaluate(row("v41_off"), third, recs)
+    assert third["ok"] is False and "expected_failure" not in third
+    # the pinned result counts without an upstream server showing it this run
+    alone = {k: v for k, v in recs.items() if k != "v41_up_off_again"}
+    pinned = v41("e", other)
+    import e2e.matrix as m
+
+    saved = m.UPSTREAM_DEFECTS[flip]["results"]
+    m.UPSTREAM_DEFECTS[flip]["results"] = {"v41": [greedy_digest(pinned["_greedy"])]}
+    try:
+        evaluate(row("v41_off"), pinned, alone)
+    finally:
+        m.UPSTREAM_DEFECTS[flip]["results"] = saved
+    assert pinned["expected_failure"] == flip
+    # the flip with another check failing too is a plain failure
+    worse = v41("f", other)
+    worse["log_errors"] = ["Traceback"]
+    evaluate(row("v41_off"), worse, recs)
+    assert "expected_failure" not in worse
+    counts = defect_counts(
+        [row("v41_up_off", "upstream"), row("v41_up_off_again", "upstream")],
+        {n: recs[n] for n in ("v41_up_off", "v41_up_off_again")},
+    )
+    assert counts[flip]["by_checkpoint"] == {
+        "v41": {"servers": 2, "flipped": ["v41_up_off_again"]}
+    }
 
 
 def _sampled_accepts(n, seed, p):
@@ -874,8 +950,11 @@ def test_every_v41_row_resolves_through_upstreams_pipeline(
         return resolved_view(sa)
 
     assert resolve([], matrix.DSPARK).enable_decoder_swa_bounded_replay is True
-    v41 = [r for r in matrix.rows() if r.model == "v41"]
-    assert len(v41) == 12
-    for row in v41:
-        view = resolve(matrix.MODEL_ARGS["v41"], row.args)
-        assert view.enable_decoder_swa_bounded_replay is False, row.name
+    v41 = [r for r in matrix.rows() if r.model in V41_MODELS]
+    assert len(v41) == 24
+    # the V4.1 checkpoints share one config: each distinct argument list once
+    assert len({tuple(matrix.MODEL_ARGS[r.model]) for r in v41}) == 1
+    distinct = {tuple(r.args): r.name for r in v41}
+    for args, name in distinct.items():
+        view = resolve(matrix.MODEL_ARGS["v41"], list(args))
+        assert view.enable_decoder_swa_bounded_replay is False, name

@@ -106,6 +106,8 @@ GRAPH_ARGS = {
     "agree": ["--cuda-graph-bs-decode", "1", "4", "--max-running-requests", "4"],
     "random": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
     "v41": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
+    "v41_agree": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
+    "v41_partial": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
     "sample": ["--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32"]
     + ["--max-running-requests", "32"],
     "real": ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"],
@@ -131,6 +133,8 @@ MEM_ARGS = {
     "agree": _TINY_MEM_ARGS,
     "random": _TINY_MEM_ARGS,
     "v41": _TINY_MEM_ARGS,
+    "v41_agree": _TINY_MEM_ARGS,
+    "v41_partial": _TINY_MEM_ARGS,
     "sample": _TINY_MEM_ARGS,
     "real": ["--mem-fraction-static", "0.3"],
 }
@@ -143,13 +147,8 @@ EAGER = ["--cuda-graph-backend-decode", "disabled"]
 # compressed layer, upstream's request-cap sizing (pool_configurator.py, DSV4PoolConfigurator) prices
 # a token at zero bytes and divides by it; an explicit --swa-full-tokens-ratio (the value upstream
 # takes for DeepSeek-V4 when none is given, DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO) keeps the ratio sizing.
-MODEL_ARGS = {
-    "v41": [
-        "--no-enable-decoder-swa-bounded-replay",
-        "--swa-full-tokens-ratio",
-        "0.1",
-    ]
-}
+_V41_ARGS = ["--no-enable-decoder-swa-bounded-replay", "--swa-full-tokens-ratio", "0.1"]
+MODEL_ARGS = {"v41": _V41_ARGS, "v41_agree": _V41_ARGS, "v41_partial": _V41_ARGS}
 # Where the Engram row store's rows go (created by the run; one server writes there).
 ROW_STORE_DIR = "/tmp/e2e-engram-rows"
 
@@ -226,11 +225,29 @@ L_HC_VERIFIED = (
 L_ROW_STORE = r"engram row store .*: \d+ rows x 33 B in .*, cache \d+ rows"
 
 
+# Upstream defects the matrix meets, pinned: a row that names one and misses its ``same_as``
+# reference only by giving the defect's result is an expected failure (``expected_failure``), never
+# a pass. ``results``: greedy digests of the defect's result per checkpoint, as seen on the H200
+# (docs/gpu-testing.md); a result an upstream row of the same run gives also counts.
+UPSTREAM_DEFECTS = {
+    "v41_dspark_graph_flip": {
+        "what": "sglang 0.5.23, DeepSeek-V4.1 with DSpark under CUDA graphs: some server "
+        "processes give a second greedy result that leaves V4.1 without speculation after a "
+        "few tokens (first suspect: the Engram n-gram history committed eagerly after each "
+        "graph-replayed verify)",
+        "results": {"v41": ["e698d273b64553fd"]},
+    }
+}
+V41_MODELS = ("v41", "v41_agree", "v41_partial")
+
+
 @dataclasses.dataclass
 class Row:
     name: str
     args: list[str]
-    model: str = "agree"  # agree | random | v41 | sample | real
+    model: str = (
+        "agree"  # agree | random | v41 | v41_agree | v41_partial | sample | real
+    )
     tree: str = "fork"  # fork | upstream (the pinned release, --upstream)
     greedy: bool = True  # agree / random: the greedy prompts with logprobs
     sampled: bool = False  # sample: SAMPLED_REQUESTS at temperature 1
@@ -255,6 +272,9 @@ class Row:
     # reference's), "design" (the flag moves acceptance: speculation must run), "none" (no
     # speculation); None: not judged (a refusal row)
     accepts: str | None = None
+    # a known upstream defect (UPSTREAM_DEFECTS) that may make this row miss its same_as
+    # reference: then an expected failure, never a pass
+    upstream_defect: str | None = None
     fault: str | None = None  # E2E_FAULT: a negative control
     must_fail: str | None = None  # the check a negative control must fail
     requests: str | None = None  # extra requests: "loop" | "thinking"
@@ -311,6 +331,12 @@ FAST_LOAD = [
 ALL_ON = TWIN + ["drop"] + CAP_CONF + TAU + HEAD + BLOCK
 
 
+# The upstream DSpark servers of each V4.1 checkpoint (each its own process).
+V41_UPSTREAM_SERVERS = {
+    m: tuple(f"{m}_up_off{s}" for s in ("", "_again", "_third")) for m in V41_MODELS
+}
+
+
 def rows() -> list[Row]:
     up = dict(tree="upstream")
     # agree: tokens identical to upstream's, logprobs within the scheduling bound (the bits are
@@ -320,10 +346,24 @@ def rows() -> list[Row]:
     agree_bound = agree_off
     random_off = dict(model="random", same_as=("random_up_off",))
     random_bound = dict(model="random", bound_to="random_up_off")
-    # DeepSeek-V4.1 with DSpark under CUDA graphs: upstream served on two servers has given two
-    # different results on random weights (docs/gpu-testing.md), so a fork row must give one of
-    # the two upstream servers' results, and the second upstream row records how they compare
-    v41_off = dict(model="v41", same_as_one_of=("v41_up_off", "v41_up_off_again"))
+    # DeepSeek-V4.1 with DSpark under CUDA graphs: every DSpark row, upstream's included, is held
+    # to upstream without speculation bit for bit; upstream's servers have given a second result
+    # there (docs/gpu-testing.md), which is an expected failure naming the defect, never a pass
+    flip = "v41_dspark_graph_flip"
+
+    def v41(model: str, name: str = "") -> dict:
+        """A V4.1 DSpark row: upstream's bits without speculation; recorded against (and its
+        acceptance held to, where the tokens are equal) the first upstream DSpark server.
+        """
+        first = V41_UPSTREAM_SERVERS[model][0]
+        return dict(
+            model=model,
+            same_as=(f"{model}_up_nospec",),
+            recorded_vs=() if name == first else (first,),
+            upstream_defect=flip,
+        )
+
+    v41_off = v41("v41")
     sampled = dict(model="sample", greedy=False, sampled=True)
     small = dict(extra=SMALL_BATCH)
     return [
@@ -498,8 +538,8 @@ def rows() -> list[Row]:
         # ---- DeepSeek-V4.1 (random weights, Engram layers 1 and 2, hc_pre_from_prev_sublayer):
         # the V4.1 features served, each identical to upstream in tokens and logprobs (their
         # patches promise upstream's bits), one request at a time
-        _row("v41_up_off", model="v41", **up),
-        _row("v41_up_off_again", model="v41", recorded_vs=("v41_up_off",), **up),
+        # three upstream DSpark servers: how often upstream flips is counted per run
+        *(_row(n, **v41("v41", n), **up) for n in V41_UPSTREAM_SERVERS["v41"]),
         # Which of the two results a V4.1 DSpark server gives is fixed per server process.
         # Upstream commits the Engram n-gram history eagerly after each graph-replayed verify
         # unless this option moves the commit into the graph: two servers with it, recorded
@@ -513,6 +553,27 @@ def rows() -> list[Row]:
                 **up,
             )
             for name in ("v41_up_engram_graph", "v41_up_engram_graph_again")
+        ),
+        # DeepSeek-V4.1 whose draft agrees with its target (every greedy draft accepted) and
+        # agrees in runs of 2 and 3 (accepts and rejections): the accept path and the Engram
+        # history commit run every step; one request at a time, held to upstream without
+        # speculation bit for bit, with acceptance equal to upstream's DSpark rows'
+        *(
+            row
+            for model in ("v41_agree", "v41_partial")
+            for row in (
+                _row(f"{model}_up_nospec", model=model, spec=False, **up),
+                *(_row(n, **v41(model, n), **up) for n in V41_UPSTREAM_SERVERS[model]),
+                _row(f"{model}_off", **v41(model)),
+            )
+        ),
+        _row(
+            "v41_agree_engram_prefetch",
+            "--engram-prefetch",
+            "on",
+            engaged=(L_PREFETCH,),
+            probes=(P_PREFETCH,),
+            **v41("v41_agree"),
         ),
         _row("v41_up_nospec", model="v41", spec=False, **up),
         _row("v41_up_off_eager", model="v41", extra=EAGER, **up),
@@ -733,7 +794,7 @@ def _greedy_batches(model: str) -> list[list[int]]:
     Agree: four alone (6-row verify, 5-row draft calls), then three batches of four (24 and 20
     rows), so the small and the mid kernels both serve."""
     n = len(GREEDY_PROMPTS)
-    if model in ("random", "v41"):
+    if model in ("random",) + V41_MODELS:
         return [[i] for i in range(n)]
     return [[i] for i in range(4)] + [list(range(i, i + 4)) for i in range(4, n, 4)]
 
@@ -1316,6 +1377,7 @@ def judge_speculation(row: Row, rec: dict, recs: dict) -> dict | None:
     if "_greedy" in rec:
         for name in (
             row.same_as
+            + row.recorded_vs
             + tuple(r for r in row.same_as_one_of if _identical(rec.get(f"vs_{r}")))
             + row.tokens_as
             + ((row.bound_to,) if row.bound_to else ())
@@ -1352,6 +1414,38 @@ def judge_speculation(row: Row, rec: dict, recs: dict) -> dict | None:
     }
 
 
+def upstream_defect_result(row: Row, rec: dict, recs: dict) -> str | None:
+    """The defect's name when the row names one and misses its ``same_as`` reference only by
+    giving the defect's result: a pinned digest, or the result of an upstream DSpark row of the
+    same checkpoint in this run (an upstream row that misses the reference is upstream's own
+    behaviour, so it is the defect's by definition)."""
+    checks = rec.get("checks", {})
+    missed = [f"identical_to_{r}" for r in row.same_as]
+    if not row.upstream_defect or not any(checks.get(m) is False for m in missed):
+        return None
+    if any(not v for k, v in checks.items() if k not in missed):
+        return None  # something else failed too: a plain failure
+    if any("_greedy" not in recs.get(r, {}) for r in row.same_as):
+        return None  # a reference that did not serve: a plain failure
+    reference = {greedy_digest(recs[r]["_greedy"]) for r in row.same_as}
+    known = set(UPSTREAM_DEFECTS[row.upstream_defect]["results"].get(row.model, ()))
+    known |= {
+        greedy_digest(other["_greedy"])
+        for other in recs.values()
+        if other.get("tree") == "upstream"
+        and other.get("model") == row.model
+        and DSPARK[0] in other.get("args", ())
+        and "_greedy" in other
+    } - reference
+    return row.upstream_defect if greedy_digest(rec["_greedy"]) in known else None
+
+
+def greedy_digest(g: dict) -> str:
+    """A greedy result's tokens and logprobs, hashed: equal digests, equal bits."""
+    digest = json.dumps([g["tokens"], g["logprobs"]])  # not a result: hashed
+    return hashlib.sha256(digest.encode()).hexdigest()[:16]
+
+
 def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> None:
     """Every check of a served row against its references, into ``rec["checks"]``; sets ``ok``.
     A negative control (``must_fail``) passes when that check fails and every other holds.
@@ -1385,8 +1479,7 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
     g = rec.get("_greedy")
     if g is not None:
         checks["completion_matches_generate"] = g["completion_matches_generate"]
-        digest = json.dumps([g["tokens"], g["logprobs"]])  # not a result: hashed
-        rec["greedy_digest"] = hashlib.sha256(digest.encode()).hexdigest()[:16]
+        rec["greedy_digest"] = greedy_digest(g)
         for ref in (
             row.same_as
             + row.same_as_one_of
@@ -1461,6 +1554,9 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
                 rec["negative_control_0.97T"]["min_p"] < P_MIN
             )
     rec["checks"] = checks
+    defect = upstream_defect_result(row, rec, recs)
+    if defect:
+        rec["expected_failure"] = defect
     if row.must_fail:
         rec["ok"] = checks.get(row.must_fail) is False and all(
             v for k, v in checks.items() if k != row.must_fail
@@ -1512,6 +1608,13 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float, meta: di
         ("agree", TINY_DSV4, 0, dict(agree=True)),
         ("random", TINY_DSV4, 1, dict(agree=False)),
         ("v41", TINY_DSV4, 4, dict(agree=False, engram=TINY_ENGRAM)),
+        ("v41_agree", TINY_DSV4, 5, dict(agree=True, engram=TINY_ENGRAM)),
+        (
+            "v41_partial",
+            TINY_DSV4,
+            6,
+            dict(agree=True, engram=TINY_ENGRAM, draft_runs=(2, 3)),
+        ),
         ("sample", TINY_DSV4, 3, dict(agree=True, target_margin=4.84, draft_bias=6.6)),
         ("real", REAL_SHAPE_DSV4, 2, dict(agree=False)),
     ):
@@ -1691,7 +1794,7 @@ def main(argv=None) -> int:
     for row in selected:
         rec = _public(recs[row.name])
         report["rows"][row.name] = rec
-        if rec.get("ok") is False:
+        if rec.get("ok") is False and not rec.get("expected_failure"):
             print(
                 f"FAILED {row.name}: "
                 + _failure_excerpt(rec, args.out / "e2e-logs" / f"{row.name}.log"),
@@ -1700,11 +1803,39 @@ def main(argv=None) -> int:
     if args.merge:
         merge_rows(report, json.loads(args.merge.read_text()))
     done = [r for r in report["rows"].values() if r.get("ok") is not None]
+    expected = [n for n, r in report["rows"].items() if r.get("expected_failure")]
+    report["expected_failures"] = expected
+    report["upstream_defects"] = defect_counts(selected, report["rows"])
     report["passed"] = sum(bool(r["ok"]) for r in done)
-    report["failed"] = len(done) - report["passed"]
+    report["failed"] = len(done) - report["passed"] - len(expected)
     out_json = write_result(out_json, report, overwrite=args.overwrite)
-    print(f"{report['passed']} passed, {report['failed']} failed")
+    print(
+        f"{report['passed']} passed, {report['failed']} failed, "
+        f"{len(expected)} expected failures (upstream defects: {', '.join(expected)})"
+    )
     return 0 if report["failed"] == 0 else 1
+
+
+def defect_counts(selected: list[Row], rows_: dict) -> dict:
+    """Per upstream defect: what it is, and over this run's upstream servers that could show it
+    how many did (``flipped``), by checkpoint."""
+    out = {}
+    for name, defect in UPSTREAM_DEFECTS.items():
+        by_model: dict = {}
+        for row in selected:
+            rec = rows_.get(row.name, {})
+            if (
+                row.upstream_defect != name
+                or row.tree != "upstream"
+                or "checks" not in rec
+            ):
+                continue
+            seen = by_model.setdefault(row.model, {"servers": 0, "flipped": []})
+            seen["servers"] += 1
+            if rec.get("expected_failure"):
+                seen["flipped"].append(row.name)
+        out[name] = {"what": defect["what"], "by_checkpoint": by_model}
+    return out
 
 
 def harness_env(standins: bool) -> dict:
