@@ -468,6 +468,65 @@ def test_upstreams_v41_flip_is_an_expected_failure_never_a_pass():
     }
 
 
+def test_sampling_parameters_mixed_batches_and_seed_for_seed_bits():
+    """A mixed row's groups are each judged against the reference of their parameters, its
+    greedy group must be the target's chain; a seeded row must emit its reference's tokens.
+    """
+    from e2e.matrix import MIXED_SETS, SAMPLED_PROMPT, char_vocab, sampled_reference
+
+    named = {r.name: r for r in rows()}
+    for k in ("t0.6", "t1.3"):
+        ref = named[sampled_reference(k)]
+        assert ref.tree == "upstream" and ref.sampling == k and ref.accepts == "none"
+        assert named[f"s_off_{k}"].sampling == k
+    assert named["s_tau_0.7_t1.3"].sampling == "t1.3"
+    assert named["s_off"].seeded_same_as == "s_up_off"
+    prev0 = char_vocab()[SAMPLED_PROMPT[-1]]
+    succ = list(range(128))
+    chain = []
+    for _ in range(8):
+        chain.append(succ[chain[-1] if chain else prev0])
+    n = 2000
+    refs = {k: _speculative(n, 10 + i, 1.0, 1.0) for i, k in enumerate(MIXED_SETS)}
+    recs = {
+        sampled_reference(k): {"_sampled": {"tokens": refs[k]}}
+        for k in MIXED_SETS
+        if k != "greedy"
+    }
+    recs["s_up_off"] = {"seeded": [[1, 2], [3, 4]]}
+
+    def mixed(wrong_set=None):
+        draws = {
+            k: iter(_speculative(n, 20 + i, 1.0, 1.0)) for i, k in enumerate(MIXED_SETS)
+        }
+        draws[wrong_set] = iter(_chain(n, 0.3, 7)) if wrong_set else None
+        tokens = []
+        for i in range(n * len(MIXED_SETS)):
+            k = MIXED_SETS[i % len(MIXED_SETS)]
+            tokens.append(list(chain) if k == "greedy" else next(draws[k]))
+        rec = {**_served([[1]]), "_sampled": {"tokens": tokens, "spec": None}}
+        rec.pop("_greedy")
+        rec["seeded"] = [[1, 2], [3, 4]]
+        return rec
+
+    row = Row("m", [], model="sample", greedy=False, sampled=True, sampling="mixed",
+              seeded_same_as="s_up_off")  # fmt: skip
+    good = mixed()
+    evaluate(row, good, recs, succ)
+    assert good["ok"], good["checks"]
+    assert {k for k in good["checks"] if k.startswith("sampled_agrees")} == {
+        "sampled_agrees_t1", "sampled_agrees_t0.6", "sampled_agrees_t1.3"
+    }  # fmt: skip
+    bad = mixed("t1.3")
+    evaluate(row, bad, recs, succ)
+    assert bad["checks"]["sampled_agrees_t1.3"] is False
+    assert bad["checks"]["sampled_agrees_t1"]
+    other_bits = mixed()
+    other_bits["seeded"] = [[1, 2], [3, 5]]
+    evaluate(row, other_bits, recs, succ)
+    assert other_bits["checks"]["seeded_identical_to_s_up_off"] is False
+
+
 def _sampled_accepts(n, seed, p):
     """n requests of 3 verify steps accepting 0..3 drafts each step, every draft in turn with
     probability p."""

@@ -185,6 +185,21 @@ SAMPLED_TOKENS = 8
 SAMPLED_POSITIONS = (1, 2, 3)  # the first drafted positions (0 comes from the prefill)
 P_MIN = 1e-5  # a sampled test's p-value below which the two distributions differ
 CONTROL_TEMPERATURE = 0.97
+# The sampling parameters sampled rows serve (``Row.sampling``). On the sample checkpoint the
+# target's top token takes about 0.96 of the mass at T 0.6 (top-p 0.98 then keeps about half the
+# tail) and about 0.24 at T 1.3 (top-k 20 and min-p 0.02 both cut the tail). "mixed" sends them
+# in turn within each batch, with greedy requests among them (MIXED_SETS); each group is judged
+# against the homogeneous reference of its parameters.
+SAMPLING_SETS = {
+    "t1": {"temperature": 1.0},
+    "t0.6": {"temperature": 0.6, "top_p": 0.98},
+    "t1.3": {"temperature": 1.3, "top_k": 20, "min_p": 0.02},
+    "greedy": {"temperature": 0.0},
+}
+MIXED_SETS = ("greedy", "t1", "t0.6", "t1.3")
+# Seed for seed: this many sampled requests, one at a time with seeds shared by every server,
+# alternating t1 and t1.3; a row promising upstream's bits emits exactly its reference's tokens.
+SEEDED_REQUESTS = 32
 SAMPLED_REFERENCE = (
     "s_up_nospec"  # the target's own distribution: upstream, no speculation
 )
@@ -275,6 +290,8 @@ class Row:
     # a known upstream defect (UPSTREAM_DEFECTS) that may make this row miss its same_as
     # reference: then an expected failure, never a pass
     upstream_defect: str | None = None
+    sampling: str = "t1"  # a SAMPLING_SETS name, or "mixed" (MIXED_SETS in turn)
+    seeded_same_as: str | None = None  # sampled bits seed for seed equal to this row's
     fault: str | None = None  # E2E_FAULT: a negative control
     must_fail: str | None = None  # the check a negative control must fail
     requests: str | None = None  # extra requests: "loop" | "thinking"
@@ -624,7 +641,25 @@ def rows() -> list[Row]:
         # speculation (the target's own distribution)
         _row("s_up_nospec", spec=False, **sampled, **up),  # + the 0.97 T control
         _row("s_up_off", **sampled, **up),
-        _row("s_off", **sampled),
+        # flags off: upstream's distribution, and upstream's bits seed for seed
+        _row("s_off", seeded_same_as="s_up_off", **sampled),
+        # the sampling parameters people use: T 0.6 with top-p, T 1.3 with top-k and min-p, and
+        # all of them with greedy requests in one batch (a temperature applied twice, or ignored
+        # in p or q, moves these; at T 1 it cannot)
+        *(
+            _row(sampled_reference(k), spec=False, sampling=k, **sampled, **up)
+            for k in ("t0.6", "t1.3")
+        ),
+        *(_row(f"s_off_{k}", sampling=k, **sampled) for k in ("t0.6", "t1.3")),
+        _row(
+            "s_tau_0.7_t1.3",
+            *TAU,
+            engaged=(L_TAU,),
+            probes=(P_TAU,),
+            sampling="t1.3",
+            **sampled,
+        ),
+        _row("s_off_mixed", sampling="mixed", **sampled),
         _row(
             "s_cap_3",
             "--speculative-dspark-verify-cap",
@@ -846,12 +881,21 @@ def row_seed(name: str) -> int:
     return zlib.crc32(name.encode()) % 2**30
 
 
+def sampling_set(sampling: str, i: int) -> str:
+    """The parameter set of the ``i``-th request of a row serving ``sampling``."""
+    return MIXED_SETS[i % len(MIXED_SETS)] if sampling == "mixed" else sampling
+
+
 def sampled(
     server: Server,
     seed: int,
-    temperature: float = 1.0,
+    sampling: str = "t1",
     requests: int = SAMPLED_REQUESTS,
+    params: dict | None = None,
 ) -> dict:
+    """``requests`` draws of ``SAMPLED_TOKENS`` tokens, 500 per batch, request ``i`` seeded
+    ``seed + i`` with the parameters of ``sampling_set(sampling, i)`` (``params`` overrides).
+    """
     tokens, metas = [], []
     for start in range(0, requests, 500):
         n = min(500, requests - start)
@@ -861,7 +905,7 @@ def sampled(
                 "text": [SAMPLED_PROMPT] * n,
                 "sampling_params": [
                     {
-                        "temperature": temperature,
+                        **(params or SAMPLING_SETS[sampling_set(sampling, start + i)]),
                         "max_new_tokens": SAMPLED_TOKENS,
                         "ignore_eos": True,
                         "sampling_seed": seed + start + i,
@@ -878,6 +922,27 @@ def sampled(
         "spec": spec_stats(metas),
         "accepts": [request_accepts(o) for o in metas],
     }
+
+
+def seeded(server: Server) -> list[list[int]]:
+    """``SEEDED_REQUESTS`` sampled requests one at a time, the same seeds on every server."""
+    out = []
+    for i in range(SEEDED_REQUESTS):
+        params = SAMPLING_SETS["t1" if i % 2 == 0 else "t1.3"]
+        got = server.post(
+            "/generate",
+            {
+                "text": SAMPLED_PROMPT,
+                "sampling_params": {
+                    **params,
+                    "max_new_tokens": SAMPLED_TOKENS,
+                    "ignore_eos": True,
+                    "sampling_seed": 1000 + i,
+                },
+            },
+        )
+        out.append(got["output_ids"])
+    return out
 
 
 def loop_requests(server: Server) -> dict:
@@ -1129,6 +1194,18 @@ def chi2_same(
     return result
 
 
+def sampled_reference(sampling: str) -> str:
+    """The row serving the target's own distribution (upstream, no speculation) at ``sampling``."""
+    return SAMPLED_REFERENCE if sampling == "t1" else f"{SAMPLED_REFERENCE}_{sampling}"
+
+
+def _is_chain(tokens: list[int], succ: list[int] | None, prev0: int) -> bool:
+    """Greedy on the sample checkpoint: each token the successor of the one before."""
+    return succ is not None and all(
+        t == succ[p] for p, t in zip([prev0] + tokens[:-1], tokens)
+    )
+
+
 def sample_test(
     a: list[list[int]], b: list[list[int]], succ: list[int], prev0: int
 ) -> dict:
@@ -1250,15 +1327,19 @@ def serve_row(
         if row.greedy:
             rec["_greedy"] = greedy(server, row.model)
         if row.sampled:
-            rec["_sampled"] = sampled(server, row_seed(row.name), 1.0, sampled_requests)
+            rec["_sampled"] = sampled(
+                server, row_seed(row.name), row.sampling, sampled_requests
+            )
             if row.name == SAMPLED_REFERENCE:
                 # the first negative control: the target's distribution at 0.97 T
                 rec["_control"] = sampled(
                     server,
                     row_seed(row.name + "-control"),
-                    CONTROL_TEMPERATURE,
-                    sampled_requests,
+                    requests=sampled_requests,
+                    params={"temperature": CONTROL_TEMPERATURE},
                 )
+            if row.seeded_same_as or any(r.seeded_same_as == row.name for r in rows()):
+                rec["seeded"] = seeded(server)
         if row.requests == "loop":
             rec["loop"] = loop_requests(server)
         if row.requests == "thinking":
@@ -1393,6 +1474,12 @@ def judge_speculation(row: Row, rec: dict, recs: dict) -> dict | None:
         }
     if row.name == SAMPLED_SPEC_REFERENCE:
         return {**out, "ok": True, "rule": "runs (the reference)"}
+    if row.sampling != "t1":
+        return {
+            **out,
+            "ok": True,
+            "rule": "runs (no upstream DSpark row at its parameters)",
+        }
     ref = recs.get(SAMPLED_SPEC_REFERENCE, {}).get("_sampled") or {}
     if not ref.get("accepts") or not sum(a[0] for a in ref["accepts"]):
         return {
@@ -1530,22 +1617,39 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
     if spec is not None:
         rec["speculation"] = spec
         checks["speculation"] = spec["ok"]
-    reference = recs.get(SAMPLED_REFERENCE, {}).get("_sampled")
     if "_sampled" in rec:
         s = rec["_sampled"]
         rec["sampled_spec"] = s["spec"]
         rec["sampled_requests"] = len(s["tokens"])  # a sitting's --sampled-requests
         prev0 = char_vocab()[SAMPLED_PROMPT[-1]]
-        if row.name != SAMPLED_REFERENCE:
+        sets = MIXED_SETS if row.sampling == "mixed" else (row.sampling,)
+        for name in sets:
+            mine = [
+                t
+                for i, t in enumerate(s["tokens"])
+                if sampling_set(row.sampling, i) == name
+            ]
+            key = "" if row.sampling != "mixed" else f"_{name}"
+            if name == "greedy":  # the target's chain: every request the same tokens
+                checks["greedy_among_sampled_is_one_result"] = len(
+                    {tuple(t) for t in mine}
+                ) == 1 and _is_chain(mine[0], succ, prev0)
+                continue
+            ref_name = sampled_reference(name)
+            if row.name == ref_name:
+                continue
+            reference = recs.get(ref_name, {}).get("_sampled")
             if reference is None or succ is None:
-                checks[f"reference_{SAMPLED_REFERENCE}_served"] = False
-            else:
-                rec["sampled_vs_upstream_nospec"] = sample_test(
-                    s["tokens"], reference["tokens"], succ, prev0
-                )
-                checks["sampled_agrees"] = (
-                    rec["sampled_vs_upstream_nospec"]["min_p"] >= P_MIN
-                )
+                checks[f"reference_{ref_name}_served"] = False
+                continue
+            result = sample_test(mine, reference["tokens"], succ, prev0)
+            rec[f"sampled_vs_upstream_nospec{key}"] = result
+            checks[f"sampled_agrees{key}"] = result["min_p"] >= P_MIN
+    if row.seeded_same_as:
+        other = recs.get(row.seeded_same_as, {}).get("seeded")
+        checks[f"seeded_identical_to_{row.seeded_same_as}"] = (
+            other is not None and rec.get("seeded") == other
+        )
         if "_control" in rec and succ is not None:
             rec["negative_control_0.97T"] = sample_test(
                 rec["_control"]["tokens"], s["tokens"], succ, prev0
@@ -1582,7 +1686,7 @@ def _public(rec: dict) -> dict:
         rec["greedy"] = {
             k: v for k, v in g.items() if k not in ("tokens", "logprobs", "accepts")
         }
-    for key in ("_sampled", "_control", "_evidence"):
+    for key in ("_sampled", "_control", "_evidence", "seeded"):
         rec.pop(key, None)
     return rec
 
