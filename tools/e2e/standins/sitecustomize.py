@@ -67,6 +67,7 @@ def _sinkhorn_on_triton(mhc):
 # engine itself), changing results by construction, far beyond rounding:
 #   wo_a_group_x2  the wo_a twin's kernels return group 0's outputs doubled (a 2x scale error)
 #   tau_q_at_T     the DSpark draft samples at tau x T, but the accept rule reads q at T
+#   tau_q_3pct     the accept rule reads q at 1.03 x the temperature the draft samples at
 #   speculation_off  the server drops every --speculative-* argument before parsing: it serves
 #                  without speculation although the row asked for DSpark
 
@@ -162,6 +163,27 @@ def _tau_q_at_t(tau_module):
     tau_module.scale_draft_params = scale_draft_params
 
 
+def _tau_q_3pct(tau_module):
+    """q read at 1.03 x the draft's sampling temperature (tau x T) at every drafted position."""
+    stage = tau_module.stage_draft_temperatures
+
+    def stage_draft_temperatures(params, draft_temperatures, bs):
+        stage(params, draft_temperatures, bs)
+        if draft_temperatures is not params.temperatures:
+            draft_temperatures[:bs].mul_(1.03)
+
+    scale = tau_module.scale_draft_params
+
+    def scale_draft_params(params):
+        out = scale(params)
+        if out is params:
+            return out
+        return out._replace(temperatures=out.temperatures * 1.03)
+
+    tau_module.stage_draft_temperatures = stage_draft_temperatures
+    tau_module.scale_draft_params = scale_draft_params
+
+
 def without_speculation(argv: list) -> list:
     """``argv`` without its ``--speculative-*`` options and their values."""
     kept, skip = [], False
@@ -181,6 +203,10 @@ def _speculation_off(server_args):
 
 _FAULTS = {
     "speculation_off": ("sglang.srt.server_args", _speculation_off),
+    "tau_q_3pct": (
+        "sglang.srt.speculative.dspark_components.dspark_draft_tau",
+        _tau_q_3pct,
+    ),
     "wo_a_group_x2": ("sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90", _wo_a_group_x2),
     "tau_q_at_T": (
         "sglang.srt.speculative.dspark_components.dspark_draft_tau",
