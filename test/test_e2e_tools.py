@@ -147,6 +147,27 @@ def test_a_row_whose_feature_did_not_engage_fails():
     ]
 
 
+def test_a_graph_served_kernel_must_count_its_replays_on_the_device():
+    """Under CUDA graphs the Python probe fires at the capture only: a head that was captured
+    and then never replayed logs its call lines, and only the device counter shows the gap.
+    """
+    from e2e.matrix import P_HEAD
+
+    row = _row("a", probes=(P_HEAD,))
+    name = P_HEAD.split("?")[0]
+    for count, ok in ((2, False), (99, False), (100, True), (68600, True)):
+        log = f"e2e probe: {name} call 1 -> None\ne2e probe: {name} device count {count}\n"
+        rec = _served([[1]])
+        rec["_evidence"] = {e: bool(re.search(e, log)) for e in evidence(row)}
+        evaluate(row, rec, {})
+        assert rec["ok"] is ok, count
+    captured_only = _served([[1]])
+    log = f"e2e probe: {name} call 1 -> None\n"
+    captured_only["_evidence"] = {e: bool(re.search(e, log)) for e in evidence(row)}
+    evaluate(row, captured_only, {})
+    assert captured_only["ok"] is False
+
+
 def test_an_upstream_row_must_not_be_the_fork():
     rec = _served([[1]])
     evaluate(_row("up", tree="upstream"), rec, {})

@@ -217,6 +217,10 @@ P_BLOCK = (
     "accept_draft_tokens?block_verification"
 )
 P_LOOP = "sglang.srt.managers.loop_abort:LoopGuard.feed"  # the per-token check ran
+# Kernels served inside the decode and verify CUDA graphs: their probes must also count 100 or
+# more calls on the device over a row's requests (sitecustomize), so a kernel that was captured but
+# never replayed (or replaced at replay) fails the row.
+REPLAYED_PROBES = {P_TWIN_SMALL, P_TWIN_MID, P_HEAD}
 L_TWIN = (
     r"--dsv4-wo-a-fp8-twin=\w+ \([^)]*\): fp8 twins for [1-9]\d* wo_a weights \([1-9]"
 )
@@ -1453,6 +1457,10 @@ def serve_row(
         + MODEL_ARGS.get(row.model, [])
         + row.args
     )
+    dump = logs / f"{row.name}.probe-dump"
+    dump.unlink(missing_ok=True)
+    if row.probes:
+        env = {**env, "E2E_PROBE_DUMP": str(dump)}
     with Server(model, args, env=env, log_path=logs / f"{row.name}.log") as server:
         rec["startup_s"] = round(server.startup_seconds, 1)
         line = fork_flags_line(server.log())
@@ -1484,6 +1492,13 @@ def serve_row(
             rec["loop"] = loop_requests(server)
         if row.requests == "thinking":
             rec["thinking_disagreeing_switches"] = thinking_request(server)
+        if row.probes:  # the device counters, after every request of the row
+            dump.touch()
+            deadline = time.monotonic() + 20
+            while "e2e probe: device counts dumped" not in server.log():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
     rec["log_errors"] = server.errors()[:20]
     rec["upstream_fallbacks"] = server.fallbacks()[:5]
     rec["feature_lines"] = feature_lines(server.log())
@@ -1493,10 +1508,18 @@ def serve_row(
 
 
 def evidence(row: Row) -> list[str]:
-    """The log lines that show the row's feature ran: its startup lines and its probes' lines."""
-    return list(row.engaged) + [
-        re.escape(f"e2e probe: {p.split('?')[0]} call") for p in row.probes
-    ]
+    """The log lines that show the row's feature ran: its startup lines and its probes' lines;
+    for a kernel served under CUDA graphs (``REPLAYED_PROBES``), its device counter at 100 or
+    more (counted at every replay, not only at the capture)."""
+    lines = list(row.engaged)
+    for p in row.probes:
+        name = p.split("?")[0]
+        lines.append(re.escape(f"e2e probe: {name} call"))
+        if p in REPLAYED_PROBES:
+            lines.append(
+                re.escape(f"e2e probe: {name} device count ") + "[1-9][0-9]{2,}"
+            )
+    return lines
 
 
 def logprob_spread(got: dict, ref: dict) -> dict:

@@ -62,6 +62,10 @@ def _sinkhorn_on_triton(mhc):
 # to the server log at its 1st, 10th, 100th, ... call ("e2e probe: <name> call <n> -> <result>");
 # with ``?kwarg`` only calls passing a truthy ``kwarg`` count. A row that names a probe fails
 # unless its line is in the log: the feature's code ran (under CUDA graphs: was captured).
+# A probe whose call passes a CUDA tensor also adds 1 to a counter on that device in the same
+# stream, so a captured call counts at every replay; when the file E2E_PROBE_DUMP appears (the
+# harness creates it after the row's requests) the process prints each such counter
+# ("e2e probe: <name> device count <n>") and "e2e probe: device counts dumped".
 #
 # E2E_FAULT=<name>: a deliberately wrong engine for a negative control (never a switch in the
 # engine itself), changing results by construction, far beyond rounding:
@@ -95,6 +99,7 @@ def _wrap_probe(module, qualname: str, kwarg: str) -> None:
     def probe(*args, **kwargs):
         result = fn(*args, **kwargs)
         if not kwarg or kwargs.get(kwarg):
+            _count_on_device(name, args, kwargs)
             count[0] += 1
             if count[0] in (1, 10, 100, 1000, 10000, 100000):
                 print(
@@ -103,6 +108,52 @@ def _wrap_probe(module, qualname: str, kwarg: str) -> None:
         return result
 
     setattr(owner, attr, kind(probe) if kind else probe)
+
+
+_DEVICE_COUNTS: dict = {}
+
+
+def _count_on_device(name: str, args, kwargs) -> None:
+    """Adds 1 to ``name``'s device counter (made at its first call with a CUDA tensor)."""
+    counter = _DEVICE_COUNTS.get(name)
+    if counter is None:
+        import torch
+
+        device = next(
+            (
+                a.device
+                for a in list(args) + list(kwargs.values())
+                if isinstance(a, torch.Tensor) and a.is_cuda
+            ),
+            None,
+        )
+        if device is None:
+            return
+        if not _DEVICE_COUNTS:
+            _start_dump_thread()
+        counter = _DEVICE_COUNTS[name] = torch.zeros(
+            1, dtype=torch.int64, device=device
+        )
+    counter.add_(1)
+
+
+def _start_dump_thread() -> None:
+    import os
+    import threading
+    import time
+
+    path = os.environ.get("E2E_PROBE_DUMP")
+    if not path:
+        return
+
+    def dump():
+        while not os.path.exists(path):
+            time.sleep(0.5)
+        for name, counter in list(_DEVICE_COUNTS.items()):
+            print(f"e2e probe: {name} device count {int(counter.item())}", flush=True)
+        print("e2e probe: device counts dumped", flush=True)
+
+    threading.Thread(target=dump, daemon=True, name="e2e-probe-dump").start()
 
 
 def _register_probes(spec: str) -> None:
