@@ -1,6 +1,9 @@
 """Every result JSON the benchmarks and the e2e harness write carries its provenance (fork build,
-device, torch, triton, python) through ``tools/e2e/provenance.py``'s ``write_result``, and a
-rerun by another build never silently replaces a result that docs cite.
+device, torch, triton, python, harness commit) through ``tools/e2e/provenance.py``'s
+``write_result``, and a rerun by another build never silently replaces a result that docs cite.
+Every file committed under ``benchmark/results/`` (its ``archive/`` aside) has that provenance:
+a JSON (or gzipped JSON) in its own ``provenance`` block, any other file in a sidecar
+``<name>.provenance.json``; docs cite no archived file.
 
 The scan reads every writer's source: a ``json.dump``/``json.dumps`` outside ``print`` is a JSON
 written by hand, allowed only on a statement marked ``# not a result: <what it is>`` (checkpoint
@@ -10,7 +13,9 @@ files, a tuning input). Every check here has its negative case.
 from __future__ import annotations
 
 import ast
+import gzip
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,14 +155,19 @@ def test_write_result_adds_the_provenance_block(tmp_path):
     assert block["torch"] == torch.__version__
     assert block["triton"] == prov._package_version("triton")
     assert block["device"] == prov.device_name()
+    assert block["commit"] == prov.harness_commit()
 
 
 def test_check_refuses_a_result_without_provenance():
     assert prov.check({"rows": []}) == ["no 'provenance' block"]
     block = prov.provenance()
     assert prov.check({"provenance": block}) == []
+    assert set(prov.FIELDS) >= {"fork_version", "device", "torch", "triton", "commit"}
     for field in prov.FIELDS:
         assert prov.check({"provenance": {**block, field: ""}}) == [
+            f"provenance.{field} missing or empty"
+        ]
+        assert prov.check({"provenance": {**block, field: "unknown (no git)"}}) == [
             f"provenance.{field} missing or empty"
         ]
         partial = {k: v for k, v in block.items() if k != field}
@@ -232,6 +242,166 @@ def test_the_overwrite_scan_finds_a_writer_that_ignores_it():
 
     assert harness.arg_parser("x").parse_args(["--overwrite"]).overwrite is True
     assert harness.arg_parser("x").parse_args([]).overwrite is False
+
+
+# ---------------------------------------------------------------- the harness commit
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_the_commit_is_the_repositorys_and_says_when_it_differs(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "a.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
+    head = _git(repo, "rev-parse", "HEAD")
+    assert prov.harness_commit(repo) == head
+    (repo / "untracked.txt").write_text("")  # not the harness
+    assert prov.harness_commit(repo) == head
+    (repo / "a.py").write_text("x = 2\n")
+    assert prov.harness_commit(repo) == head + "-dirty"
+    # an unpacked GPU bundle: its COMMIT file, not the enclosing repository's HEAD
+    (repo / prov.COMMIT_FILE).write_text("f" * 40 + "\n")
+    assert prov.harness_commit(repo) == "f" * 40
+    # neither: a value the check refuses
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    unknown = prov.harness_commit(bare)
+    assert unknown.startswith(prov.UNKNOWN)
+    block = {**prov.provenance(), "commit": unknown}
+    assert prov.check({"provenance": block}) == ["provenance.commit missing or empty"]
+
+
+def test_the_bundle_carries_the_commit_the_provenance_reads():
+    from forklib import bundle
+
+    assert "COMMIT" in Path(bundle.__file__).read_text()
+    assert bundle.repo_commit() == prov.harness_commit(REPO)
+    for script in ("gpu_bundle_run.sh", "gpu_e2e_run.sh"):
+        text = (REPO / "tools" / script).read_text()
+        assert "e2e.provenance" in text, script  # its JSON and its logs are stamped
+
+
+def test_a_result_evaluated_elsewhere_keeps_the_producing_machines_block(tmp_path):
+    gpu = {**prov.provenance(), "device": "NVIDIA H200", "torch": "2.11.0"}
+    path = prov.write_result(tmp_path / "r.json", {"rows": []}, produced_by=gpu)
+    payload = json.loads(path.read_text())
+    assert payload["provenance"] == gpu
+    assert payload["evaluated_by"] == prov.provenance()
+    # produced here: no second block
+    path = prov.write_result(tmp_path / "s.json", {"rows": []})
+    assert "evaluated_by" not in json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------- every committed result
+
+RESULTS = REPO / "benchmark" / "results"
+ARCHIVE = RESULTS / prov.ARCHIVE
+
+
+def test_every_committed_result_file_has_its_provenance():
+    """The CI gate: every file under benchmark/results/ (not archive/) names its build, device,
+    torch, triton, python and harness commit: a JSON or gzipped JSON in its ``provenance``
+    block, a log, tarball, text or markdown file in ``<name>.provenance.json`` beside it. A file
+    that cannot be re-run moves to archive/ (``git mv``), cited by no docs page."""
+    bad = prov.check_results(RESULTS)
+    assert bad == {}, "\n".join(
+        f"{p.relative_to(REPO)}: {'; '.join(problems)}" for p, problems in bad.items()
+    )
+
+
+def test_the_results_check_names_the_file_and_the_field(tmp_path):
+    block = prov.provenance()
+    (tmp_path / "good-NVIDIA_H200.json").write_text(json.dumps({"provenance": block}))
+    no_commit = {k: v for k, v in block.items() if k != "commit"}
+    (tmp_path / "old-NVIDIA_H200.json").write_text(json.dumps({"provenance": no_commit}))
+    (tmp_path / "bare-NVIDIA_H200.json").write_text(json.dumps({"device": "NVIDIA H200"}))
+    with gzip.open(tmp_path / "raw-NVIDIA_H200.json.gz", "wt") as f:
+        json.dump({"meta": {}, "provenance": {**block, "triton": ""}}, f)
+    (tmp_path / "run.log").write_text("numbers\n")
+    (tmp_path / "stamped.log").write_text("numbers\n")
+    prov.write_sidecar(tmp_path / "stamped.log")
+    (tmp_path / "torchless.txt").write_text("numbers\n")
+    prov.write_sidecar(tmp_path / "torchless.txt", produced_by={**block, "torch": ""})
+    (tmp_path / "orphan.tar.gz.provenance.json").write_text(
+        json.dumps({"describes": "orphan.tar.gz", "provenance": block})
+    )
+    (tmp_path / prov.ARCHIVE).mkdir()
+    (tmp_path / prov.ARCHIVE / "older.json").write_text("{}")  # exempt
+    bad = {p.name: problems for p, problems in prov.check_results(tmp_path).items()}
+    assert bad == {
+        "old-NVIDIA_H200.json": ["provenance.commit missing or empty"],
+        "bare-NVIDIA_H200.json": ["no 'provenance' block"],
+        "raw-NVIDIA_H200.json.gz": ["provenance.triton missing or empty"],
+        "run.log": ["not JSON and no sidecar run.log.provenance.json with its provenance"],
+        "torchless.txt": ["torchless.txt.provenance.json: provenance.torch missing or empty"],
+        "torchless.txt.provenance.json": ["provenance.torch missing or empty"],
+        "orphan.tar.gz.provenance.json": [
+            "sidecar of no file: 'describes' names 'orphan.tar.gz'"
+        ],
+    }
+    # the command line says the same and fails
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tools/e2e/provenance.py"), "check", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1 and "old-NVIDIA_H200.json: provenance.commit" in r.stdout
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tools/e2e/provenance.py"), "check", str(ARCHIVE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1  # what is archived is archived for a reason
+
+
+def _archive_links(text: str) -> list[str]:
+    return re.findall(r"results/" + prov.ARCHIVE + r"/[^)\s`]*", text)
+
+
+def test_no_docs_page_cites_an_archived_result():
+    """A figure from an archived file is not evidence: the page says it awaits a re-run, and
+    links only to results that pass the check above."""
+    pages = prov.docs_pages() + [REPO / "CONTRIBUTING.md"]
+    for page in pages:
+        text = page.read_text()
+        assert _archive_links(text) == [], page.relative_to(REPO)
+        for target in re.findall(r"\]\(([^)#\s]*benchmark/results/[^)#\s]+)", text) + [
+            t for t in re.findall(r"\]\(([^)#\s]*\.\./results/[^)#\s]+)", text)
+        ]:
+            path = (page.parent / target).resolve()
+            assert path.exists(), f"{page.relative_to(REPO)}: {target}"
+            if path.is_file():
+                assert prov.check_files([path]) == {}, f"{page.relative_to(REPO)}: {target}"
+
+
+def test_the_citation_check_sees_an_archive_link():
+    assert _archive_links("[x](../benchmark/results/archive/x.json)") == [
+        "results/archive/x.json"
+    ]
+    assert _archive_links("`benchmark/results/archive/x.json`") == [
+        "results/archive/x.json"
+    ]
+    assert _archive_links("[x](../benchmark/results/x.json), archive/ README") == []
+
+
+def test_the_archive_says_what_it_holds():
+    text = (ARCHIVE / "README.md").read_text()
+    files = sorted(
+        p.relative_to(ARCHIVE).as_posix()
+        for p in ARCHIVE.rglob("*")
+        if p.is_file() and p.name != "README.md"
+    )
+    assert files, "an empty archive: remove it and this test"
+    assert [f for f in files if f"`{f}`" not in text] == []
 
 
 # ---------------------------------------------------------------- cited evidence
