@@ -630,7 +630,9 @@ def test_evaluate_records_the_serving_machine_not_the_evaluating_one(tmp_path):
         "standins": True,
         "sampled_requests": 1,
     }
-    write_raw(tmp_path, meta, None, {"off": {"skipped": "over the time budget"}}, SERVED_BY)
+    write_raw(
+        tmp_path, meta, None, {"off": {"skipped": "over the time budget"}}, SERVED_BY
+    )
     raw = tmp_path / "e2e-raw-NVIDIA_H200.json.gz"
     assert prov.check_files([raw]) == {}  # the raw file carries its provenance itself
     out = tmp_path / "eval"

@@ -420,7 +420,7 @@ def test_with_no_effect_anywhere_a_cell_is_rarely_called_slower():
     assert any_slower / runs <= 0.08
 
 
-RESULT = "benchmark/results/e2e-full-depth-NVIDIA_H200.json"
+RESULT = "benchmark/results/archive/e2e-full-depth-NVIDIA_H200.json"
 
 
 def _committed() -> dict:
@@ -1339,9 +1339,7 @@ def test_the_attribution_table_holds_the_flags_groups_against_the_model():
             },
         }
     }
-    model = json.loads(
-        (docs_tables.REPO / docs_tables.RESULTS / "cost_model-cpu.json").read_text()
-    )
+    model = json.loads(docs_tables.result_path("cost_model-cpu.json").read_text())
     rows = docs_tables.e2e_attribution(run, model).splitlines()
     assert len(rows) == 4
     assert rows[2] == (

@@ -1660,7 +1660,8 @@ def read_raws(paths: list[Path]) -> tuple[dict, dict, list[int] | None, dict]:
 
 def merge_rows(report: dict, earlier: dict) -> None:
     """Keep ``earlier``'s rows that ``report`` did not serve; refuses another build or device (a
-    row's comparisons are only meaningful within one build, device and harness commit)."""
+    row's comparisons are only meaningful within one build, device and harness commit).
+    """
     for key in SAME_RUN:
         if earlier.get(key) != report.get(key):
             raise SystemExit(

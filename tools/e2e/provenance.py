@@ -37,11 +37,11 @@ Importable from ``benchmark/`` (``harness`` puts ``tools/`` on ``sys.path``) and
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.metadata as md
 import json
 import os
 import platform
-import gzip
 import re
 import subprocess
 import sys
@@ -54,7 +54,9 @@ FIELDS = ("fork_version", "device", "torch", "triton", "python", "commit")
 NOT_INSTALLED = "not installed"
 UNKNOWN = "unknown"
 SIDECAR = ".provenance.json"
-ARCHIVE = "archive"  # benchmark/results/archive/: exempt from check_results, cited by no page
+ARCHIVE = (
+    "archive"  # benchmark/results/archive/: exempt from check_results, cited by no page
+)
 COMMIT_FILE = "COMMIT"  # beside the GPU bundle's VERSION (tools/forklib/bundle.py)
 OVERWRITE_HELP = (
     "replace an existing result of another fork build that docs cite (default: write "
@@ -344,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("stamp", help="write FILE.provenance.json beside each FILE")
     st.add_argument("files", type=Path, nargs="+")
-    ck = sub.add_parser("check", help="check every result file under DIR (not archive/)")
+    ck = sub.add_parser(
+        "check", help="check every result file under DIR (not archive/)"
+    )
     ck.add_argument("dir", type=Path, nargs="?", default=REPO / "benchmark" / "results")
     a = p.parse_args(argv)
     if a.cmd == "stamp":
