@@ -278,11 +278,34 @@ def test_the_commit_is_the_repositorys_and_says_when_it_differs(tmp_path):
     assert prov.check({"provenance": block}) == ["provenance.commit missing or empty"]
 
 
-def test_the_bundle_carries_the_commit_the_provenance_reads():
+def test_the_bundle_carries_the_commit_the_provenance_reads(tmp_path, monkeypatch):
+    """The bundle's COMMIT sits where its copy of tools/e2e/provenance.py looks (its root), so a
+    result written on a machine without git names the commit the bundle was built from.
+    """
     from forklib import bundle
 
-    assert "COMMIT" in Path(bundle.__file__).read_text()
+    for heavy in (
+        "_tree_tarball",
+        "_upstream_overlay",
+        "_wheels",
+    ):  # the network and xz
+        monkeypatch.setattr(bundle, heavy, lambda *a, **k: 0)
+    monkeypatch.setattr(bundle, "RUN_LIMIT", 2**40)
+    dest = tmp_path / "gpu-bundle"
+    bundle.make_bundle(tmp_path, "0.5.23+fork.1.0000000", dest)
+    assert (dest / "COMMIT").read_text().strip() == bundle.repo_commit()
     assert bundle.repo_commit() == prov.harness_commit(REPO)
+    code = "from e2e import provenance as p; print(p.harness_commit())"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,  # not inside any git repository's work tree that holds the bundle
+        env={"PYTHONPATH": str(dest / "tools"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == bundle.repo_commit()
     for script in ("gpu_bundle_run.sh", "gpu_e2e_run.sh"):
         text = (REPO / "tools" / script).read_text()
         assert "e2e.provenance" in text, script  # its JSON and its logs are stamped
@@ -372,7 +395,8 @@ def test_the_results_check_names_the_file_and_the_field(tmp_path):
 
 
 def _archive_links(text: str) -> list[str]:
-    return re.findall(r"results/" + prov.ARCHIVE + r"/[^)\s`]*", text)
+    """Paths to a file in the archive (the folder itself may be named)."""
+    return re.findall(r"results/" + prov.ARCHIVE + r"/[^)\s`]+", text)
 
 
 def citation_problems(page: Path) -> list[str]:
@@ -407,7 +431,8 @@ def test_the_citation_check_sees_an_archive_link_and_a_result_without_provenance
     page = tmp_path / "docs" / "page.md"
     page.parent.mkdir()
     page.write_text(
-        "[new](../benchmark/results/new.json), `old.json` (awaits a re-run)\n"
+        "[new](../benchmark/results/new.json), `old.json` (awaits a re-run), archived in\n"
+        "`benchmark/results/archive/`\n"
         "[old](../benchmark/results/archive/old.json), see benchmark/results/archive/old.json\n"
         "[gone](../benchmark/results/gone.json), [bare](../benchmark/results/bare.json)\n"
     )
@@ -419,7 +444,8 @@ def test_the_citation_check_sees_an_archive_link_and_a_result_without_provenance
         "links a result without complete provenance: ../benchmark/results/bare.json",
     ]
     page.write_text(
-        "[new](../benchmark/results/new.json), `old.json` (awaits a re-run)\n"
+        "[new](../benchmark/results/new.json), `old.json` (awaits a re-run), archived in\n"
+        "`benchmark/results/archive/`\n"
     )
     assert citation_problems(page) == []
 
@@ -513,3 +539,18 @@ def test_the_repository_links_no_archived_result():
         if path.name != "README.md":
             assert prov.citing_pages(path.name) == [], path.name
     assert prov.citing_pages("no-such-result.json") == []
+
+
+def test_the_rebase_drill_stamps_its_transcript(tmp_path):
+    """A writer of a non-JSON result (the rebase drill's log) writes its sidecar with it."""
+    sys.path.insert(0, str(REPO / "benchmark" / "rebase"))
+    import rebase_drill
+
+    d = rebase_drill.Drill(tmp_path, "0.5.22")
+    d.log = tmp_path / "rebase-drill-0.5.22.log"
+    d.lines = ["a transcript"]
+    d.save()
+    assert prov.check_results(tmp_path) == {}
+    sidecar = json.loads((tmp_path / f"{d.log.name}{prov.SIDECAR}").read_text())
+    assert sidecar["describes"] == d.log.name
+    assert sidecar["provenance"]["commit"] == prov.harness_commit()

@@ -908,6 +908,8 @@ def test_merge_keeps_earlier_flag_sets_of_the_same_build():
     }
     with pytest.raises(SystemExit, match="fork_version"):
         sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
+    with pytest.raises(SystemExit, match="commit"):
+        sbs.merge_flag_sets(report, {**earlier, "commit": "other"})
 
 
 def _batch(
