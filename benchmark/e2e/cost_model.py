@@ -387,11 +387,24 @@ def cap_k(flags: Flags, gamma: int) -> tuple[float, str]:
 # ------------------------------------------------------------------ the measured savings
 
 
+def result_file(results: Path, name: str) -> tuple[Path | None, str]:
+    """``results/<name>``, else ``results/archive/<name>`` (an older build's file, kept until
+    its re-run lands: named ``archive/<name>`` wherever the model cites it); (None, name)
+    when neither exists."""
+    for path, cited in (
+        (results / name, name),
+        (results / "archive" / name, f"archive/{name}"),
+    ):
+        if path.is_file():
+            return path, cited
+    return None, name
+
+
 def _load(s: Setup, name: str) -> tuple[dict | None, str]:
-    path = s.results / f"{name}-{s.device}.json"
-    if not path.is_file():
+    path, cited = result_file(s.results, f"{name}-{s.device}.json")
+    if path is None:
         return None, f"no measurement on {s.device.replace('_', ' ')}"
-    return json.loads(path.read_text()), path.name
+    return json.loads(path.read_text()), cited
 
 
 def interpolate(points: dict[float, tuple[float, str]], x: float):
@@ -949,10 +962,10 @@ def _finite(x: object) -> bool:
 
 
 def _result(results: Path, name: str, device: str) -> tuple[dict | None, str]:
-    path = results / f"{name}-{device}.json"
-    if not path.is_file():
-        return None, f"no {path.name}"
-    return json.loads(path.read_text()), path.name
+    path, cited = result_file(results, f"{name}-{device}.json")
+    if path is None:
+        return None, f"no {cited}"
+    return json.loads(path.read_text()), cited
 
 
 Points = dict[float, tuple[float, str]]
