@@ -89,7 +89,7 @@ def test_a_page_whose_launch_command_differs_is_found():
     other = ours.replace("--dsv4-wo-a-fp8-twin mid", "--dsv4-wo-a-fp8-twin small", 1)
     assert launch_commands(ours) != launch_commands(other)
     docker = (
-        f"{LAUNCH_MARKER} x -->\n```\ndocker run --gpus all -v /m:/m sglang-dsv4:0.5.23 \\\n"
+        f"{LAUNCH_MARKER} x -->\n```\ndocker run --gpus all -v /m:/m sglang-dsv4:9.8.7 \\\n"
         "    --model-path /m --tp-size 4\n```\n"
     )
     assert launch_commands(docker) == [["--model-path", "/m", "--tp-size", "4"]]
@@ -104,7 +104,11 @@ def _fork_flags() -> set[str]:
 
 def _full_depth() -> dict:
     results = REPO / "benchmark/results"
-    (path,) = [p for p in (results / FULL_DEPTH, results / "archive" / FULL_DEPTH) if p.is_file()]
+    (path,) = [
+        p
+        for p in (results / FULL_DEPTH, results / "archive" / FULL_DEPTH)
+        if p.is_file()
+    ]
     return json.loads(path.read_text())
 
 
@@ -136,7 +140,9 @@ def test_the_launch_command_runs_a_measured_flag_set_that_was_not_slower():
     assert matching, f"{ours}: no flag set of {FULL_DEPTH} ({list(run['flag_sets'])})"
     (name,) = matching
     assert slower_cells(run, name) == []
-    assert all(c["tokens_identical"] for c in run["flag_sets"][name]["batches"].values())
+    assert all(
+        c["tokens_identical"] for c in run["flag_sets"][name]["batches"].values()
+    )
 
 
 def test_a_flag_set_measured_slower_is_found():
@@ -161,7 +167,11 @@ def _exec_form(instruction: str) -> list[str]:
 
 def documented_docker_runs() -> list[tuple[str, list[str]]]:
     """(page, the arguments after the image) of every ``docker run`` of the image in the docs."""
-    pages = [REPO / "README.md", REPO / "docker/README.md", *sorted((REPO / "docs").glob("*.md"))]
+    pages = [
+        REPO / "README.md",
+        REPO / "docker/README.md",
+        *sorted((REPO / "docs").glob("*.md")),
+    ]
     found = []
     for page in pages:
         for _, block in _blocks(page.read_text()):
@@ -175,13 +185,16 @@ def documented_docker_runs() -> list[tuple[str, list[str]]]:
 
 def run_entrypoint(args: list[str]):
     """What the image does with ``docker run IMAGE ARGS``: ENTRYPOINT + (ARGS or CMD), where the
-    entry point is launch_server, whose main parses its arguments with prepare_server_args."""
+    entry point is launch_server, whose main parses its arguments with prepare_server_args.
+    """
     import sglang.launch_server as launch_server
     from sglang.srt.server_args import prepare_server_args
 
     command = _exec_form("ENTRYPOINT") + (args or _exec_form("CMD"))
     assert command[:3] == ENTRYPOINT
-    assert "prepare_server_args(sys.argv[1:])" in Path(launch_server.__file__).read_text()
+    assert (
+        "prepare_server_args(sys.argv[1:])" in Path(launch_server.__file__).read_text()
+    )
     return prepare_server_args(command[3:])
 
 
@@ -205,7 +218,10 @@ def test_a_command_after_the_image_is_refused_by_the_entrypoint(capsys):
     with pytest.raises(SystemExit) as e:
         run_entrypoint(["python3", "-m", "sglang.launch_server", *args])
     assert e.value.code == 2
-    assert "unrecognized arguments: python3 -m sglang.launch_server" in capsys.readouterr().err
+    assert (
+        "unrecognized arguments: python3 -m sglang.launch_server"
+        in capsys.readouterr().err
+    )
 
 
 def test_the_build_stage_reads_the_wheel_cache_the_docs_name(tmp_path, monkeypatch):
@@ -244,7 +260,10 @@ def test_the_build_stage_reads_the_wheel_cache_the_docs_name(tmp_path, monkeypat
 # rather than what was run: a measurement names its device and build instead.
 RETIRED = (
     (r"\bsittings?\b", 'a measurement "run", not a "sitting"'),
-    (r"\bproject's [\w -]{0,30}machines?\b", "name the device and build, not the project's machines"),
+    (
+        r"\bproject's [\w -]{0,30}machines?\b",
+        "name the device and build, not the project's machines",
+    ),
     (r"\bthis (\d+-core |CPU |GPU )?machine\b", "name the device, not this machine"),
     (r"\b\d+-core (CPU )?machine\b", "name the device (e.g. a CPU host with 2 cores)"),
     (r"\bGB10 line\b", "GB10 nodes, or a GB10 deployment"),
@@ -288,7 +307,10 @@ def test_no_code_or_doc_refers_to_an_issue_number():
     found = {}
     for root in ("python", "tools", "test", "benchmark"):
         for path in sorted((REPO / root).rglob("*")):
-            if path.suffix not in (".py", ".sh", ".md", ".toml") or "results" in path.parts:
+            if (
+                path.suffix not in (".py", ".sh", ".md", ".toml")
+                or "results" in path.parts
+            ):
                 continue
             if path.name == "test_docs_words.py":
                 continue
@@ -310,7 +332,9 @@ def test_the_retired_word_check_sees_them():
     assert any(h.startswith("3: 'issue 19'") for h in hits)
     # a generated table is its result file's: skipped, and the lines after it still counted
     table = "<!-- docs_tables: t -->\n| GB10 line, TP4 |\n<!-- /docs_tables -->\none sitting\n"
-    assert retired_words(table) == ["4: 'sitting' (a measurement \"run\", not a \"sitting\")"]
+    assert retired_words(table) == [
+        '4: \'sitting\' (a measurement "run", not a "sitting")'
+    ]
     # the words the docs use instead pass
     plain = "Measured in three runs on one H200 (build X); a CPU host with 2 cores; four GB10 nodes.\n"
     assert retired_words(plain + "upstream's sglang#40320\n") == []
@@ -335,8 +359,8 @@ def test_the_release_check_reads_an_address_as_no_release():
     from forklib.docs import RELEASE_RE
 
     assert RELEASE_RE.findall("--host 0.0.0.0 --port 30000") == []
-    assert RELEASE_RE.findall("sglang 0.5.23. Then 0.5.22, (0.5.21)") == [
-        "0.5.23",
-        "0.5.22",
-        "0.5.21",
+    assert RELEASE_RE.findall("sglang 0.9.23. Then 0.9.22, (0.9.21)") == [
+        "0.9.23",
+        "0.9.22",
+        "0.9.21",
     ]
