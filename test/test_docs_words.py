@@ -364,3 +364,42 @@ def test_the_release_check_reads_an_address_as_no_release():
         "0.9.22",
         "0.9.21",
     ]
+
+
+def test_the_patches_that_add_a_value_are_named_where_version_shows_no_flags():
+    """A flags.toml row for a value of an upstream flag (``upstream_flag``) belongs to a patch
+    whose ``--version`` line says ``(no flags)``; README.md and docs/fork-identity.md say which
+    patches those are, so the flag table's patch column and ``--version`` do not disagree.
+    """
+    import tomllib
+
+    from forklib.docs import BEGIN, END
+    from forklib.series import load_series
+
+    rows = tomllib.loads((REPO / "docs/flags.toml").read_text())["flag"]
+    by_name = {p.name: p for p in load_series()}
+    values = sorted({r["patch"] for r in rows if r.get("upstream_flag")})
+    assert values
+    readme = (REPO / "README.md").read_text()
+    pages = {
+        "README.md": readme.split(BEGIN)[0] + readme.split(END)[1],
+        "docs/fork-identity.md": (REPO / "docs/fork-identity.md").read_text(),
+    }
+    for page, text in pages.items():
+        said = " ".join(
+            p for p in text.split("\n\n") if "(no flags)" in p and "add" in p
+        )
+        for name in values:
+            assert by_name[name].flags == [], name
+            assert re.search(rf"\b{name[:4]}\b", said), (page, name)
+
+
+def test_contributings_new_patch_takes_a_free_number_past_the_series():
+    """The worked example's `make refresh` writes a new patch numbered past the series' last
+    (tools/forklib/tree.py), never a number that is taken."""
+    from forklib.series import load_series
+
+    text = (REPO / "CONTRIBUTING.md").read_text()
+    (number,) = set(re.findall(r"writes `patches/(\d{4})-[\w-]+\.patch`", text))
+    last = max(int(p.name[:4]) for p in load_series())
+    assert int(number) > last, (number, last)

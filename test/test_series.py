@@ -585,6 +585,26 @@ def test_a_commit_without_a_body_keeps_its_trailers(fake):
     assert third.trailers["Why"] == ["a test"] and header_problems(third, root) == []
 
 
+def test_a_new_patch_takes_the_number_past_the_series_last(fake):
+    """Numbers freed by a patch that left (as 0013 and 0016 are) stay free: a new patch at the
+    end is numbered past the last one, not by its position."""
+    from forklib.series import load_series
+    from forklib.tree import refresh
+
+    root, tree = fake
+    series = root / "patches" / "series"
+    (root / "patches/0002-module.patch").rename(root / "patches/0004-module.patch")
+    series.write_text(series.read_text().replace("0002-module", "0004-module"))
+    _commit(
+        tree,
+        "third: a new patch\n\nBody.\n\n" + HEADER,
+        {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")},
+    )
+    refresh(tree, root)
+    names = [p.name for p in load_series(series)]
+    assert names == ["0001-first", "0004-module", "0005-third-a-new-patch"]
+
+
 def test_refresh_writes_nothing_until_the_series_checks(fake):
     from forklib.tree import refresh
 
