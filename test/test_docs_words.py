@@ -236,7 +236,8 @@ def test_the_build_stage_reads_the_wheel_cache_the_docs_name(tmp_path, monkeypat
     assert stage.index("ENV FORK_CACHE") < stage.index("RUN bash docker/build-wheel.sh")
     ignored = (REPO / ".dockerignore").read_text().split()
     assert not any(str(rel).startswith(p.rstrip("/")) for p in ignored)
-    assert f"{rel}/wheels/" in (REPO / "docker/README.md").read_text()
+    for page in ("docker/README.md", "docs/serving.md"):
+        assert f"`{rel}/wheels/`" in (REPO / page).read_text(), page
     assert f"{rel}/" in (REPO / ".gitignore").read_text().split()
 
     monkeypatch.setenv("FORK_CACHE", str(tmp_path / rel))
