@@ -127,7 +127,7 @@ class Model:
         )
 
 
-# DeepSeek-V4.1-Flash's widths as the project states them (issue 33; docs/b12x-moe.md: 384 experts,
+# DeepSeek-V4.1-Flash's widths as the project states them (docs/b12x-moe.md: 384 experts,
 # top 6, 2304 wide), with V4's head_dim 512 and o_lora_rank 1024 (configs/deepseek_v4.py). The
 # kernel benchmarks ran at exactly these shapes (wo_a R = 1024, D = 4096; the draft head's K = 5120).
 V41_FLASH = Model(

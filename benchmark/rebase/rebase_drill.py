@@ -1,6 +1,6 @@
 """A real rebase of the series onto an older sglang release (``--to``), resolved by following
 the tool's output, then ``make``, ``make check``, every kept patch exported alone and the CPU
-tests on that release; records the transcript (issue 36, "Done when").
+tests on that release; records the transcript.
 
 Runs in a fresh clone of this repository's HEAD (nothing here is touched), with the shared
 wheel cache. Each stop is settled the way the tool's printout says: a conflict region
