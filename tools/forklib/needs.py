@@ -17,7 +17,9 @@ shadows it):
 - ``getattr(<such a name or chain>, "literal"[, default])``: a default does not make the
   name optional here, since a renamed one would silently read the default.
 
-``hasattr`` is a probe whose both answers the code handles, and is not a need. Attribute
+``hasattr`` is a probe whose both answers the code handles, and is not a need; nor is an
+import inside a ``try`` whose handler catches ``ImportError`` (or ``Exception``): the code
+handles its absence (an optional plugin), and what it reads from the name is not followed. Attribute
 reads on runtime objects (``engram.embed._reduce_owned_rows``, ``type(m)._x``) cannot be
 resolved without running the code: private ones that no module of ours defines are listed
 as *unchecked*, with the upstream file that defines such a name, never failed on.
@@ -151,6 +153,7 @@ class _Collector:
         # each scope: (is a class body, name -> (module, attrs) of an upstream import,
         # EXTERNAL for an import of another package, None for any other binding)
         self.scopes: list[tuple[bool, dict[str, _Ref]]] = []
+        self.optional: set[int] = set()  # ids of imports whose failure the code handles
 
     # -- bindings
     def _upstream(self, module: str) -> bool:
@@ -173,7 +176,10 @@ class _Collector:
                     bound[a.arg] = None
         for node in _scope_nodes(body):
             site = Site(self.rel, getattr(node, "lineno", 0))
-            if isinstance(node, ast.Import):
+            if id(node) in self.optional:
+                for a in node.names:
+                    bound[a.asname or a.name.split(".")[0]] = None
+            elif isinstance(node, ast.Import):
                 for a in node.names:
                     ref: _Ref
                     if a.name.split(".")[0] != "sglang":
@@ -235,6 +241,7 @@ class _Collector:
 
     # -- walk
     def module(self, tree: ast.Module) -> None:
+        self.optional = _optional_imports(tree)
         self.scopes.append((False, self._bindings(tree.body, None)))
         for stmt in tree.body:
             self.visit(stmt)
@@ -332,6 +339,30 @@ class _Collector:
             self.needs.append(Need(ref[0], ref[1] + (name,), site))
         elif _is_private(name) and self._runtime(node.args[0]):
             self.unchecked.append(Unchecked(name, ast.unparse(node.args[0]), site))
+
+
+_CATCHES_IMPORT = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+def _optional_imports(tree: ast.Module) -> set[int]:
+    """The imports inside a ``try`` body whose handler catches an ImportError (a bare
+    ``except``, ``ImportError``, ``Exception``...): the code runs without them."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        caught = set()
+        for h in node.handlers:
+            types_ = h.type.elts if isinstance(h.type, ast.Tuple) else [h.type]
+            caught |= {ast.unparse(t).rsplit(".", 1)[-1] if t else "" for t in types_}
+        if caught & (_CATCHES_IMPORT | {""}):
+            found |= {
+                id(n)
+                for stmt in node.body
+                for n in ast.walk(stmt)
+                if isinstance(n, (ast.Import, ast.ImportFrom))
+            }
+    return found
 
 
 def _defined_by_ours(trees: list[ast.Module]) -> set[str]:
