@@ -833,3 +833,49 @@ def test_a_tool_test_of_a_dropped_patch_skips_naming_it_and_the_release(tmp_path
         "needs gone_module of patch 0002-gone, which the rebase onto sglang 1.0.0 dropped: "
         "1.0.0 lacks the code it edits (patches/series says so)"
     )
+
+
+def test_the_needs_list_status_is_in_the_table_and_at_every_stop(
+    tmp_path, monkeypatch, capsys
+):
+    """What our modules read from upstream is checked in the target before the replay: a
+    name the target lacks is a note in the up-front table, listed with its reader under it,
+    and at the stop of the patch whose module reads it; another patch's stop counts it."""
+    reader = "from sglang.b import b7\nfrom sglang.e import e3\n"
+    specs = [
+        Spec(
+            "reader",
+            {"python/sglang/c.py": lambda t: set_line(t, 10, "c10 = 'ours'")},
+            owns={"python/sglang/reader.py": reader},
+        ),
+        Spec("other", {"python/sglang/d.py": lambda t: set_line(t, 10, "d10 = 'ours'")}),
+    ]
+    target = BASE | {
+        "sglang/c.py": set_line(lines("c"), 10, "c10 = 'upstream'"),
+        "sglang/d.py": set_line(lines("d"), 10, "d10 = 'upstream'"),
+        "sglang/e.py": lines("e").replace("e3 =", "e3_renamed ="),
+    }
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(lay.root, tmp_path / "cache", "1.0.0", BASE, specs)
+    make_wheel(tmp_path / "cache", "1.1.0", target)
+    assert rebase.start("1.1.0", lay) == 1
+    printed = capsys.readouterr().out
+    table, stop = printed.split("stopped at")
+    assert "its modules read 1 upstream name(s) 1.1.0 lacks: sglang.e:e3" in table
+    assert "2 upstream names (0 private)" in table and "1 ok, 1 missing" in table
+    assert "read by 0001-reader at python/sglang/reader.py:2" in table
+    assert "0001-reader's modules read 1 name(s) not found in 1.1.0" in stop
+    assert "missing  sglang.e:e3 (sglang.e does not define e3)" in stop
+    assert "no `Depends:` helps" in stop
+
+    # the resolution ports our module too: the next stop reads it from the replay
+    repo = lay.repo
+    (repo / "python/sglang/c.py").write_text(set_line(lines("c"), 10, "c10 = 'both'"))
+    (repo / "python/sglang/reader.py").write_text(reader.replace("e3", "e3_renamed"))
+    git(repo, "add", "-A")
+    assert rebase.resume(lay) == 1
+    stop = capsys.readouterr().out.split("stopped at")[1]
+    assert "0002-other's modules read 0 name(s) not found in 1.1.0" in stop
+    assert "2 ok, 0 missing" in stop and "other patches reading" not in stop

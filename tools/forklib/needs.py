@@ -400,7 +400,10 @@ def collect(
         path = root / rel
         if not path.is_file():
             continue
-        tree = ast.parse(path.read_text(errors="replace"), filename=rel)
+        try:
+            tree = ast.parse(path.read_text(errors="replace"), filename=rel)
+        except SyntaxError:  # a conflict left in it mid-rebase: its import says so
+            continue
         trees.append(tree)
         package = mod.split(".") if rel.endswith("__init__.py") else mod.split(".")[:-1]
         c = _Collector(rel, package, set(ours))

@@ -206,6 +206,7 @@ def start(
         "dry_run": dry_run,
         "old_wheels": pin.wheels,
         "to_sha256": {PRIMARY_TAG: file_sha256(new_wheel)},
+        "to_wheel": str(new_wheel),
         "phase": "replay",
         "next": 0,
         "head": onto,  # HEAD before the patch at "next": an interrupted step restarts from it
@@ -228,6 +229,7 @@ def start(
             for a in asm.applied
         ],
     }
+    state["needs"] = _needs(lay, state)
     _save_state(lay, state)  # a kill during the classification: --continue redoes it
     if not dry_run:
         _forecast(lay, state)
@@ -245,7 +247,10 @@ def _forecast(lay: Layout, state: dict) -> None:
             _reset(lay.repo, state["head"])
         else:
             state["head"] = out(lay.repo, "rev-parse", "HEAD")
-        entry["forecast"] = {"status": status, "detail": detail}
+        entry["forecast"] = {
+            "status": status,
+            "detail": detail + _needs_notes(state, entry["name"]),
+        }
     state["head"] = state["onto"]
     _reset(lay.repo, state["head"])
     state["seconds"] += time.monotonic() - t0
@@ -259,6 +264,7 @@ def _forecast(lay: Layout, state: dict) -> None:
         + f".\nThe record of every patch (class, regions, notes) is {lay.state_file}.\n",
         flush=True,
     )
+    print("\n".join(_needs_block(state)) + "\n", flush=True)
 
 
 def resume(
@@ -424,12 +430,13 @@ def _replay(lay: Layout, state: dict) -> int:
         state["stopped"] = True
         _save_state(lay, state)
         print(table(state))
-        _explain_orphans(state, orphans)
+        _explain_orphans(lay, state, orphans)
         return 1
     state["stopped"] = False
     _save_state(lay, state)
     print(table(state))
     if state["dry_run"]:
+        print("\n" + "\n".join(_needs_block(state)))
         os.replace(
             lay.state_file, lay.dir / "result.json"
         )  # nothing to continue: a dry run ends here
@@ -458,7 +465,13 @@ def _orphans(state: dict) -> list[tuple[str, list[str]]]:
     return found
 
 
-def _explain_orphans(state: dict, orphans: list[tuple[str, list[str]]]) -> None:
+def _explain_orphans(
+    lay: Layout, state: dict, orphans: list[tuple[str, list[str]]]
+) -> None:
+    if "to_wheel" in state:
+        state["needs"] = _needs(lay, state, lay.repo)
+        _save_state(lay, state)
+    print("\n".join(_needs_block(state)))
     print("\nstopped after the last patch: patches left without a user")
     for name, users in orphans:
         print(
@@ -1135,6 +1148,11 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
     )
     for d in entry["detail"]:
         print(f"  {d}" if d.startswith(" ") else f"  - {d}")
+    if "to_wheel" in state:
+        state["needs"] = _needs(lay, state, lay.repo)
+        _save_state(lay, state)
+    for line in _needs_block(state, entry["name"]):
+        print(f"  {line}")
     dependents = _dependents(state, entry["name"])
     drop = " ".join(f"--drop {n}" for n in [entry["name"], *dependents])
     what = (
@@ -1148,6 +1166,101 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
         "or give up: `tools/fork rebase --abort`. Nothing has been written to the repository yet.\n"
         f"Every patch's class and notes so far, and the classification made first, are in {lay.state_file}."
     )
+
+
+def _needs(lay: Layout, state: dict, root: Path | None = None) -> dict:
+    """What our modules read from upstream (``tools/fork needs``), checked in the target's
+    source: the summary line and each name not found, with the patches whose modules read
+    it. A name one of our patches adds to an upstream file counts as found. ``root``: where
+    our modules are read (the repository; at a stop, the replay, with its resolutions and
+    without the patches dropped or not yet replayed)."""
+    from . import needs
+
+    patches = load_series(lay.series_file)
+    report = needs.check(
+        needs.UpstreamTree.from_wheel(Path(state["to_wheel"]), state["to"]),
+        patches,
+        root or lay.root,
+        locate=False,
+    )
+    owner = {own: p.name for p in patches for own in p.owns}
+    return {
+        "summary": needs.summary(report),
+        "rows": [
+            {
+                "name": e.name,
+                "status": e.status,
+                "why": e.why,
+                "sites": [str(s) for s in e.sites],
+                "patches": sorted({owner.get(s.path, s.path) for s in e.sites}),
+            }
+            for e in report.entries
+            if e.status != "ok"
+        ],
+    }
+
+
+def _needs_rows(state: dict, patch: str | None = None) -> list[dict]:
+    rows = state.get("needs", {}).get("rows", [])
+    return [r for r in rows if patch is None or patch in r["patches"]]
+
+
+def _needs_notes(state: dict, patch: str) -> list[str]:
+    """The table's note for a patch whose modules read names the target lacks."""
+    missing = [r["name"] for r in _needs_rows(state, patch) if r["status"] == "missing"]
+    if not missing:
+        return []
+    return [
+        f"its modules read {len(missing)} upstream name(s) {state['to']} lacks: "
+        + ", ".join(missing[:4])
+        + (" ..." if len(missing) > 4 else "")
+        + " (`make` fails on them: port or drop; listed under the table)"
+    ]
+
+
+def _needs_block(state: dict, patch: str | None = None) -> list[str]:
+    """The needs list's status in the target: every name not found (``patch``: those its
+    own modules read, then a count of the others'), each with its readers and what to do.
+    """
+    if "needs" not in state:
+        return []
+    to = state["to"]
+    lines = [
+        f"what our modules read from upstream, checked in {to}'s source "
+        f"(`tools/fork needs --target-tree {state['to_wheel']}`): "
+        + state["needs"]["summary"]
+    ]
+    rows = _needs_rows(state, patch)
+    if patch is not None:
+        lines.append(
+            f"{patch}'s modules read {len(rows)} name(s) not found in {to}"
+            + (":" if rows else ": its own code needs nothing more of upstream")
+        )
+    for r in rows:
+        lines.append(f"  {r['status']:<8} {r['name']} ({r['why']})")
+        lines.append(
+            f"           read by {', '.join(r['patches'])} at {', '.join(r['sites'][:4])}"
+            + (" ..." if len(r["sites"]) > 4 else "")
+        )
+    if any(r["status"] == "missing" for r in rows):
+        lines.append(
+            f"  -> {to} lacks upstream code our modules use (not a module of ours: no "
+            "`Depends:` helps): port the reading lines to what "
+            f"{to} has (resolve in the patch's own module), or drop the patch; `make` "
+            "fails on a missing name"
+        )
+    others = sorted(
+        {
+            p
+            for r in _needs_rows(state)
+            if r["status"] == "missing"
+            for p in r["patches"]
+            if p != patch
+        }
+    )
+    if patch is not None and others:
+        lines.append(f"other patches reading names {to} lacks: {', '.join(others)}")
+    return lines
 
 
 def _dependents(state: dict, name: str) -> list[str]:
