@@ -840,7 +840,8 @@ def test_the_needs_list_status_is_in_the_table_and_at_every_stop(
 ):
     """What our modules read from upstream is checked in the target before the replay: a
     name the target lacks is a note in the up-front table, listed with its reader under it,
-    and at the stop of the patch whose module reads it; another patch's stop counts it."""
+    and at the stop of the patch whose module reads it; another patch's stop counts it.
+    """
     reader = "from sglang.b import b7\nfrom sglang.e import e3\n"
     specs = [
         Spec(
@@ -848,7 +849,9 @@ def test_the_needs_list_status_is_in_the_table_and_at_every_stop(
             {"python/sglang/c.py": lambda t: set_line(t, 10, "c10 = 'ours'")},
             owns={"python/sglang/reader.py": reader},
         ),
-        Spec("other", {"python/sglang/d.py": lambda t: set_line(t, 10, "d10 = 'ours'")}),
+        Spec(
+            "other", {"python/sglang/d.py": lambda t: set_line(t, 10, "d10 = 'ours'")}
+        ),
     ]
     target = BASE | {
         "sglang/c.py": set_line(lines("c"), 10, "c10 = 'upstream'"),

@@ -947,7 +947,7 @@ def check(
     bare = not any(own.removeprefix("python/") in tree.paths for own in ours.values())
     for e in entries.values() if bare else ():
         if e.status == "missing" and e.attrs:
-            adder = _added_by(patches, e.attrs[-1])
+            adder = added_by(patches, e.attrs[-1])
             if adder:
                 e.status = "ok"
                 e.why = f"not in this release: patch {adder} adds it"
@@ -960,7 +960,7 @@ def check(
     )
 
 
-def _added_by(patches: list[Patch], name: str) -> str | None:
+def added_by(patches: list[Patch], name: str) -> str | None:
     """The first patch whose diff adds a definition of ``name`` to an upstream file (a
     function, a class, an assignment, a ``self.`` attribute)."""
     pattern = re.compile(
