@@ -58,7 +58,11 @@ def scratch_texts(model: str, ours: str) -> dict[str, str]:
         (EAGER, "from sglang.up.other import X\n\n\ndef helper():\n    pass\n", True),
         (LAZY, "from sglang.up.other import X\n\n\ndef helper():\n    pass\n", False),
         # what our module imports, upstream's file imports itself: nothing new can fail
-        (EAGER, "from sglang.up.base import Base\n\n\ndef helper():\n    pass\n", False),
+        (
+            EAGER,
+            "from sglang.up.base import Base\n\n\ndef helper():\n    pass\n",
+            False,
+        ),
         # imported in a function of ours: not at import time
         (EAGER, "def helper():\n    from sglang.up.other import X\n", False),
     ],
@@ -95,7 +99,11 @@ def test_0012s_old_eager_import_fails_the_check(pinned, series):
         anchor, anchor + "from sglang.srt.models import deepseek_v4_fast_load\n"
     )
     tree = needs.UpstreamTree(
-        pinned.release, pinned.paths, pinned.text, "eager", {**pinned.overlay, rel: eager}
+        pinned.release,
+        pinned.paths,
+        pinned.text,
+        "eager",
+        {**pinned.overlay, rel: eager},
     )
     with pytest.raises(ForkError) as e:
         importcheck.verify_flags_off(tree, series)
@@ -107,7 +115,11 @@ def test_upstreams_models_import_with_the_fast_load_module_unimportable():
     """By import, in this venv (third-party packages it lacks stood in): the DeepSeek-V4
     models import with 0012's module blocked, and the block itself is effective."""
     failures, _ = importcheck.run(
-        MODELS + [FAST_LOAD], sys.executable, block=(FAST_LOAD,), standin=True, root=REPO
+        MODELS + [FAST_LOAD],
+        sys.executable,
+        block=(FAST_LOAD,),
+        standin=True,
+        root=REPO,
     )
     assert [f.module for f in failures] == [FAST_LOAD], failures
     assert "made unimportable by the check" in failures[0].error

@@ -882,3 +882,50 @@ def test_the_needs_list_status_is_in_the_table_and_at_every_stop(
     stop = capsys.readouterr().out.split("stopped at")[1]
     assert "0002-other's modules read 0 name(s) not found in 1.1.0" in stop
     assert "2 ok, 0 missing" in stop and "other patches reading" not in stop
+
+
+def test_continue_runs_the_exports_import_check_and_flags_off_on_the_target(
+    tmp_path, monkeypatch, capsys
+):
+    """A resolution that applies alone can still fail where `make export` imports it: our
+    module reads a name the target lacks (upstream's: no `Depends:` helps), and the upstream
+    file our hunk edits imports that module eagerly, so with every flag off upstream's own
+    module stops importing. --continue says both, with whose module it is."""
+    eager = "from sglang.reader import e3"
+    specs = [
+        Spec(
+            "reader",
+            {"python/sglang/c.py": lambda t: set_line(t, 10, eager)},
+            owns={"python/sglang/reader.py": "from sglang.e import e3\n"},
+        )
+    ]
+    target = BASE | {
+        "sglang/c.py": set_line(lines("c"), 10, "c10 = 'upstream'"),
+        "sglang/e.py": lines("e").replace("e3 =", "e3_renamed ="),
+    }
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(lay.root, tmp_path / "cache", "1.0.0", BASE, specs)
+    make_wheel(tmp_path / "cache", "1.1.0", target)
+    assert rebase.start("1.1.0", lay) == 1
+    capsys.readouterr()
+    (lay.repo / "python/sglang/c.py").write_text(set_line(lines("c"), 10, eager))
+    git(lay.repo, "add", "-A")
+    assert rebase.resume(lay) == 0
+    printed = capsys.readouterr().out
+    assert "still applies alone" not in printed
+    assert (
+        "warning: 0001-reader alone on 1.1.0 (as `make export` checks it): sglang.reader "
+        "(ours) does not import: ImportError: cannot import name 'e3' from 'sglang.e'"
+    ) in printed
+    assert (
+        "sglang.e.e3 is upstream's, and sglang 1.1.0 lacks it (no `Depends:` helps)"
+        in (printed)
+    )
+    assert "sglang.c (upstream's, with every flag off) does not import" in printed
+    assert (
+        "warning: 0001-reader on 1.1.0: python/sglang/c.py:10 imports sglang.reader "
+        "(0001-reader) when it is imported, and sglang.reader then imports sglang.e "
+        "(python/sglang/reader.py:1)"
+    ) in printed

@@ -322,7 +322,9 @@ def resume(
         print(
             "\n".join(f"warning: {a}" for a in alone)
             or f"{state['patches'][i]['name']}: resolved; it still applies alone to "
-            f"{state['to']} (with what it Depends: on), as `make export` needs"
+            f"{state['to']} (with what it Depends: on), as `make export` needs, its "
+            "modules import there, and so do the upstream modules it edits with every "
+            "flag off"
         )
     elif i < len(state["patches"]):
         _reset(repo, state["head"])  # an interrupted step: do it again
@@ -564,9 +566,16 @@ def _alone(lay: Layout, state: dict, i: int) -> list[str]:
             )
         if r.returncode != 0:
             break
-    index.unlink(missing_ok=True)
     if r.returncode == 0:
-        return []
+        alone = lay.dir / "alone"
+        shutil.rmtree(alone, ignore_errors=True)
+        git(repo, "checkout-index", "-a", "-f", f"--prefix={alone}/", env=env)
+        index.unlink(missing_ok=True)
+        try:
+            return _imports_alone(lay, state, [*chain, i], alone)
+        finally:
+            shutil.rmtree(alone, ignore_errors=True)
+    index.unlink(missing_ok=True)
     who = state["patches"][j]["name"]
     if j != i:
         return [
@@ -595,6 +604,62 @@ def _alone(lay: Layout, state: dict, i: int) -> list[str]:
         "the rebase with `make tree`, a fixup and `make refresh`)"
         for owner, rows in touching.items()
     ]
+
+
+def _imports_alone(lay: Layout, state: dict, idx: list[int], tree: Path) -> list[str]:
+    """``make export``'s import check in ``tree`` (the target with patches ``idx`` alone):
+    every module they own imports, and, with every flag off, the upstream modules the last
+    one edits import (statically: no eager import of ours brings in an upstream module the
+    file does not import itself; then by import). Third-party packages this venv lacks are
+    stood in (``importcheck``). One warning per problem, saying whose module it is."""
+    from . import importcheck
+
+    to, entry = state["to"], state["patches"][idx[-1]]
+    patches = load_series(lay.series_file)
+    by_name = {p.name: p for p in patches}
+    chain = [by_name[state["patches"][k]["name"]] for k in idx]
+    owned = [
+        importcheck.module_name(own)
+        for k in idx
+        for own in owned_files(lay.repo, state["patches"][k]["new"])
+        if own.endswith(".py")
+    ]
+    edited = [
+        importcheck.module_name(f)
+        for f in out(
+            lay.repo, "diff", "--name-only", f"{entry['new']}^", entry["new"]
+        ).split()
+        if f.endswith(".py") and f not in owned_files(lay.repo, entry["new"])
+    ]
+    warnings = [
+        f"{entry['name']} on {to}: {p}"
+        for p in importcheck.flags_off_problems(
+            lambda f: (tree / f).read_text() if (tree / f).is_file() else None,
+            chain[-1:],
+        )
+    ]
+    venv = lay.root / ".venv" / "bin" / "python"
+    failures, standins = importcheck.run(
+        owned + edited,
+        str(venv) if venv.exists() else None,
+        tree=tree,
+        standin=True,
+        root=lay.root,
+    )
+    for f in failures:
+        kind = "ours" if f.module in owned else "upstream's, with every flag off"
+        warnings.append(
+            f"{entry['name']} alone on {to} (as `make export` checks it): {f.module} "
+            f"({kind}) does not import: {f.error}"
+            + (f" (at {f.at})" if f.at else "")
+            + ". "
+            + importcheck.advice(f, patches, to)
+        )
+    if standins and failures:
+        warnings.append(
+            f"(this venv lacks {', '.join(standins)}: stood in for the import check)"
+        )
+    return warnings
 
 
 def _after(lay: Layout, state: dict) -> int:
