@@ -929,3 +929,87 @@ def test_continue_runs_the_exports_import_check_and_flags_off_on_the_target(
         "(0001-reader) when it is imported, and sglang.reader then imports sglang.e "
         "(python/sglang/reader.py:1)"
     ) in printed
+
+
+TRIAGE_STATE = {
+    "to": "1.1.0",
+    "patches": [
+        {"name": "0001-model", "status": "merged", "owns": ["python/sglang/ours.py"]},
+        {"name": "0002-gone", "status": "dropped", "owns": ["python/sglang/gone.py"]},
+        {"name": "0003-user", "status": "merged", "owns": []},
+    ],
+    "needs": {
+        "summary": "",
+        "rows": [
+            {
+                "name": "sglang.up.layers",
+                "status": "missing",
+                "why": "no module sglang.up.layers",
+                "sites": ["python/sglang/ours.py:3"],
+                "patches": ["0001-model"],
+            }
+        ],
+    },
+}
+PYTEST_OUT = """\
+FFFFF.s
+=========================== short test summary info ============================
+SKIPPED [1] test/test_u.py:9: needs upstream's FusedMoE._x, which sglang 1.1.0 does not have
+FAILED test/test_u.py::test_env - ModuleNotFoundError: No module named 'torchvision'
+FAILED test/test_u.py::test_ours - ImportError: cannot import name 'X' from 'sglang.ours' (/t/ours.py)
+FAILED test/test_u.py::test_tool - ModuleNotFoundError: No module named 'sglang.gone'
+FAILED test/test_u.py::test_upstream - ModuleNotFoundError: No module named 'sglang.up.layers'
+FAILED test/test_u.py::test_bound - AttributeError: <module 'sglang.up' from '/t/up.py'> has no attribute '_gone'
+5 failed, 1 passed, 1 skipped in 0.1s
+"""
+
+
+def test_the_final_test_step_puts_each_failure_under_its_cause():
+    """Each failure of a patch's tests: the environment, the test (bound to the pinned
+    release, or a tool test of a dropped patch), or the patch that owns the failing import
+    (ours, or the reader of what the target lacks), never simply the tested patch."""
+    causes = rebase._triage(PYTEST_OUT, TRIAGE_STATE, "0003-user")
+    assert [who for who, _ in causes] == [
+        "environment",
+        "0001-model",
+        "the test",
+        "0001-model",
+        "the test",
+    ]
+    lines = [line for _, line in causes]
+    assert lines[0].startswith("environment: test/test_u.py::test_env: torchvision")
+    assert (
+        "broken in 0001-model" in lines[1] and "sglang.ours does not import" in lines[1]
+    )
+    assert "tool test needing require_patch" in lines[2] and "0002-gone" in lines[2]
+    assert "1.1.0 lacks upstream's sglang.up.layers" in lines[3]
+    assert (
+        "test bound to the pinned release" in lines[4] and "sglang.up._gone" in lines[4]
+    )
+    assert rebase._not_run(PYTEST_OUT, "1.1.0") == [
+        "needs upstream's FusedMoE._x, which sglang 1.1.0 does not have"
+    ]
+    other = rebase._cause("AssertionError: 1 != 2", TRIAGE_STATE, "0003-user", "t")
+    assert other == (
+        "0003-user",
+        "unclassified, on 0003-user: t: AssertionError: 1 != 2",
+    )
+
+
+def test_launch_server_help_runs_first_and_names_an_environment_cause(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / ".venv/bin").mkdir(parents=True)
+    (tmp_path / ".venv/bin/python").write_text("")
+    lay = rebase.Layout(tmp_path)
+    failing = subprocess.CompletedProcess(
+        [], 1, "", "Traceback ...\nModuleNotFoundError: No module named 'torchvision'\n"
+    )
+    monkeypatch.setattr(rebase, "_run_help", lambda py: failing)
+    cause = rebase._launch_help(lay, TRIAGE_STATE)
+    assert cause.startswith("environment: torchvision is a package this venv lacks")
+    assert "every test that starts the engine fails" in capsys.readouterr().out
+    ok = subprocess.CompletedProcess([], 0, "usage: ...", "")
+    monkeypatch.setattr(rebase, "_run_help", lambda py: ok)
+    assert rebase._launch_help(lay, TRIAGE_STATE) == ""
+    assert "it starts" in capsys.readouterr().out

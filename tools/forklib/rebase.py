@@ -225,6 +225,7 @@ def start(
                 "depends": a.patch.depends,
                 "uses": used[a.patch.name],
                 "tests": a.patch.trailers.get("Tests", []),
+                "owns": a.patch.owns,
             }
             for a in asm.applied
         ],
@@ -693,35 +694,169 @@ def _after(lay: Layout, state: dict) -> int:
             f"`make` failed on the rebased series (exit {r.returncode}; output above): the "
             "repository is written; fix it with `make tree`, a fixup and `make refresh`"
         )
-    runs: dict[tuple[str, ...], tuple[int, str]] = {}
-    failed = []
+    help_cause = _launch_help(lay, state)
+    runs: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
+    failed, blamed = [], {}
     print(
-        "tests of the patches merged or resolved (a merge is textual: this is the check):"
+        "tests of the patches merged or resolved (a merge is textual: this is the check; "
+        "each failure under its cause, blamed on the patch that owns the failing import):"
     )
     for p in check:
         key = tuple(p["tests"])
         if key not in runs:
-            r = _pytest(lay.root, list(key))
-            tail = (r.stdout.strip().splitlines() or [r.stderr.strip()])[-1]
-            runs[key] = (r.returncode, tail)
-        rc, tail = runs[key]
+            runs[key] = _pytest(lay.root, list(key))
+        r = runs[key]
+        tail = (r.stdout.strip().splitlines() or [r.stderr.strip()])[-1]
         # 5: pytest found no test to run (every one skipped or deselected); not a failure
-        ok = rc in (0, 5)
+        ok = r.returncode in (0, 5)
+        causes = _triage(r.stdout, state, p["name"])
+        skipped = _not_run(r.stdout, state["to"])
         if not ok:
             failed.append(p["name"])
-        print(
-            f"  {p['name']} ({p['status']}): {'passed' if ok else 'FAILED'}: {tail} "
-            f"[{' '.join(key)}]"
-        )
+            for who, _ in causes:
+                blamed.setdefault(who, []).append(p["name"])
+        verdict = "passed" if ok else "FAILED"
+        if ok and skipped:
+            verdict += f", {len(skipped)} check(s) not run on {state['to']}"
+        print(f"  {p['name']} ({p['status']}): {verdict}: {tail} [{' '.join(key)}]")
+        for who, line in causes:
+            print(f"      {line}")
+        for reason in dict.fromkeys(skipped):
+            print(f"      not run: {reason}")
     if failed:
+        real = sorted(w for w in blamed if w not in ("environment", "the test"))
         print(
-            f"FAILED: {', '.join(failed)}: merged or resolved but broken on {state['to']}. "
-            f"The repository is written, not committed: rerun a patch's tests with "
-            f"`.venv/bin/python -m pytest <its Tests:>`, port it (`make tree`, a fixup, "
-            f"`make refresh`) or revert the rebase (see `tools/fork rebase --abort`)"
+            f"FAILED: {', '.join(failed)}: merged or resolved, tests failing on {state['to']}"
+            + (f"; the broken code is in {', '.join(real)}" if real else "")
+            + (
+                f"; the environment: {help_cause}"
+                if help_cause or "environment" in blamed
+                else ""
+            )
+            + ". The repository is written, not committed: rerun a patch's tests with "
+            "`.venv/bin/python -m pytest <its Tests:>`, port it (`make tree`, a fixup, "
+            "`make refresh`) or revert the rebase (see `tools/fork rebase --abort`)"
         )
         return 1
     return 0
+
+
+def _launch_help(lay: Layout, state: dict) -> str:
+    """Run ``launch_server --help`` in the venv first: a target that imports a package
+    the venv lacks fails every test that starts the engine, for one reason. Returns that
+    reason ('' when it starts)."""
+    py = lay.root / ".venv" / "bin" / "python"
+    if not py.exists():
+        print("`launch_server --help` not run: no .venv")
+        return ""
+    try:
+        r = _run_help(py)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"launch_server --help did not run: {e}"
+    if r.returncode == 0:
+        print(f"`launch_server --help` on {state['to']}: it starts")
+        return ""
+    last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["?"])[-1]
+    cause = _cause(last, state, "")[1]
+    print(
+        f"`launch_server --help` on {state['to']} fails: {last}\n  {cause}\n"
+        "  every test that starts the engine fails for this reason"
+    )
+    return cause
+
+
+def _run_help(py: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(py), "-W", "ignore", "-m", "sglang.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+_SUMMARY_RE = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.M)
+_SKIP_RE = re.compile(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", re.M)
+_NO_MODULE_RE = re.compile(r"No module named '([\w.]+)'")
+_NO_NAME_RE = re.compile(r"cannot import name '(\w+)' from '([\w.]+)'")
+_NO_ATTR_RE = re.compile(
+    r"module '([\w.]+)'(?: from '[^']*'>)? has no attribute '(\w+)'"
+)
+
+
+def _triage(stdout: str, state: dict, patch: str) -> list[tuple[str, str]]:
+    """(who, line) for each failure in pytest's short summary (``-rfEs``), by cause."""
+    return [
+        _cause(error or "", state, patch, test)
+        for test, error in _SUMMARY_RE.findall(stdout)
+    ]
+
+
+def _not_run(stdout: str, to: str) -> list[str]:
+    """The skip reasons that name the target release (what it lacks), one per skip."""
+    return [r for r in _SKIP_RE.findall(stdout) if to in r]
+
+
+def _cause(error: str, state: dict, patch: str, test: str = "") -> tuple[str, str]:
+    """Who a failure is on, and the line that says so: the environment (a package the
+    venv lacks), the patch that owns the module of ours that failed (a tool test of a
+    dropped one needs ``require_patch``), the patch whose module reads what the target
+    lacks, or the test (bound to the pinned release: it reaches an upstream name the
+    target lacks); otherwise the tested patch."""
+    from . import importcheck
+
+    to = state["to"]
+    dropped = {p["name"] for p in state["patches"] if p["status"] == "dropped"}
+    owners = {
+        importcheck.module_name(o): p["name"]
+        for p in state["patches"]
+        for o in p.get("owns", [])
+    }
+    where = f"{test}: " if test else ""
+    missing, name = "", ""
+    if m := _NO_NAME_RE.search(error):
+        name, missing = m.group(1), m.group(2)
+    elif m := _NO_MODULE_RE.search(error):
+        missing = m.group(1)
+    if missing and missing.split(".")[0] != "sglang":
+        return "environment", (
+            f"environment: {where}{missing} is a package this venv lacks ({error}); "
+            "the CPU requirements or a stand-in in tools/standins, not a patch"
+        )
+    owner = next(
+        (owners[m] for m in owners if missing == m or missing.startswith(m + ".")), None
+    )
+    if missing and owner in dropped:
+        return "the test", (
+            f"tool test needing require_patch: {where}it drives {missing} of {owner}, "
+            "which this rebase dropped (guard it with upstream_api.require_patch)"
+        )
+    if missing and owner:
+        return (
+            owner,
+            f"broken in {owner}: {where}its module {missing} does not import ({error})",
+        )
+    if missing:
+        readers = sorted(
+            {
+                q
+                for r in _needs_rows(state)
+                if r["name"].replace(":", ".").startswith(missing)
+                for q in r["patches"]
+            }
+        )
+        who = readers[0] if readers else patch
+        return who, (
+            f"broken in {', '.join(readers) or patch}: {where}{to} lacks upstream's "
+            f"{missing}{'.' + name if name else ''} ({error})"
+        )
+    if m := _NO_ATTR_RE.search(error):
+        if m.group(1).startswith("sglang"):
+            return "the test", (
+                f"test bound to the pinned release: {where}it reaches "
+                f"{m.group(1)}.{m.group(2)}, which {to} lacks (guard it with "
+                "upstream_api.require)"
+            )
+    return patch, f"unclassified, on {patch}: {where}{error or 'see its output'}"
 
 
 def _build(root: Path) -> subprocess.CompletedProcess:
@@ -736,6 +871,7 @@ def _pytest(root: Path, tests: list[str]) -> subprocess.CompletedProcess:
             "-m",
             "pytest",
             "-q",
+            "-rfEs",
             "-o",
             "tmp_path_retention_policy=failed",
             *tests,
