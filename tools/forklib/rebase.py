@@ -30,8 +30,13 @@ target as a proof, and only then moved in; ``patches/series`` keeps a comment pe
 patch naming its tests. ``--continue`` checks that a resolved patch still applies alone to
 the target and names another patch's lines its hunks lean on; a patch whose every user was
 dropped stops the run after the last patch (``--drop`` it, or ``--continue`` to keep it).
-After the write-back: a closing summary and, unless ``--no-test``, ``make`` and the
-``Tests:`` of every merged or resolved patch, reported per patch. The docs' release and the
+What our modules read from upstream (``needs``) is checked in the target before the replay:
+its status follows the up-front table and is repeated at every stop (read from the replay).
+``--continue`` also runs ``make export``'s import check on the target and the flags-off
+check (``importcheck``), each warning saying whose module failed. After the write-back: a
+closing summary and, unless ``--no-test``, ``make``, ``launch_server --help`` and the
+``Tests:`` of every merged or resolved patch, reported per patch, each failure under its
+cause (the environment, the test, or the patch owning the failing import). The docs' release and the
 README's flag table are written with the series (``docs``).
 ``git range-diff`` of old against new is printed and kept in
 ``build/rebase/range-diff.txt``; ``finished.json`` lets ``--abort`` say that a finished
