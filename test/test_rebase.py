@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 from fakefork import (
@@ -1013,3 +1014,99 @@ def test_launch_server_help_runs_first_and_names_an_environment_cause(
     monkeypatch.setattr(rebase, "_run_help", lambda py: ok)
     assert rebase._launch_help(lay, TRIAGE_STATE) == ""
     assert "it starts" in capsys.readouterr().out
+
+
+RECS = (
+    "import os\nimport sys\n\n\n"
+    "def caller(x):\n    return target_method(x)\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(6))
+    + "\n\ndef target_method(x):\n    a = os.path.join(x)\n    b = 2\n    return a\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(6, 12))
+    + "\n\ndef body(x):\n    y = helper_old(x)\n    z = 3\n    return y\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(12, 18))
+    + "\n\ndef helper_old(x):\n    return x\n"
+)
+
+
+def test_recommendations_import_only_rewrite_and_the_in_file_caller(
+    tmp_path, monkeypatch, capsys
+):
+    """An import-only region is 'add our import line'; a function that exists but lacks
+    what our own lines call is a rewrite; an absent method names its in-file caller."""
+    ours = (
+        RECS.replace("import os\n", "import os\nimport json\n")
+        .replace("    b = 2\n", "    b = json.dumps(a)\n")
+        .replace("    z = 3\n", "    z = helper_old(y) + 1\n")
+    )
+    target = (
+        RECS.replace("import sys\n", "import sys  # upstream\n")
+        .replace("target_method", "renamed_method")
+        .replace("    b = 2\n", "    b = 'up'\n")
+        .replace("helper_old", "helper_new")
+        .replace("    z = 3\n", "    z = 'up'\n")
+    )
+    specs = [Spec("recs", {"python/sglang/r.py": lambda t: ours})]
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(
+        lay.root, tmp_path / "cache", "1.0.0", BASE | {"sglang/r.py": RECS}, specs
+    )
+    make_wheel(tmp_path / "cache", "1.1.0", BASE | {"sglang/r.py": target})
+    assert rebase.start("1.1.0", lay) == 1
+    printed = capsys.readouterr().out
+    stop = printed[printed.index("stopped at") :]
+    regions = stop.split("conflict with hunk")[1:]
+    assert len(regions) == 3, stop
+    imports, method, body = regions
+    assert "-> an import-only region: add our import line" in imports
+    assert (
+        "the code this hunk edits is absent in 1.1.0 (target_method not found)"
+        in method
+    )
+    assert (
+        "python/sglang/r.py calls target_method from python/sglang/r.py:6 (caller)"
+        in (method)
+    )
+    assert (
+        "-> the function exists but its body differs: our lines call helper_old" in body
+    )
+    assert "adapt our lines" not in stop
+
+
+def test_a_file_an_older_target_predates_is_not_called_deleted(
+    tmp_path, monkeypatch, capsys
+):
+    specs = [
+        Spec("newer", {"python/sglang/f.py": lambda t: set_line(t, 3, "f3 = 'x'")})
+    ]
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(
+        lay.root, tmp_path / "cache", "1.0.0", BASE | {"sglang/f.py": lines("f")}, specs
+    )
+    make_wheel(tmp_path / "cache", "0.9.0", BASE)
+    assert rebase.start("0.9.0", lay) == 1
+    stop = capsys.readouterr().out.split("stopped at")[1]
+    assert (
+        "python/sglang/f.py: not in 0.9.0, an older release than 1.0.0 that predates"
+        in (stop)
+    )
+    assert "deleted (or renamed)" not in stop
+
+
+def test_a_stop_quotes_what_the_patch_header_says_about_the_file():
+    from forklib.series import Patch
+
+    body = (
+        "Our hunk in deepseek_v4.py must stay before the norm: the order is exact.\n"
+        "Nothing about other files here.\n\nTests: test/test_deepseek_v4.py\n"
+    )
+    p = Patch(Path("0001-x.patch"), "x", body, {}, ())
+    notes = rebase._header_notes(p, "python/sglang/srt/models/deepseek_v4.py")
+    assert notes == [
+        "    the patch header says about deepseek_v4.py: Our hunk in deepseek_v4.py must "
+        "stay before the norm: the order is exact."
+    ]
+    assert rebase._header_notes(p, "python/sglang/srt/models/other.py") == []

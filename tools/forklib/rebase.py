@@ -958,6 +958,16 @@ def _conflict_detail(
     detail = []
     for u in unmerged:
         have = stages.get(u, set())
+        if "2" not in have and _older(to, frm):
+            detail.append(
+                f"{u}: not in {to}, an older release than {frm} that predates this file "
+                f"(modify/delete: it came later, nothing was deleted; the worktree holds "
+                f"{frm}'s file with our edit). The code our edit needs does not exist in "
+                f"{to} yet: `git rm {u}` drops the edit (then the patch, if that was its "
+                f"point: --drop), or make it where {to} does this work, `git add` that "
+                f"file and `git rm {u}`. Never `git add {u}`"
+            )
+            continue
         if (
             "2" not in have
         ):  # HEAD (the target) has no file there: deleted or renamed upstream
@@ -996,7 +1006,31 @@ def _conflict_detail(
             detail.append(f"{u}:{start_line}: conflict with hunk {header}")
             if hunk:
                 detail += _names_found(repo, u, hunk, frm, to, commit)
+        detail += _header_notes(patch, u)
     return detail
+
+
+def _older(a: str, b: str) -> bool:
+    """Whether release ``a`` comes before ``b`` (numeric parts compared)."""
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", v))
+
+    return key(a) < key(b)
+
+
+def _header_notes(patch: Patch, path: str) -> list[str]:
+    """The sentences of the patch header that name the conflicting file (its exactness
+    traps, what its lines must keep): a resolution must keep them true."""
+    stem = Path(path).name
+    prose = [r for r in patch.body.splitlines() if not re.match(r"^[A-Z][\w-]*: ", r)]
+    text = " ".join(" ".join(prose).split())
+    said = [
+        s.strip()
+        for s in re.split(r"(?<=\.)\s+", text)
+        if stem in s or Path(path).stem + "." in s
+    ]
+    return [f"    the patch header says about {stem}: {s}" for s in said[:3]]
 
 
 # a definition, an attribute, a call, or a snake_case name passed around (a handler, a flag)
@@ -1033,7 +1067,12 @@ def _names_found(
     occurs as a word; both by ``git grep`` of the releases' sources. Names the pinned
     release lacks are ours, not upstream's, and are left out. Then the recommendation:
     port here, or the code is absent (drop, or port to where its caller lives now)."""
-    header, context, minus, _ = hunk
+    header, context, minus, plus = hunk
+    if plus and all(_is_import_row(r) for r in plus if r.strip()):
+        return [
+            "    -> an import-only region: add our import line to the target's imports here "
+            "(between upstream lines, where isort puts it); the code it edits is not here"
+        ]
     anchors = _enclosing(repo, commit, path, header)
     anchors += [n for r in context + minus for n in _DEF_RE.findall(r)]
     names = set(anchors)
@@ -1045,9 +1084,12 @@ def _names_found(
             names.update(g for g in groups if g)
     names = {n for n in names if len(n) >= 4 and n not in _COMMON}
     anchors = [a for a in dict.fromkeys(anchors) if a in names]
+    ours = _row_names(plus)  # the names our own lines use
     if not names:
         return []
-    upstream = _grep_names(repo, upstream_ref(frm), names)
+    upstream = _grep_names(repo, upstream_ref(frm), names | ours)
+    ours &= upstream  # upstream's names our lines call (not the ones we add)
+    upstream -= ours - names
     if not upstream:
         return []
     # a function or class the hunk sits in counts only where the target defines it in
@@ -1055,31 +1097,56 @@ def _names_found(
     defined = _grep_defs(repo, upstream_ref(to), set(anchors), path)
     found = {
         n
-        for n in _grep_names(repo, upstream_ref(to), upstream)
+        for n in _grep_names(repo, upstream_ref(to), upstream | ours)
         if n not in anchors or n in defined
     }
     missing = sorted(upstream - found)
     lost = [a for a in anchors if a in upstream and a not in found]
+    ours_missing = sorted(ours - found)
     head = (
         f"    names its context refers to, in {to}'s source: found "
-        f"{', '.join(sorted(found)) or 'none'}; not found {', '.join(missing) or 'none'}"
+        f"{', '.join(sorted(found & upstream)) or 'none'}; not found "
+        f"{', '.join(missing) or 'none'}"
         + (
             f" (a function or class counts where {to} defines it in {path})"
             if anchors
             else ""
         )
     )
+    # python/sglang/<package> (srt, multimodal_gen, ...): no pointer into another package
+    scope = "/".join(path.split("/")[:3]) if path.count("/") > 2 else "python/sglang"
     if lost:
-        callers = _grep_files(repo, upstream_ref(frm), lost[0], exclude=path)
-        now = _grep_def_files(repo, upstream_ref(to), lost[0])
+        callers = _in_file_callers(repo, upstream_ref(frm), path, lost[0])
+        elsewhere = [
+            f
+            for f in _grep_files(repo, upstream_ref(frm), lost[0], exclude=path)
+            if f.startswith(scope)
+        ]
+        now = [
+            f
+            for f in _grep_def_files(repo, upstream_ref(to), lost[0])
+            if f.startswith(scope)
+        ]
         where = (
-            f" (in {frm}, {lost[0]} is used from {', '.join(callers[:3])}: look there in {to})"
+            f" (in {frm}, {path} calls {lost[0]} from {', '.join(callers[:3])}: look "
+            f"for {'that' if len(callers) == 1 else 'those'} in {to})"
             if callers
-            else ""
+            else (
+                f" (in {frm}, {lost[0]} is used from {', '.join(elsewhere[:3])}: look "
+                f"there in {to})"
+                if elsewhere
+                else ""
+            )
         ) + (f"; {to} defines a {lost[0]} in {', '.join(now[:3])}" if now else "")
         advice = (
             f"    -> the code this hunk edits is absent in {to} ({', '.join(lost)} not found): "
             f"drop the patch (--drop), or port the hunk to where its caller lives now{where}"
+        )
+    elif anchors and ours_missing:
+        advice = (
+            f"    -> the function exists but its body differs: our lines call "
+            f"{', '.join(ours_missing)}, which {to} lacks: a rewrite of our lines for "
+            f"{to}'s design, not a port (or drop the patch)"
         )
     elif len(missing) * 2 > len(upstream):
         advice = (
@@ -1088,9 +1155,47 @@ def _names_found(
         )
     else:
         advice = f"    -> port here: the code it edits exists in {to}" + (
-            f"; adapt our lines that use {', '.join(missing)}" if missing else ""
+            f"; adapt our lines that use {', '.join(ours_missing)}"
+            if ours_missing
+            else ""
         )
     return [head, advice]
+
+
+def _is_import_row(row: str) -> bool:
+    """An import statement's line, or a continuation of a parenthesised one."""
+    s = row.strip()
+    return s.startswith(("from ", "import ", ")")) or bool(
+        re.fullmatch(r"[\w.]+(\s+as\s+\w+)?,?", s)
+    )
+
+
+def _row_names(rows: list[str]) -> set[str]:
+    """The names our own lines call or read (not comments, not imports)."""
+    names: set[str] = set()
+    for row in rows:
+        if row.lstrip().startswith(("#", "from ", "import ")):
+            continue
+        for groups in _NAME_RE.findall(row):
+            names.update(g for g in groups if g)
+    return {n for n in names if len(n) >= 4 and n not in _COMMON}
+
+
+def _in_file_callers(repo: Path, ref: str, path: str, name: str) -> list[str]:
+    """The functions of ``path`` (at ``ref``) that call ``name``, as ``file:line (def)``."""
+    r = git(repo, "show", f"{ref}:{path}", check=False)
+    if r.returncode != 0:
+        return []
+    rows = r.stdout.splitlines()
+    found = []
+    for i, row in enumerate(rows):
+        if re.search(rf"\b{re.escape(name)}\s*\(", row) and not _DEF_RE.search(row):
+            outer = next(
+                (m.group(2) for m in map(_ENCLOSING_RE.match, reversed(rows[:i])) if m),
+                None,
+            )
+            found.append(f"{path}:{i + 1}" + (f" ({outer})" if outer else ""))
+    return found
 
 
 _ENCLOSING_RE = re.compile(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)")
