@@ -417,6 +417,8 @@ def _replay(lay: Layout, state: dict) -> int:
             state["next"] = i + 1
             continue
         status, detail = _pick(lay, state, entry)
+        if state["dry_run"]:  # the table is the whole record: the needs notes in it
+            detail += _needs_notes(state, entry["name"])
         entry["status"], entry["detail"] = status, detail
         if status in STOPS and not state["dry_run"]:
             state["stopped"] = True
