@@ -779,7 +779,10 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     (root / "README.md").write_text(
         f"Over sglang 1.0.0.\n\n{docs.BEGIN}\n{docs.END}\n\nlaunch with --fake-up\n"
         "--version prints 1.0.0+fork.5.3f9a1c2\n"
+        "Measured on build 1.0.0+fork.5.abcdef0 at 2 ms.\n"
+        "Not carried: upstream 1.0.0 does the job.\n"
     )
+    (root / "docs/x.md").write_text("Turn it on with --fake-up.\n")
     (root / "docker").mkdir()
     (root / "docker/README.md").write_text(
         "for example `1.0.0+fork.5.xxxxxxx`; the image of 1.0.0\n"
@@ -806,16 +809,25 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     # an example build names the new release and the kept series' length
     assert "--version prints 1.1.0+fork.3.3f9a1c2\n" in readme
     assert (root / "docker/README.md").read_text() == (
-        "for example `1.1.0+fork.3.xxxxxxx`; the image of 1.0.0\n"
+        "for example `1.1.0+fork.3.xxxxxxx`; the image of 1.1.0\n"
     )
+    # a measured build and a claim about upstream's release are never rewritten
+    assert "Measured on build 1.0.0+fork.5.abcdef0 at 2 ms.\n" in readme
+    assert "Not carried: upstream 1.0.0 does the job.\n" in readme
     contributing = (root / "CONTRIBUTING.md").read_text()
     assert contributing.startswith("Pinned: 1.1.0.")
     assert (
         "`make rebase TO=1.0.1`, from 1.0.0" in contributing
     )  # the rebase section's own
+    printed = capsys.readouterr().out
     assert re.search(
         r"warning: README.md:\d+: names --fake-up, a flag of no patch in the series",
-        capsys.readouterr().out,
+        printed,
+    )
+    assert "review: docs/x.md:1: names --fake-up" in printed
+    assert re.search(r"review: README.md:\d+: a measured build quoting 1.0.0", printed)
+    assert re.search(
+        r"review: README.md:\d+: a claim about upstream quoting 1.0.0", printed
     )
 
 

@@ -1694,6 +1694,7 @@ def _finish(lay: Layout, state: dict) -> None:
     # The docs quote the new release and list the new series' flags.
     for name in docs.DOCS:
         if (root / name).exists():
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
             (staged / name).write_text(
                 docs.follow_release(
                     name, (root / name).read_text(), state["from"], pin.version
@@ -1778,6 +1779,12 @@ def _finish(lay: Layout, state: dict) -> None:
     if (root / docs.FLAGS_FILE).exists():
         for w in docs.problems(root, load_series(lay.series_file), pin.version):
             print(f"warning: {w} (fix it by hand before committing)")
+        for w in docs.dropped_prose(root, load_series(lay.series_file)):
+            print(f"review: {w} (prose about a dropped feature)")
+    for name in dict.fromkeys((*docs.DOCS, *docs.EXAMPLE_PAGES)):
+        if (root / name).exists():
+            for w in docs.for_review(name, (root / name).read_text(), state["from"]):
+                print(f"review: {w}")
     dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
     print(
