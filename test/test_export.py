@@ -126,6 +126,8 @@ DEP_SPECS = [
     # Imports a name an earlier patch adds to an upstream file: only an import shows it.
     Spec("adds", {"python/sglang/c.py": lambda t: set_line(t, 5, "def added(): pass")}),
     Spec("uses", {}, owns={"python/sglang/uses.py": "from sglang.c import added\n"}),
+    # Reads what upstream lacks (a release that never had it): no Depends: helps.
+    Spec("lacks", {}, owns={"python/sglang/lacks.py": "from sglang.gone import x\n"}),
 ]
 
 
@@ -191,6 +193,19 @@ def test_export_refuses_a_patch_whose_modules_do_not_import_alone(dep_fork):
     _with_depends(dep_fork, "0004-uses", "0003-adds")
     diff, _ = export("4", root=dep_fork)
     assert "def added(): pass" in diff.read_text()
+
+
+def test_export_tells_upstreams_missing_module_from_ours(dep_fork):
+    """A module of ours that does not import because upstream lacks what it reads is not
+    fixed by a `Depends:` trailer: the export says it is upstream's, port or drop."""
+    with pytest.raises(ForkError) as e:
+        export("5", root=dep_fork)
+    msg = str(e.value)
+    assert (
+        "sglang.lacks does not import" in msg and "No module named 'sglang.gone'" in msg
+    )
+    assert "sglang.gone is upstream's, and sglang 1.0.0 lacks it" in msg
+    assert "no `Depends:` helps" in msg and "port" in msg and "drop the patch" in msg
 
 
 def test_check_reads_imports_with_ast(dep_fork):

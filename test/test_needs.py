@@ -88,6 +88,14 @@ def read(x):
 
 def shadowed(impl):
     return impl._not_upstream
+
+
+def optional():
+    try:
+        from sglang.up.plugin import fast
+    except ImportError:
+        return None
+    return fast.value
 """
 # each read of OURS: the upstream name it needs and the line that reads it
 READS = {
@@ -140,6 +148,8 @@ def test_every_kind_of_read_is_collected_and_resolved(tmp_path):
     assert net.status == "unknown" and "torch.nn.Module" in net.why
     # a parameter shadows the import: a runtime object, listed as unchecked
     assert not any("_not_upstream" in n for n in by_name)
+    # an import whose ImportError the code handles is optional, not a need
+    assert not any("plugin" in n for n in by_name)
     assert {(u.expr, u.attr, u.site.line) for u, _ in r.unchecked} == {
         ("x", "_runtime_private", 14),
         ("impl", "_not_upstream", 22),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 from fakefork import (
@@ -778,7 +779,10 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     (root / "README.md").write_text(
         f"Over sglang 1.0.0.\n\n{docs.BEGIN}\n{docs.END}\n\nlaunch with --fake-up\n"
         "--version prints 1.0.0+fork.5.3f9a1c2\n"
+        "Measured on build 1.0.0+fork.5.abcdef0 at 2 ms.\n"
+        "Not carried: upstream 1.0.0 does the job.\n"
     )
+    (root / "docs/x.md").write_text("Turn it on with --fake-up.\n")
     (root / "docker").mkdir()
     (root / "docker/README.md").write_text(
         "for example `1.0.0+fork.5.xxxxxxx`; the image of 1.0.0\n"
@@ -805,16 +809,25 @@ def test_the_rebase_writes_the_release_and_flag_table_into_the_docs(fork, capsys
     # an example build names the new release and the kept series' length
     assert "--version prints 1.1.0+fork.3.3f9a1c2\n" in readme
     assert (root / "docker/README.md").read_text() == (
-        "for example `1.1.0+fork.3.xxxxxxx`; the image of 1.0.0\n"
+        "for example `1.1.0+fork.3.xxxxxxx`; the image of 1.1.0\n"
     )
+    # a measured build and a claim about upstream's release are never rewritten
+    assert "Measured on build 1.0.0+fork.5.abcdef0 at 2 ms.\n" in readme
+    assert "Not carried: upstream 1.0.0 does the job.\n" in readme
     contributing = (root / "CONTRIBUTING.md").read_text()
     assert contributing.startswith("Pinned: 1.1.0.")
     assert (
         "`make rebase TO=1.0.1`, from 1.0.0" in contributing
     )  # the rebase section's own
+    printed = capsys.readouterr().out
     assert re.search(
         r"warning: README.md:\d+: names --fake-up, a flag of no patch in the series",
-        capsys.readouterr().out,
+        printed,
+    )
+    assert "review: docs/x.md:1: names --fake-up" in printed
+    assert re.search(r"review: README.md:\d+: a measured build quoting 1.0.0", printed)
+    assert re.search(
+        r"review: README.md:\d+: a claim about upstream quoting 1.0.0", printed
     )
 
 
@@ -833,3 +846,279 @@ def test_a_tool_test_of_a_dropped_patch_skips_naming_it_and_the_release(tmp_path
         "needs gone_module of patch 0002-gone, which the rebase onto sglang 1.0.0 dropped: "
         "1.0.0 lacks the code it edits (patches/series says so)"
     )
+
+
+def test_the_needs_list_status_is_in_the_table_and_at_every_stop(
+    tmp_path, monkeypatch, capsys
+):
+    """What our modules read from upstream is checked in the target before the replay: a
+    name the target lacks is a note in the up-front table, listed with its reader under it,
+    and at the stop of the patch whose module reads it; another patch's stop counts it.
+    """
+    reader = "from sglang.b import b7\nfrom sglang.e import e3\n"
+    specs = [
+        Spec(
+            "reader",
+            {"python/sglang/c.py": lambda t: set_line(t, 10, "c10 = 'ours'")},
+            owns={"python/sglang/reader.py": reader},
+        ),
+        Spec(
+            "other", {"python/sglang/d.py": lambda t: set_line(t, 10, "d10 = 'ours'")}
+        ),
+    ]
+    target = BASE | {
+        "sglang/c.py": set_line(lines("c"), 10, "c10 = 'upstream'"),
+        "sglang/d.py": set_line(lines("d"), 10, "d10 = 'upstream'"),
+        "sglang/e.py": lines("e").replace("e3 =", "e3_renamed ="),
+    }
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(lay.root, tmp_path / "cache", "1.0.0", BASE, specs)
+    make_wheel(tmp_path / "cache", "1.1.0", target)
+    assert rebase.start("1.1.0", lay) == 1
+    printed = capsys.readouterr().out
+    table, stop = printed.split("stopped at")
+    assert "its modules read 1 upstream name(s) 1.1.0 lacks: sglang.e:e3" in table
+    assert "2 upstream names (0 private)" in table and "1 ok, 1 missing" in table
+    assert "read by 0001-reader at python/sglang/reader.py:2" in table
+    assert "0001-reader's modules read 1 name(s) not found in 1.1.0" in stop
+    assert "missing  sglang.e:e3 (sglang.e does not define e3)" in stop
+    assert "no `Depends:` helps" in stop
+
+    # the resolution ports our module too: the next stop reads it from the replay
+    repo = lay.repo
+    (repo / "python/sglang/c.py").write_text(set_line(lines("c"), 10, "c10 = 'both'"))
+    (repo / "python/sglang/reader.py").write_text(reader.replace("e3", "e3_renamed"))
+    git(repo, "add", "-A")
+    assert rebase.resume(lay) == 1
+    stop = capsys.readouterr().out.split("stopped at")[1]
+    assert "0002-other's modules read 0 name(s) not found in 1.1.0" in stop
+    assert "2 ok, 0 missing" in stop and "other patches reading" not in stop
+
+
+def test_continue_runs_the_exports_import_check_and_flags_off_on_the_target(
+    tmp_path, monkeypatch, capsys
+):
+    """A resolution that applies alone can still fail where `make export` imports it: our
+    module reads a name the target lacks (upstream's: no `Depends:` helps), and the upstream
+    file our hunk edits imports that module eagerly, so with every flag off upstream's own
+    module stops importing. --continue says both, with whose module it is."""
+    eager = "from sglang.reader import e3"
+    specs = [
+        Spec(
+            "reader",
+            {"python/sglang/c.py": lambda t: set_line(t, 10, eager)},
+            owns={"python/sglang/reader.py": "from sglang.e import e3\n"},
+        )
+    ]
+    target = BASE | {
+        "sglang/c.py": set_line(lines("c"), 10, "c10 = 'upstream'"),
+        "sglang/e.py": lines("e").replace("e3 =", "e3_renamed ="),
+    }
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(lay.root, tmp_path / "cache", "1.0.0", BASE, specs)
+    make_wheel(tmp_path / "cache", "1.1.0", target)
+    assert rebase.start("1.1.0", lay) == 1
+    capsys.readouterr()
+    (lay.repo / "python/sglang/c.py").write_text(set_line(lines("c"), 10, eager))
+    git(lay.repo, "add", "-A")
+    assert rebase.resume(lay) == 0
+    printed = capsys.readouterr().out
+    assert "still applies alone" not in printed
+    assert (
+        "warning: 0001-reader alone on 1.1.0 (as `make export` checks it): sglang.reader "
+        "(ours) does not import: ImportError: cannot import name 'e3' from 'sglang.e'"
+    ) in printed
+    assert (
+        "sglang.e.e3 is upstream's, and sglang 1.1.0 lacks it (no `Depends:` helps)"
+        in (printed)
+    )
+    assert "sglang.c (upstream's, with every flag off) does not import" in printed
+    assert (
+        "warning: 0001-reader on 1.1.0: python/sglang/c.py:10 imports sglang.reader "
+        "(0001-reader) when it is imported, and sglang.reader then imports sglang.e "
+        "(python/sglang/reader.py:1)"
+    ) in printed
+
+
+TRIAGE_STATE = {
+    "to": "1.1.0",
+    "patches": [
+        {"name": "0001-model", "status": "merged", "owns": ["python/sglang/ours.py"]},
+        {"name": "0002-gone", "status": "dropped", "owns": ["python/sglang/gone.py"]},
+        {"name": "0003-user", "status": "merged", "owns": []},
+    ],
+    "needs": {
+        "summary": "",
+        "rows": [
+            {
+                "name": "sglang.up.layers",
+                "status": "missing",
+                "why": "no module sglang.up.layers",
+                "sites": ["python/sglang/ours.py:3"],
+                "patches": ["0001-model"],
+            }
+        ],
+    },
+}
+PYTEST_OUT = """\
+FFFFF.s
+=========================== short test summary info ============================
+SKIPPED [1] test/test_u.py:9: needs upstream's FusedMoE._x, which sglang 1.1.0 does not have
+FAILED test/test_u.py::test_env - ModuleNotFoundError: No module named 'torchvision'
+FAILED test/test_u.py::test_ours - ImportError: cannot import name 'X' from 'sglang.ours' (/t/ours.py)
+FAILED test/test_u.py::test_tool - ModuleNotFoundError: No module named 'sglang.gone'
+FAILED test/test_u.py::test_upstream - ModuleNotFoundError: No module named 'sglang.up.layers'
+FAILED test/test_u.py::test_bound - AttributeError: <module 'sglang.up' from '/t/up.py'> has no attribute '_gone'
+5 failed, 1 passed, 1 skipped in 0.1s
+"""
+
+
+def test_the_final_test_step_puts_each_failure_under_its_cause():
+    """Each failure of a patch's tests: the environment, the test (bound to the pinned
+    release, or a tool test of a dropped patch), or the patch that owns the failing import
+    (ours, or the reader of what the target lacks), never simply the tested patch."""
+    causes = rebase._triage(PYTEST_OUT, TRIAGE_STATE, "0003-user")
+    assert [who for who, _ in causes] == [
+        "environment",
+        "0001-model",
+        "the test",
+        "0001-model",
+        "the test",
+    ]
+    lines = [line for _, line in causes]
+    assert lines[0].startswith("environment: test/test_u.py::test_env: torchvision")
+    assert (
+        "broken in 0001-model" in lines[1] and "sglang.ours does not import" in lines[1]
+    )
+    assert "tool test needing require_patch" in lines[2] and "0002-gone" in lines[2]
+    assert "1.1.0 lacks upstream's sglang.up.layers" in lines[3]
+    assert (
+        "test bound to the pinned release" in lines[4] and "sglang.up._gone" in lines[4]
+    )
+    assert rebase._not_run(PYTEST_OUT, "1.1.0") == [
+        "needs upstream's FusedMoE._x, which sglang 1.1.0 does not have"
+    ]
+    other = rebase._cause("AssertionError: 1 != 2", TRIAGE_STATE, "0003-user", "t")
+    assert other == (
+        "0003-user",
+        "unclassified, on 0003-user: t: AssertionError: 1 != 2",
+    )
+
+
+def test_launch_server_help_runs_first_and_names_an_environment_cause(
+    tmp_path, monkeypatch, capsys
+):
+    (tmp_path / ".venv/bin").mkdir(parents=True)
+    (tmp_path / ".venv/bin/python").write_text("")
+    lay = rebase.Layout(tmp_path)
+    failing = subprocess.CompletedProcess(
+        [], 1, "", "Traceback ...\nModuleNotFoundError: No module named 'torchvision'\n"
+    )
+    monkeypatch.setattr(rebase, "_run_help", lambda py: failing)
+    cause = rebase._launch_help(lay, TRIAGE_STATE)
+    assert cause.startswith("environment: torchvision is a package this venv lacks")
+    assert "every test that starts the engine fails" in capsys.readouterr().out
+    ok = subprocess.CompletedProcess([], 0, "usage: ...", "")
+    monkeypatch.setattr(rebase, "_run_help", lambda py: ok)
+    assert rebase._launch_help(lay, TRIAGE_STATE) == ""
+    assert "it starts" in capsys.readouterr().out
+
+
+RECS = (
+    "import os\nimport sys\n\n\n"
+    "def caller(x):\n    return target_method(x)\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(6))
+    + "\n\ndef target_method(x):\n    a = os.path.join(x)\n    b = 2\n    return a\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(6, 12))
+    + "\n\ndef body(x):\n    y = helper_old(x)\n    z = 3\n    return y\n\n\n"
+    + "".join(f"pad{i} = {i}\n" for i in range(12, 18))
+    + "\n\ndef helper_old(x):\n    return x\n"
+)
+
+
+def test_recommendations_import_only_rewrite_and_the_in_file_caller(
+    tmp_path, monkeypatch, capsys
+):
+    """An import-only region is 'add our import line'; a function that exists but lacks
+    what our own lines call is a rewrite; an absent method names its in-file caller."""
+    ours = (
+        RECS.replace("import os\n", "import os\nimport json\n")
+        .replace("    b = 2\n", "    b = json.dumps(a)\n")
+        .replace("    z = 3\n", "    z = helper_old(y) + 1\n")
+    )
+    target = (
+        RECS.replace("import sys\n", "import sys  # upstream\n")
+        .replace("target_method", "renamed_method")
+        .replace("    b = 2\n", "    b = 'up'\n")
+        .replace("helper_old", "helper_new")
+        .replace("    z = 3\n", "    z = 'up'\n")
+    )
+    specs = [Spec("recs", {"python/sglang/r.py": lambda t: ours})]
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(
+        lay.root, tmp_path / "cache", "1.0.0", BASE | {"sglang/r.py": RECS}, specs
+    )
+    make_wheel(tmp_path / "cache", "1.1.0", BASE | {"sglang/r.py": target})
+    assert rebase.start("1.1.0", lay) == 1
+    printed = capsys.readouterr().out
+    stop = printed[printed.index("stopped at") :]
+    regions = stop.split("conflict with hunk")[1:]
+    assert len(regions) == 3, stop
+    imports, method, body = regions
+    assert "-> an import-only region: add our import line" in imports
+    assert (
+        "the code this hunk edits is absent in 1.1.0 (target_method not found)"
+        in method
+    )
+    assert (
+        "python/sglang/r.py calls target_method from python/sglang/r.py:6 (caller)"
+        in (method)
+    )
+    assert (
+        "-> the function exists but its body differs: our lines call helper_old" in body
+    )
+    assert "adapt our lines" not in stop
+
+
+def test_a_file_an_older_target_predates_is_not_called_deleted(
+    tmp_path, monkeypatch, capsys
+):
+    specs = [
+        Spec("newer", {"python/sglang/f.py": lambda t: set_line(t, 3, "f3 = 'x'")})
+    ]
+    monkeypatch.setenv("FORK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    lay = rebase.Layout(tmp_path / "fork")
+    make_fork(
+        lay.root, tmp_path / "cache", "1.0.0", BASE | {"sglang/f.py": lines("f")}, specs
+    )
+    make_wheel(tmp_path / "cache", "0.9.0", BASE)
+    assert rebase.start("0.9.0", lay) == 1
+    stop = capsys.readouterr().out.split("stopped at")[1]
+    assert (
+        "python/sglang/f.py: not in 0.9.0, an older release than 1.0.0 that predates"
+        in (stop)
+    )
+    assert "deleted (or renamed)" not in stop
+
+
+def test_a_stop_quotes_what_the_patch_header_says_about_the_file():
+    from forklib.series import Patch
+
+    body = (
+        "Our hunk in deepseek_v4.py must stay before the norm: the order is exact.\n"
+        "Nothing about other files here.\n\nTests: test/test_deepseek_v4.py\n"
+    )
+    p = Patch(Path("0001-x.patch"), "x", body, {}, ())
+    notes = rebase._header_notes(p, "python/sglang/srt/models/deepseek_v4.py")
+    assert notes == [
+        "    the patch header says about deepseek_v4.py: Our hunk in deepseek_v4.py must "
+        "stay before the norm: the order is exact."
+    ]
+    assert rebase._header_notes(p, "python/sglang/srt/models/other.py") == []

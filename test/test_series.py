@@ -757,6 +757,7 @@ TOOL_TESTS = {
     "test/test_cost_model.py",
     "test/test_cap_advisor.py",
     "test/test_needs.py",
+    "test/test_flags_off.py",
     # every patch's validator through ServerArgs resolution (a case per patch present)
     "test/test_validators_resolution.py",
     "test/test_docstring_share.py",

@@ -142,7 +142,10 @@ def cmd_build(args) -> None:
         old.unlink()  # a failed build must leave no wheel that could be installed
     stamp_file.unlink(missing_ok=True)
     asm, wheel = assemble_series(args, tag=tag)
-    step(_needs_line(asm.tree, [a.patch for a in asm.applied], asm.upstream_version))
+    for line in _needs_line(
+        asm.tree, [a.patch for a in asm.applied], asm.upstream_version
+    ):
+        step(line)
     step(f"packaging sglang {asm.version}")
     built = build_wheel(asm.tree, wheel, asm.upstream_version, asm.version, dist)
     table = patch_table(asm)
@@ -211,21 +214,26 @@ def cmd_check(args) -> None:
             + "\n  ".join(stale)
         )
     print("README.md and CONTRIBUTING.md: the series' flags and the pinned release")
-    print(_needs_line(None, patches, tag=python_tag(target_python(args))))
+    print("\n".join(_needs_line(None, patches, tag=python_tag(target_python(args)))))
     cmd_lint(args)
 
 
 def _needs_line(
     tree: Path | None, patches: list, release: str = "", tag: str = ""
-) -> str:
+) -> list[str]:
     """Every upstream name our modules read exists in ``tree`` (an assembled tree), or in
     the pinned release with the series: else ForkError naming it, its reader, the release.
-    """
+    Then the flags-off check on the same tree (``importcheck.verify_flags_off``)."""
     from . import needs
+    from .importcheck import verify_flags_off
 
     if tree is None:
-        return needs.verify(needs.target_tree(None, patches, tag), patches)
-    return needs.verify(needs.UpstreamTree.from_dir(tree, release), patches, tree)
+        upstream = needs.target_tree(None, patches, tag)
+        line = needs.verify(upstream, patches)
+    else:
+        upstream = needs.UpstreamTree.from_dir(tree, release)
+        line = needs.verify(upstream, patches, tree)
+    return [line, verify_flags_off(upstream, patches)]
 
 
 def cmd_needs(args) -> int:

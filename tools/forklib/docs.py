@@ -20,7 +20,17 @@ from . import REPO_ROOT, ForkError
 from .series import Patch
 
 FLAGS_FILE = "docs/flags.toml"
-DOCS = ("README.md", "CONTRIBUTING.md")  # what quotes the release and the flags
+# what quotes the pinned release (a rebase rewrites it) and may name only the series' flags
+DOCS = ("README.md", "CONTRIBUTING.md", "docker/README.md", "docs/fork-identity.md")
+# where a flag of a patch no longer in the series fails `make check`; in the rest of docs/
+# and docker/ (prose about a dropped feature: ``dropped_prose``) a rebase lists it for review
+FLAG_PAGES = ("README.md", "CONTRIBUTING.md")
+FLAG_DIRS = ("docs", "docker")
+# a claim about what upstream's release does ("upstream 0.5.23 does the job"): true of that
+# release only, so a rebase never rewrites it; it is listed for review
+CLAIM_RE = re.compile(r"does the job|does the same|[Rr]eplaced by upstream")
+# a measured build ("build 0.5.23+fork.20.5b3f095"): a fact about that build, never rewritten
+MEASURED_RE = re.compile(r"\bbuild [\d.]+\+fork\.\d+\.[0-9a-fx]{7}\b")
 BEGIN = "<!-- begin: flag table written by `tools/fork docs` from patches/series and docs/flags.toml -->"
 END = "<!-- end: flag table -->"
 # a release, not part of a longer dotted number such as the address 0.0.0.0
@@ -124,11 +134,34 @@ def follow_release(name: str, text: str, old: str, new: str) -> str:
     """``text`` with the pinned release ``old`` quoted as ``new`` wherever only the pinned
     release may be quoted (``_release_lines``)."""
     pattern = re.compile(r"(?<![\w.])" + re.escape(old) + r"(?![\w])")
+
+    def follow(line: str) -> str:  # a measured build inside the line stays as it is
+        parts = re.split(f"({MEASURED_RE.pattern})", line)
+        return "".join(p if i % 2 else pattern.sub(new, p) for i, p in enumerate(parts))
+
     lines = text.splitlines(keepends=True)
     return "".join(
-        pattern.sub(new, line) if pinned else line
+        follow(line) if pinned and not CLAIM_RE.search(line) else line
         for line, pinned in zip(lines, _release_lines(name, lines))
     )
+
+
+def for_review(name: str, text: str, old: str) -> list[str]:
+    """What a rebase left quoting release ``old`` on purpose: claims about what that
+    release of upstream does, and measured builds (``name:line: text``)."""
+    found = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if old in line and (CLAIM_RE.search(line) or MEASURED_RE.search(line)):
+            what = (
+                "a claim about upstream"
+                if CLAIM_RE.search(line)
+                else "a measured build"
+            )
+            found.append(
+                f"{name}:{n}: {what} quoting {old}, not rewritten (is it true of the new "
+                f"release?): {line.strip()[:100]}"
+            )
+    return found
 
 
 def follow_builds(text: str, old: str, new: str, patches: int) -> str:
@@ -137,9 +170,18 @@ def follow_builds(text: str, old: str, new: str, patches: int) -> str:
     hash part is kept): ``follow_release`` may have rewritten the release already."""
     releases = "|".join(re.escape(r) for r in (old, new))
     pattern = re.compile(
-        r"(?<![\w.])(?:" + releases + r")\+fork\.\d+\.([0-9a-fx]{7})(?![0-9a-f])"
+        r"(\bbuild )?(?<![\w.])(?:"
+        + releases
+        + r")\+fork\.\d+\.([0-9a-fx]{7})(?![0-9a-f])"
     )
-    return pattern.sub(lambda m: f"{new}+fork.{patches}.{m.group(1)}", text)
+    return pattern.sub(
+        lambda m: (
+            m.group(0)  # a measured build stays what was measured
+            if m.group(1)
+            else f"{new}+fork.{patches}.{m.group(2)}"
+        ),
+        text,
+    )
 
 
 def write(root: Path, patches: list[Patch], out: Path | None = None) -> list[str]:
@@ -185,15 +227,48 @@ def problems(root: Path, patches: list[Patch], release: str) -> list[str]:
         text = path.read_text()
         lines = text.splitlines()
         for n, (line, pinned) in enumerate(zip(lines, _release_lines(name, lines)), 1):
-            for v in RELEASE_RE.findall(line) if pinned else []:
+            if CLAIM_RE.search(line):
+                continue  # about that release of upstream (a rebase lists it for review)
+            for v in RELEASE_RE.findall(MEASURED_RE.sub("", line)) if pinned else []:
                 if v != release:
                     found.append(
                         f"{name}:{n}: quotes release {v}, the pin is {release}: {line.strip()[:100]}"
                     )
-        for n, line in enumerate(text.splitlines(), 1):
-            for flag in FLAG_TOKEN_RE.findall(line):
-                if flag in ours and flag not in series_flags:
-                    found.append(
-                        f"{name}:{n}: names {flag}, a flag of no patch in the series: {line.strip()[:100]}"
-                    )
+    for name in FLAG_PAGES:
+        found += _dropped_flags(root, name, ours, series_flags)
     return found
+
+
+def _dropped_flags(
+    root: Path, name: str, ours: set[str], series: set[str]
+) -> list[str]:
+    path = root / name
+    if not path.exists():
+        return []
+    return [
+        f"{name}:{n}: names {flag}, a flag of no patch in the series: {line.strip()[:100]}"
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        for flag in FLAG_TOKEN_RE.findall(line)
+        if flag in ours and flag not in series
+    ]
+
+
+def dropped_prose(root: Path, patches: list[Patch]) -> list[str]:
+    """Every line of docs/ and docker/ that names a flag of a patch no longer in the series:
+    prose about a dropped feature, for review."""
+    flags, _ = load_entries(root)
+    series_flags = {flag for p in patches for flag in p.flags}
+    ours = {f["flag"] for f in flags if not f.get("upstream_flag")} | series_flags
+    pages = sorted(
+        str(f.relative_to(root))
+        for d in FLAG_DIRS
+        if (root / d).is_dir()
+        for f in (root / d).rglob("*")
+        if f.is_file() and f.suffix in (".md", "", ".sh", ".txt")
+    )
+    return [
+        row
+        for name in pages
+        if name not in FLAG_PAGES
+        for row in _dropped_flags(root, name, ours, series_flags)
+    ]

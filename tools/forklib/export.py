@@ -11,14 +11,13 @@ names the patch it really depends on or says to declare it.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from . import REPO_ROOT, ForkError
 from .git import git, out, out_diff
+from .importcheck import advice, module_name, run
 from .pin import fetch_pinned, load_pin
 from .series import Patch, check_series, load_series
 from .tree import adjacent_lines, assemble, owned_files
@@ -232,57 +231,35 @@ def _standalone(
                         else "no earlier patch touches these files"
                     )
                 )
-        _import_check(check, chain, version, root, python)
+        _import_check(check, chain, version, root, python, patches)
         return out(check, "rev-parse", "HEAD"), moved
     finally:
         git(tree, "worktree", "remove", "--force", str(check), check=False)
 
 
-_IMPORT_ALL = """
-import importlib, sys, traceback
-for name in sys.argv[1:]:
-    try:
-        importlib.import_module(name)
-    except BaseException:
-        print(name)
-        traceback.print_exc(file=sys.stdout)
-        sys.exit(1)
-"""
-
-
 def _import_check(
-    tree: Path, chain: list[Patch], version: str, root: Path, python: str | None
+    tree: Path,
+    chain: list[Patch],
+    version: str,
+    root: Path,
+    python: str | None,
+    patches: list[Patch] | None = None,
 ) -> None:
     """Every module the exported patches own imports on upstream with only the export applied
-    (what ``git apply --check`` cannot see: a name an earlier patch adds)."""
-    mods = [
-        own[len("python/") : -len(".py")].replace("/", ".").removesuffix(".__init__")
-        for p in chain
-        for own in p.owns
-        if own.endswith(".py")
-    ]
+    (what ``git apply --check`` cannot see: a name an earlier patch adds). A failure says
+    whose module is missing: one of ours (``Depends:``) or upstream's (port or drop)."""
+    mods = [module_name(own) for p in chain for own in p.owns if own.endswith(".py")]
     if not mods:
         return
     venv = root / ".venv" / "bin" / "python"
     python = python or (str(venv) if venv.exists() else sys.executable)
-    paths = [str(tree / "python")] + [
-        str(d) for d in (root / "tools" / "standins",) if d.is_dir()
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    r = subprocess.run(
-        [python, "-W", "ignore", "-c", _IMPORT_ALL, *mods],
-        cwd=tree,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-    if r.returncode != 0:
-        failed, _, trace = r.stdout.partition("\n")
-        last = (trace.strip().splitlines() or [r.stderr.strip()])[-1]
+    failures, _ = run(mods, python, tree=tree, root=root)
+    if failures:
+        f = failures[0]
         raise ForkError(
-            f"{chain[-1].name}: with only this export applied to upstream {version}, {failed or mods} "
-            f"does not import: {last}\nIf it needs an earlier patch, name it in a `Depends:` trailer "
-            "(make tree, amend the commit, make refresh) and the export carries it"
+            f"{chain[-1].name}: with only this export applied to upstream {version}, "
+            f"{f.module} does not import: {f.error}\n"
+            + advice(f, patches or chain, version)
         )
 
 

@@ -17,7 +17,9 @@ shadows it):
 - ``getattr(<such a name or chain>, "literal"[, default])``: a default does not make the
   name optional here, since a renamed one would silently read the default.
 
-``hasattr`` is a probe whose both answers the code handles, and is not a need. Attribute
+``hasattr`` is a probe whose both answers the code handles, and is not a need; nor is an
+import inside a ``try`` whose handler catches ``ImportError`` (or ``Exception``): the code
+handles its absence (an optional plugin), and what it reads from the name is not followed. Attribute
 reads on runtime objects (``engram.embed._reduce_owned_rows``, ``type(m)._x``) cannot be
 resolved without running the code: private ones that no module of ours defines are listed
 as *unchecked*, with the upstream file that defines such a name, never failed on.
@@ -151,6 +153,7 @@ class _Collector:
         # each scope: (is a class body, name -> (module, attrs) of an upstream import,
         # EXTERNAL for an import of another package, None for any other binding)
         self.scopes: list[tuple[bool, dict[str, _Ref]]] = []
+        self.optional: set[int] = set()  # ids of imports whose failure the code handles
 
     # -- bindings
     def _upstream(self, module: str) -> bool:
@@ -173,7 +176,10 @@ class _Collector:
                     bound[a.arg] = None
         for node in _scope_nodes(body):
             site = Site(self.rel, getattr(node, "lineno", 0))
-            if isinstance(node, ast.Import):
+            if id(node) in self.optional:
+                for a in node.names:
+                    bound[a.asname or a.name.split(".")[0]] = None
+            elif isinstance(node, ast.Import):
                 for a in node.names:
                     ref: _Ref
                     if a.name.split(".")[0] != "sglang":
@@ -235,6 +241,7 @@ class _Collector:
 
     # -- walk
     def module(self, tree: ast.Module) -> None:
+        self.optional = _optional_imports(tree)
         self.scopes.append((False, self._bindings(tree.body, None)))
         for stmt in tree.body:
             self.visit(stmt)
@@ -334,6 +341,30 @@ class _Collector:
             self.unchecked.append(Unchecked(name, ast.unparse(node.args[0]), site))
 
 
+_CATCHES_IMPORT = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
+
+
+def _optional_imports(tree: ast.Module) -> set[int]:
+    """The imports inside a ``try`` body whose handler catches an ImportError (a bare
+    ``except``, ``ImportError``, ``Exception``...): the code runs without them."""
+    found: set[int] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Try):
+            continue
+        caught = set()
+        for h in node.handlers:
+            types_ = h.type.elts if isinstance(h.type, ast.Tuple) else [h.type]
+            caught |= {ast.unparse(t).rsplit(".", 1)[-1] if t else "" for t in types_}
+        if caught & (_CATCHES_IMPORT | {""}):
+            found |= {
+                id(n)
+                for stmt in node.body
+                for n in ast.walk(stmt)
+                if isinstance(n, (ast.Import, ast.ImportFrom))
+            }
+    return found
+
+
 def _defined_by_ours(trees: list[ast.Module]) -> set[str]:
     """Names our modules define or store (functions, classes, assigned attributes,
     ``setattr`` literals): a private attribute read of such a name is taken as ours."""
@@ -369,7 +400,10 @@ def collect(
         path = root / rel
         if not path.is_file():
             continue
-        tree = ast.parse(path.read_text(errors="replace"), filename=rel)
+        try:
+            tree = ast.parse(path.read_text(errors="replace"), filename=rel)
+        except SyntaxError:  # a conflict left in it mid-rebase: its import says so
+            continue
         trees.append(tree)
         package = mod.split(".") if rel.endswith("__init__.py") else mod.split(".")[:-1]
         c = _Collector(rel, package, set(ours))
@@ -913,7 +947,7 @@ def check(
     bare = not any(own.removeprefix("python/") in tree.paths for own in ours.values())
     for e in entries.values() if bare else ():
         if e.status == "missing" and e.attrs:
-            adder = _added_by(patches, e.attrs[-1])
+            adder = added_by(patches, e.attrs[-1])
             if adder:
                 e.status = "ok"
                 e.why = f"not in this release: patch {adder} adds it"
@@ -926,7 +960,7 @@ def check(
     )
 
 
-def _added_by(patches: list[Patch], name: str) -> str | None:
+def added_by(patches: list[Patch], name: str) -> str | None:
     """The first patch whose diff adds a definition of ``name`` to an upstream file (a
     function, a class, an assignment, a ``self.`` attribute)."""
     pattern = re.compile(

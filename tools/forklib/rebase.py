@@ -30,8 +30,13 @@ target as a proof, and only then moved in; ``patches/series`` keeps a comment pe
 patch naming its tests. ``--continue`` checks that a resolved patch still applies alone to
 the target and names another patch's lines its hunks lean on; a patch whose every user was
 dropped stops the run after the last patch (``--drop`` it, or ``--continue`` to keep it).
-After the write-back: a closing summary and, unless ``--no-test``, ``make`` and the
-``Tests:`` of every merged or resolved patch, reported per patch. The docs' release and the
+What our modules read from upstream (``needs``) is checked in the target before the replay:
+its status follows the up-front table and is repeated at every stop (read from the replay).
+``--continue`` also runs ``make export``'s import check on the target and the flags-off
+check (``importcheck``), each warning saying whose module failed. After the write-back: a
+closing summary and, unless ``--no-test``, ``make``, ``launch_server --help`` and the
+``Tests:`` of every merged or resolved patch, reported per patch, each failure under its
+cause (the environment, the test, or the patch owning the failing import). The docs' release and the
 README's flag table are written with the series (``docs``).
 ``git range-diff`` of old against new is printed and kept in
 ``build/rebase/range-diff.txt``; ``finished.json`` lets ``--abort`` say that a finished
@@ -206,6 +211,7 @@ def start(
         "dry_run": dry_run,
         "old_wheels": pin.wheels,
         "to_sha256": {PRIMARY_TAG: file_sha256(new_wheel)},
+        "to_wheel": str(new_wheel),
         "phase": "replay",
         "next": 0,
         "head": onto,  # HEAD before the patch at "next": an interrupted step restarts from it
@@ -224,10 +230,12 @@ def start(
                 "depends": a.patch.depends,
                 "uses": used[a.patch.name],
                 "tests": a.patch.trailers.get("Tests", []),
+                "owns": a.patch.owns,
             }
             for a in asm.applied
         ],
     }
+    state["needs"] = _needs(lay, state)
     _save_state(lay, state)  # a kill during the classification: --continue redoes it
     if not dry_run:
         _forecast(lay, state)
@@ -245,7 +253,10 @@ def _forecast(lay: Layout, state: dict) -> None:
             _reset(lay.repo, state["head"])
         else:
             state["head"] = out(lay.repo, "rev-parse", "HEAD")
-        entry["forecast"] = {"status": status, "detail": detail}
+        entry["forecast"] = {
+            "status": status,
+            "detail": detail + _needs_notes(state, entry["name"]),
+        }
     state["head"] = state["onto"]
     _reset(lay.repo, state["head"])
     state["seconds"] += time.monotonic() - t0
@@ -259,6 +270,7 @@ def _forecast(lay: Layout, state: dict) -> None:
         + f".\nThe record of every patch (class, regions, notes) is {lay.state_file}.\n",
         flush=True,
     )
+    print("\n".join(_needs_block(state)) + "\n", flush=True)
 
 
 def resume(
@@ -316,7 +328,9 @@ def resume(
         print(
             "\n".join(f"warning: {a}" for a in alone)
             or f"{state['patches'][i]['name']}: resolved; it still applies alone to "
-            f"{state['to']} (with what it Depends: on), as `make export` needs"
+            f"{state['to']} (with what it Depends: on), as `make export` needs, its "
+            "modules import there, and so do the upstream modules it edits with every "
+            "flag off"
         )
     elif i < len(state["patches"]):
         _reset(repo, state["head"])  # an interrupted step: do it again
@@ -403,6 +417,8 @@ def _replay(lay: Layout, state: dict) -> int:
             state["next"] = i + 1
             continue
         status, detail = _pick(lay, state, entry)
+        if state["dry_run"]:  # the table is the whole record: the needs notes in it
+            detail += _needs_notes(state, entry["name"])
         entry["status"], entry["detail"] = status, detail
         if status in STOPS and not state["dry_run"]:
             state["stopped"] = True
@@ -424,12 +440,13 @@ def _replay(lay: Layout, state: dict) -> int:
         state["stopped"] = True
         _save_state(lay, state)
         print(table(state))
-        _explain_orphans(state, orphans)
+        _explain_orphans(lay, state, orphans)
         return 1
     state["stopped"] = False
     _save_state(lay, state)
     print(table(state))
     if state["dry_run"]:
+        print("\n" + "\n".join(_needs_block(state)))
         os.replace(
             lay.state_file, lay.dir / "result.json"
         )  # nothing to continue: a dry run ends here
@@ -458,7 +475,13 @@ def _orphans(state: dict) -> list[tuple[str, list[str]]]:
     return found
 
 
-def _explain_orphans(state: dict, orphans: list[tuple[str, list[str]]]) -> None:
+def _explain_orphans(
+    lay: Layout, state: dict, orphans: list[tuple[str, list[str]]]
+) -> None:
+    if "to_wheel" in state:
+        state["needs"] = _needs(lay, state, lay.repo)
+        _save_state(lay, state)
+    print("\n".join(_needs_block(state)))
     print("\nstopped after the last patch: patches left without a user")
     for name, users in orphans:
         print(
@@ -551,9 +574,16 @@ def _alone(lay: Layout, state: dict, i: int) -> list[str]:
             )
         if r.returncode != 0:
             break
-    index.unlink(missing_ok=True)
     if r.returncode == 0:
-        return []
+        alone = lay.dir / "alone"
+        shutil.rmtree(alone, ignore_errors=True)
+        git(repo, "checkout-index", "-a", "-f", f"--prefix={alone}/", env=env)
+        index.unlink(missing_ok=True)
+        try:
+            return _imports_alone(lay, state, [*chain, i], alone)
+        finally:
+            shutil.rmtree(alone, ignore_errors=True)
+    index.unlink(missing_ok=True)
     who = state["patches"][j]["name"]
     if j != i:
         return [
@@ -582,6 +612,62 @@ def _alone(lay: Layout, state: dict, i: int) -> list[str]:
         "the rebase with `make tree`, a fixup and `make refresh`)"
         for owner, rows in touching.items()
     ]
+
+
+def _imports_alone(lay: Layout, state: dict, idx: list[int], tree: Path) -> list[str]:
+    """``make export``'s import check in ``tree`` (the target with patches ``idx`` alone):
+    every module they own imports, and, with every flag off, the upstream modules the last
+    one edits import (statically: no eager import of ours brings in an upstream module the
+    file does not import itself; then by import). Third-party packages this venv lacks are
+    stood in (``importcheck``). One warning per problem, saying whose module it is."""
+    from . import importcheck
+
+    to, entry = state["to"], state["patches"][idx[-1]]
+    patches = load_series(lay.series_file)
+    by_name = {p.name: p for p in patches}
+    chain = [by_name[state["patches"][k]["name"]] for k in idx]
+    owned = [
+        importcheck.module_name(own)
+        for k in idx
+        for own in owned_files(lay.repo, state["patches"][k]["new"])
+        if own.endswith(".py")
+    ]
+    edited = [
+        importcheck.module_name(f)
+        for f in out(
+            lay.repo, "diff", "--name-only", f"{entry['new']}^", entry["new"]
+        ).split()
+        if f.endswith(".py") and f not in owned_files(lay.repo, entry["new"])
+    ]
+    warnings = [
+        f"{entry['name']} on {to}: {p}"
+        for p in importcheck.flags_off_problems(
+            lambda f: (tree / f).read_text() if (tree / f).is_file() else None,
+            chain[-1:],
+        )
+    ]
+    venv = lay.root / ".venv" / "bin" / "python"
+    failures, standins = importcheck.run(
+        owned + edited,
+        str(venv) if venv.exists() else None,
+        tree=tree,
+        standin=True,
+        root=lay.root,
+    )
+    for f in failures:
+        kind = "ours" if f.module in owned else "upstream's, with every flag off"
+        warnings.append(
+            f"{entry['name']} alone on {to} (as `make export` checks it): {f.module} "
+            f"({kind}) does not import: {f.error}"
+            + (f" (at {f.at})" if f.at else "")
+            + ". "
+            + importcheck.advice(f, patches, to)
+        )
+    if standins and failures:
+        warnings.append(
+            f"(this venv lacks {', '.join(standins)}: stood in for the import check)"
+        )
+    return warnings
 
 
 def _after(lay: Layout, state: dict) -> int:
@@ -615,35 +701,169 @@ def _after(lay: Layout, state: dict) -> int:
             f"`make` failed on the rebased series (exit {r.returncode}; output above): the "
             "repository is written; fix it with `make tree`, a fixup and `make refresh`"
         )
-    runs: dict[tuple[str, ...], tuple[int, str]] = {}
-    failed = []
+    help_cause = _launch_help(lay, state)
+    runs: dict[tuple[str, ...], subprocess.CompletedProcess] = {}
+    failed, blamed = [], {}
     print(
-        "tests of the patches merged or resolved (a merge is textual: this is the check):"
+        "tests of the patches merged or resolved (a merge is textual: this is the check; "
+        "each failure under its cause, blamed on the patch that owns the failing import):"
     )
     for p in check:
         key = tuple(p["tests"])
         if key not in runs:
-            r = _pytest(lay.root, list(key))
-            tail = (r.stdout.strip().splitlines() or [r.stderr.strip()])[-1]
-            runs[key] = (r.returncode, tail)
-        rc, tail = runs[key]
+            runs[key] = _pytest(lay.root, list(key))
+        r = runs[key]
+        tail = (r.stdout.strip().splitlines() or [r.stderr.strip()])[-1]
         # 5: pytest found no test to run (every one skipped or deselected); not a failure
-        ok = rc in (0, 5)
+        ok = r.returncode in (0, 5)
+        causes = _triage(r.stdout, state, p["name"])
+        skipped = _not_run(r.stdout, state["to"])
         if not ok:
             failed.append(p["name"])
-        print(
-            f"  {p['name']} ({p['status']}): {'passed' if ok else 'FAILED'}: {tail} "
-            f"[{' '.join(key)}]"
-        )
+            for who, _ in causes:
+                blamed.setdefault(who, []).append(p["name"])
+        verdict = "passed" if ok else "FAILED"
+        if ok and skipped:
+            verdict += f", {len(skipped)} check(s) not run on {state['to']}"
+        print(f"  {p['name']} ({p['status']}): {verdict}: {tail} [{' '.join(key)}]")
+        for who, line in causes:
+            print(f"      {line}")
+        for reason in dict.fromkeys(skipped):
+            print(f"      not run: {reason}")
     if failed:
+        real = sorted(w for w in blamed if w not in ("environment", "the test"))
         print(
-            f"FAILED: {', '.join(failed)}: merged or resolved but broken on {state['to']}. "
-            f"The repository is written, not committed: rerun a patch's tests with "
-            f"`.venv/bin/python -m pytest <its Tests:>`, port it (`make tree`, a fixup, "
-            f"`make refresh`) or revert the rebase (see `tools/fork rebase --abort`)"
+            f"FAILED: {', '.join(failed)}: merged or resolved, tests failing on {state['to']}"
+            + (f"; the broken code is in {', '.join(real)}" if real else "")
+            + (
+                f"; the environment: {help_cause}"
+                if help_cause or "environment" in blamed
+                else ""
+            )
+            + ". The repository is written, not committed: rerun a patch's tests with "
+            "`.venv/bin/python -m pytest <its Tests:>`, port it (`make tree`, a fixup, "
+            "`make refresh`) or revert the rebase (see `tools/fork rebase --abort`)"
         )
         return 1
     return 0
+
+
+def _launch_help(lay: Layout, state: dict) -> str:
+    """Run ``launch_server --help`` in the venv first: a target that imports a package
+    the venv lacks fails every test that starts the engine, for one reason. Returns that
+    reason ('' when it starts)."""
+    py = lay.root / ".venv" / "bin" / "python"
+    if not py.exists():
+        print("`launch_server --help` not run: no .venv")
+        return ""
+    try:
+        r = _run_help(py)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"launch_server --help did not run: {e}"
+    if r.returncode == 0:
+        print(f"`launch_server --help` on {state['to']}: it starts")
+        return ""
+    last = (r.stderr.strip().splitlines() or r.stdout.strip().splitlines() or ["?"])[-1]
+    cause = _cause(last, state, "")[1]
+    print(
+        f"`launch_server --help` on {state['to']} fails: {last}\n  {cause}\n"
+        "  every test that starts the engine fails for this reason"
+    )
+    return cause
+
+
+def _run_help(py: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(py), "-W", "ignore", "-m", "sglang.launch_server", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+_SUMMARY_RE = re.compile(r"^(?:FAILED|ERROR) (\S+)(?: - (.*))?$", re.M)
+_SKIP_RE = re.compile(r"^SKIPPED \[\d+\] [^:]+:\d+: (.*)$", re.M)
+_NO_MODULE_RE = re.compile(r"No module named '([\w.]+)'")
+_NO_NAME_RE = re.compile(r"cannot import name '(\w+)' from '([\w.]+)'")
+_NO_ATTR_RE = re.compile(
+    r"module '([\w.]+)'(?: from '[^']*'>)? has no attribute '(\w+)'"
+)
+
+
+def _triage(stdout: str, state: dict, patch: str) -> list[tuple[str, str]]:
+    """(who, line) for each failure in pytest's short summary (``-rfEs``), by cause."""
+    return [
+        _cause(error or "", state, patch, test)
+        for test, error in _SUMMARY_RE.findall(stdout)
+    ]
+
+
+def _not_run(stdout: str, to: str) -> list[str]:
+    """The skip reasons that name the target release (what it lacks), one per skip."""
+    return [r for r in _SKIP_RE.findall(stdout) if to in r]
+
+
+def _cause(error: str, state: dict, patch: str, test: str = "") -> tuple[str, str]:
+    """Who a failure is on, and the line that says so: the environment (a package the
+    venv lacks), the patch that owns the module of ours that failed (a tool test of a
+    dropped one needs ``require_patch``), the patch whose module reads what the target
+    lacks, or the test (bound to the pinned release: it reaches an upstream name the
+    target lacks); otherwise the tested patch."""
+    from . import importcheck
+
+    to = state["to"]
+    dropped = {p["name"] for p in state["patches"] if p["status"] == "dropped"}
+    owners = {
+        importcheck.module_name(o): p["name"]
+        for p in state["patches"]
+        for o in p.get("owns", [])
+    }
+    where = f"{test}: " if test else ""
+    missing, name = "", ""
+    if m := _NO_NAME_RE.search(error):
+        name, missing = m.group(1), m.group(2)
+    elif m := _NO_MODULE_RE.search(error):
+        missing = m.group(1)
+    if missing and missing.split(".")[0] != "sglang":
+        return "environment", (
+            f"environment: {where}{missing} is a package this venv lacks ({error}); "
+            "the CPU requirements or a stand-in in tools/standins, not a patch"
+        )
+    owner = next(
+        (owners[m] for m in owners if missing == m or missing.startswith(m + ".")), None
+    )
+    if missing and owner in dropped:
+        return "the test", (
+            f"tool test needing require_patch: {where}it drives {missing} of {owner}, "
+            "which this rebase dropped (guard it with upstream_api.require_patch)"
+        )
+    if missing and owner:
+        return (
+            owner,
+            f"broken in {owner}: {where}its module {missing} does not import ({error})",
+        )
+    if missing:
+        readers = sorted(
+            {
+                q
+                for r in _needs_rows(state)
+                if r["name"].replace(":", ".").startswith(missing)
+                for q in r["patches"]
+            }
+        )
+        who = readers[0] if readers else patch
+        return who, (
+            f"broken in {', '.join(readers) or patch}: {where}{to} lacks upstream's "
+            f"{missing}{'.' + name if name else ''} ({error})"
+        )
+    if m := _NO_ATTR_RE.search(error):
+        if m.group(1).startswith("sglang"):
+            return "the test", (
+                f"test bound to the pinned release: {where}it reaches "
+                f"{m.group(1)}.{m.group(2)}, which {to} lacks (guard it with "
+                "upstream_api.require)"
+            )
+    return patch, f"unclassified, on {patch}: {where}{error or 'see its output'}"
 
 
 def _build(root: Path) -> subprocess.CompletedProcess:
@@ -658,6 +878,7 @@ def _pytest(root: Path, tests: list[str]) -> subprocess.CompletedProcess:
             "-m",
             "pytest",
             "-q",
+            "-rfEs",
             "-o",
             "tmp_path_retention_policy=failed",
             *tests,
@@ -739,6 +960,16 @@ def _conflict_detail(
     detail = []
     for u in unmerged:
         have = stages.get(u, set())
+        if "2" not in have and _older(to, frm):
+            detail.append(
+                f"{u}: not in {to}, an older release than {frm} that predates this file "
+                f"(modify/delete: it came later, nothing was deleted; the worktree holds "
+                f"{frm}'s file with our edit). The code our edit needs does not exist in "
+                f"{to} yet: `git rm {u}` drops the edit (then the patch, if that was its "
+                f"point: --drop), or make it where {to} does this work, `git add` that "
+                f"file and `git rm {u}`. Never `git add {u}`"
+            )
+            continue
         if (
             "2" not in have
         ):  # HEAD (the target) has no file there: deleted or renamed upstream
@@ -777,7 +1008,31 @@ def _conflict_detail(
             detail.append(f"{u}:{start_line}: conflict with hunk {header}")
             if hunk:
                 detail += _names_found(repo, u, hunk, frm, to, commit)
+        detail += _header_notes(patch, u)
     return detail
+
+
+def _older(a: str, b: str) -> bool:
+    """Whether release ``a`` comes before ``b`` (numeric parts compared)."""
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in re.findall(r"\d+", v))
+
+    return key(a) < key(b)
+
+
+def _header_notes(patch: Patch, path: str) -> list[str]:
+    """The sentences of the patch header that name the conflicting file (its exactness
+    traps, what its lines must keep): a resolution must keep them true."""
+    stem = Path(path).name
+    prose = [r for r in patch.body.splitlines() if not re.match(r"^[A-Z][\w-]*: ", r)]
+    text = " ".join(" ".join(prose).split())
+    said = [
+        s.strip()
+        for s in re.split(r"(?<=\.)\s+", text)
+        if stem in s or Path(path).stem + "." in s
+    ]
+    return [f"    the patch header says about {stem}: {s}" for s in said[:3]]
 
 
 # a definition, an attribute, a call, or a snake_case name passed around (a handler, a flag)
@@ -814,7 +1069,12 @@ def _names_found(
     occurs as a word; both by ``git grep`` of the releases' sources. Names the pinned
     release lacks are ours, not upstream's, and are left out. Then the recommendation:
     port here, or the code is absent (drop, or port to where its caller lives now)."""
-    header, context, minus, _ = hunk
+    header, context, minus, plus = hunk
+    if plus and all(_is_import_row(r) for r in plus if r.strip()):
+        return [
+            "    -> an import-only region: add our import line to the target's imports here "
+            "(between upstream lines, where isort puts it); the code it edits is not here"
+        ]
     anchors = _enclosing(repo, commit, path, header)
     anchors += [n for r in context + minus for n in _DEF_RE.findall(r)]
     names = set(anchors)
@@ -826,9 +1086,12 @@ def _names_found(
             names.update(g for g in groups if g)
     names = {n for n in names if len(n) >= 4 and n not in _COMMON}
     anchors = [a for a in dict.fromkeys(anchors) if a in names]
+    ours = _row_names(plus)  # the names our own lines use
     if not names:
         return []
-    upstream = _grep_names(repo, upstream_ref(frm), names)
+    upstream = _grep_names(repo, upstream_ref(frm), names | ours)
+    ours &= upstream  # upstream's names our lines call (not the ones we add)
+    upstream -= ours - names
     if not upstream:
         return []
     # a function or class the hunk sits in counts only where the target defines it in
@@ -836,31 +1099,56 @@ def _names_found(
     defined = _grep_defs(repo, upstream_ref(to), set(anchors), path)
     found = {
         n
-        for n in _grep_names(repo, upstream_ref(to), upstream)
+        for n in _grep_names(repo, upstream_ref(to), upstream | ours)
         if n not in anchors or n in defined
     }
     missing = sorted(upstream - found)
     lost = [a for a in anchors if a in upstream and a not in found]
+    ours_missing = sorted(ours - found)
     head = (
         f"    names its context refers to, in {to}'s source: found "
-        f"{', '.join(sorted(found)) or 'none'}; not found {', '.join(missing) or 'none'}"
+        f"{', '.join(sorted(found & upstream)) or 'none'}; not found "
+        f"{', '.join(missing) or 'none'}"
         + (
             f" (a function or class counts where {to} defines it in {path})"
             if anchors
             else ""
         )
     )
+    # python/sglang/<package> (srt, multimodal_gen, ...): no pointer into another package
+    scope = "/".join(path.split("/")[:3]) if path.count("/") > 2 else "python/sglang"
     if lost:
-        callers = _grep_files(repo, upstream_ref(frm), lost[0], exclude=path)
-        now = _grep_def_files(repo, upstream_ref(to), lost[0])
+        callers = _in_file_callers(repo, upstream_ref(frm), path, lost[0])
+        elsewhere = [
+            f
+            for f in _grep_files(repo, upstream_ref(frm), lost[0], exclude=path)
+            if f.startswith(scope)
+        ]
+        now = [
+            f
+            for f in _grep_def_files(repo, upstream_ref(to), lost[0])
+            if f.startswith(scope)
+        ]
         where = (
-            f" (in {frm}, {lost[0]} is used from {', '.join(callers[:3])}: look there in {to})"
+            f" (in {frm}, {path} calls {lost[0]} from {', '.join(callers[:3])}: look "
+            f"for {'that' if len(callers) == 1 else 'those'} in {to})"
             if callers
-            else ""
+            else (
+                f" (in {frm}, {lost[0]} is used from {', '.join(elsewhere[:3])}: look "
+                f"there in {to})"
+                if elsewhere
+                else ""
+            )
         ) + (f"; {to} defines a {lost[0]} in {', '.join(now[:3])}" if now else "")
         advice = (
             f"    -> the code this hunk edits is absent in {to} ({', '.join(lost)} not found): "
             f"drop the patch (--drop), or port the hunk to where its caller lives now{where}"
+        )
+    elif anchors and ours_missing:
+        advice = (
+            f"    -> the function exists but its body differs: our lines call "
+            f"{', '.join(ours_missing)}, which {to} lacks: a rewrite of our lines for "
+            f"{to}'s design, not a port (or drop the patch)"
         )
     elif len(missing) * 2 > len(upstream):
         advice = (
@@ -869,9 +1157,47 @@ def _names_found(
         )
     else:
         advice = f"    -> port here: the code it edits exists in {to}" + (
-            f"; adapt our lines that use {', '.join(missing)}" if missing else ""
+            f"; adapt our lines that use {', '.join(ours_missing)}"
+            if ours_missing
+            else ""
         )
     return [head, advice]
+
+
+def _is_import_row(row: str) -> bool:
+    """An import statement's line, or a continuation of a parenthesised one."""
+    s = row.strip()
+    return s.startswith(("from ", "import ", ")")) or bool(
+        re.fullmatch(r"[\w.]+(\s+as\s+\w+)?,?", s)
+    )
+
+
+def _row_names(rows: list[str]) -> set[str]:
+    """The names our own lines call or read (not comments, not imports)."""
+    names: set[str] = set()
+    for row in rows:
+        if row.lstrip().startswith(("#", "from ", "import ")):
+            continue
+        for groups in _NAME_RE.findall(row):
+            names.update(g for g in groups if g)
+    return {n for n in names if len(n) >= 4 and n not in _COMMON}
+
+
+def _in_file_callers(repo: Path, ref: str, path: str, name: str) -> list[str]:
+    """The functions of ``path`` (at ``ref``) that call ``name``, as ``file:line (def)``."""
+    r = git(repo, "show", f"{ref}:{path}", check=False)
+    if r.returncode != 0:
+        return []
+    rows = r.stdout.splitlines()
+    found = []
+    for i, row in enumerate(rows):
+        if re.search(rf"\b{re.escape(name)}\s*\(", row) and not _DEF_RE.search(row):
+            outer = next(
+                (m.group(2) for m in map(_ENCLOSING_RE.match, reversed(rows[:i])) if m),
+                None,
+            )
+            found.append(f"{path}:{i + 1}" + (f" ({outer})" if outer else ""))
+    return found
 
 
 _ENCLOSING_RE = re.compile(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)")
@@ -1135,6 +1461,11 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
     )
     for d in entry["detail"]:
         print(f"  {d}" if d.startswith(" ") else f"  - {d}")
+    if "to_wheel" in state:
+        state["needs"] = _needs(lay, state, lay.repo)
+        _save_state(lay, state)
+    for line in _needs_block(state, entry["name"]):
+        print(f"  {line}")
     dependents = _dependents(state, entry["name"])
     drop = " ".join(f"--drop {n}" for n in [entry["name"], *dependents])
     what = (
@@ -1148,6 +1479,101 @@ def _explain_stop(lay: Layout, state: dict, entry: dict) -> None:
         "or give up: `tools/fork rebase --abort`. Nothing has been written to the repository yet.\n"
         f"Every patch's class and notes so far, and the classification made first, are in {lay.state_file}."
     )
+
+
+def _needs(lay: Layout, state: dict, root: Path | None = None) -> dict:
+    """What our modules read from upstream (``tools/fork needs``), checked in the target's
+    source: the summary line and each name not found, with the patches whose modules read
+    it. A name one of our patches adds to an upstream file counts as found. ``root``: where
+    our modules are read (the repository; at a stop, the replay, with its resolutions and
+    without the patches dropped or not yet replayed)."""
+    from . import needs
+
+    patches = load_series(lay.series_file)
+    report = needs.check(
+        needs.UpstreamTree.from_wheel(Path(state["to_wheel"]), state["to"]),
+        patches,
+        root or lay.root,
+        locate=False,
+    )
+    owner = {own: p.name for p in patches for own in p.owns}
+    return {
+        "summary": needs.summary(report),
+        "rows": [
+            {
+                "name": e.name,
+                "status": e.status,
+                "why": e.why,
+                "sites": [str(s) for s in e.sites],
+                "patches": sorted({owner.get(s.path, s.path) for s in e.sites}),
+            }
+            for e in report.entries
+            if e.status != "ok"
+        ],
+    }
+
+
+def _needs_rows(state: dict, patch: str | None = None) -> list[dict]:
+    rows = state.get("needs", {}).get("rows", [])
+    return [r for r in rows if patch is None or patch in r["patches"]]
+
+
+def _needs_notes(state: dict, patch: str) -> list[str]:
+    """The table's note for a patch whose modules read names the target lacks."""
+    missing = [r["name"] for r in _needs_rows(state, patch) if r["status"] == "missing"]
+    if not missing:
+        return []
+    return [
+        f"its modules read {len(missing)} upstream name(s) {state['to']} lacks: "
+        + ", ".join(missing[:4])
+        + (" ..." if len(missing) > 4 else "")
+        + " (`make` fails on them: port or drop; listed under the table)"
+    ]
+
+
+def _needs_block(state: dict, patch: str | None = None) -> list[str]:
+    """The needs list's status in the target: every name not found (``patch``: those its
+    own modules read, then a count of the others'), each with its readers and what to do.
+    """
+    if "needs" not in state:
+        return []
+    to = state["to"]
+    lines = [
+        f"what our modules read from upstream, checked in {to}'s source "
+        f"(`tools/fork needs --target-tree {state['to_wheel']}`): "
+        + state["needs"]["summary"]
+    ]
+    rows = _needs_rows(state, patch)
+    if patch is not None:
+        lines.append(
+            f"{patch}'s modules read {len(rows)} name(s) not found in {to}"
+            + (":" if rows else ": its own code needs nothing more of upstream")
+        )
+    for r in rows:
+        lines.append(f"  {r['status']:<8} {r['name']} ({r['why']})")
+        lines.append(
+            f"           read by {', '.join(r['patches'])} at {', '.join(r['sites'][:4])}"
+            + (" ..." if len(r["sites"]) > 4 else "")
+        )
+    if any(r["status"] == "missing" for r in rows):
+        lines.append(
+            f"  -> {to} lacks upstream code our modules use (not a module of ours: no "
+            "`Depends:` helps): port the reading lines to what "
+            f"{to} has (resolve in the patch's own module), or drop the patch; `make` "
+            "fails on a missing name"
+        )
+    others = sorted(
+        {
+            p
+            for r in _needs_rows(state)
+            if r["status"] == "missing"
+            for p in r["patches"]
+            if p != patch
+        }
+    )
+    if patch is not None and others:
+        lines.append(f"other patches reading names {to} lacks: {', '.join(others)}")
+    return lines
 
 
 def _dependents(state: dict, name: str) -> list[str]:
@@ -1268,6 +1694,7 @@ def _finish(lay: Layout, state: dict) -> None:
     # The docs quote the new release and list the new series' flags.
     for name in docs.DOCS:
         if (root / name).exists():
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
             (staged / name).write_text(
                 docs.follow_release(
                     name, (root / name).read_text(), state["from"], pin.version
@@ -1352,6 +1779,12 @@ def _finish(lay: Layout, state: dict) -> None:
     if (root / docs.FLAGS_FILE).exists():
         for w in docs.problems(root, load_series(lay.series_file), pin.version):
             print(f"warning: {w} (fix it by hand before committing)")
+        for w in docs.dropped_prose(root, load_series(lay.series_file)):
+            print(f"review: {w} (prose about a dropped feature)")
+    for name in dict.fromkeys((*docs.DOCS, *docs.EXAMPLE_PAGES)):
+        if (root / name).exists():
+            for w in docs.for_review(name, (root / name).read_text(), state["from"]):
+                print(f"review: {w}")
     dropped = [p["name"] for p in dropped]
     review = [p["name"] for p in kept if p["status"] != "clean"]
     print(
