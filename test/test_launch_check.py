@@ -30,7 +30,12 @@ def test_an_accepted_command_lists_the_flags_it_turns_on(llama_config):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "accepted:" in r.stdout
     on = r.stdout.split("fork flags on:")[1].split("fork flags off:")[0]
-    assert on.split() == ["--enable-loop-abort", "True", "--loop-abort-max-period", "64"]
+    assert on.split() == [
+        "--enable-loop-abort",
+        "True",
+        "--loop-abort-max-period",
+        "64",
+    ]
     assert "refused" not in r.stdout
 
 

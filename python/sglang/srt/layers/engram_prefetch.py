@@ -70,18 +70,20 @@ def validate_engram_prefetch(server_args) -> str:
     if model_arch != "DeepseekV4ForCausalLM" or not layers:
         raise ValueError(
             f"--engram-prefetch={mode}: this model ({model_arch}) has no Engram layers "
-            "(DeepSeek-V4.1 checkpoints list them in engram_layer_ids)"
+            "(DeepSeek-V4.1 checkpoints list them in engram_layer_ids); use --engram-prefetch off"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
         raise ValueError(
-            f"--engram-prefetch={mode}: needs --device cuda (a side stream), got {cfg.device}"
+            f"--engram-prefetch={mode}: needs --device cuda (a side stream), got {cfg.device}; "
+            "use --engram-prefetch off"
         )
     if cfg.tp_size > 1 and (
         getattr(cfg, "attn_dp_size", 1) > 1 or getattr(cfg, "dp_size", 1) > 1
     ):
         raise ValueError(
             f"--engram-prefetch={mode} with DP attention: the Engram lookup gathers every DP "
-            "rank's hash ids first (a collective per layer), which the side stream does not move"
+            "rank's hash ids first (a collective per layer), which the side stream does not move; "
+            "use --engram-prefetch off"
         )
     return mode
 

@@ -96,17 +96,20 @@ def validate_replicated_linear_split(server_args) -> None:
     value = _canonical(parsed)
     if cfg.tp_size < 2:
         raise ValueError(
-            f"{FLAG}={value} does nothing with --tp {cfg.tp_size}: there is no rank to split over"
+            f"{FLAG}={value} does nothing with --tp {cfg.tp_size}: there is no rank to split over; "
+            f"use {FLAG} off"
         )
     attn_dp = getattr(cfg, "attn_dp_size", 1) or 1
     if attn_dp > 1 or getattr(cfg, "enable_dp_attention", False):
         raise ValueError(
             f"{FLAG}={value}: with attention data parallelism (--attn-dp-size {attn_dp}) the TP "
             "ranks run different rows through these layers, and the split needs the same rows "
-            "on every rank"
+            f"on every rank; use {FLAG} off"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
-        raise ValueError(f"{FLAG}={value}: needs --device cuda, got {cfg.device}")
+        raise ValueError(
+            f"{FLAG}={value}: needs --device cuda, got {cfg.device}; use {FLAG} off"
+        )
 
 
 def check_replicated_split_layers(is_draft_worker: bool) -> None:

@@ -121,7 +121,7 @@ def validate_loop_abort(server_args: Any) -> None:
     if cfg.disaggregation_mode == "prefill":
         raise ValueError(
             "--enable-loop-abort on a prefill server (--disaggregation-mode prefill) would do "
-            "nothing: requests decode on the decode server; set it there"
+            "nothing: requests decode on the decode server; drop it here and set it there"
         )
 
 

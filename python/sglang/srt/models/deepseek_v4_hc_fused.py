@@ -59,22 +59,25 @@ def validate_hc_fused_stats(server_args) -> str:
     if model_arch != "DeepseekV4ForCausalLM":
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: only DeepSeek-V4.1 computes hyper-connection mix "
-            f"statistics; this model is {model_arch}"
+            f"statistics; this model is {model_arch}; use --dsv4-hc-fused-stats off"
         )
     if not getattr(hf_config, "hc_pre_from_prev_sublayer", False):
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: this DeepSeek-V4 checkpoint does not predict its "
             "hyper-connection mix from the previous sublayer (hc_pre_from_prev_sublayer is "
-            "false: DeepSeek-V4, not V4.1), so the mix-statistics kernels never run"
+            "false: DeepSeek-V4, not V4.1), so the mix-statistics kernels never run; use "
+            "--dsv4-hc-fused-stats off"
         )
     if torch.version.hip is not None:
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: this torch is a ROCm build; ROCm reduces the mix "
-            "statistics with its own kernels, which the one-pass kernel does not reproduce"
+            "statistics with its own kernels, which the one-pass kernel does not reproduce; "
+            "use --dsv4-hc-fused-stats off"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
         raise ValueError(
-            f"--dsv4-hc-fused-stats={mode}: needs --device cuda, got {cfg.device}"
+            f"--dsv4-hc-fused-stats={mode}: needs --device cuda, got {cfg.device}; use "
+            "--dsv4-hc-fused-stats off"
         )
     return mode
 

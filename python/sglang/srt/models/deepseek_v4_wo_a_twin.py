@@ -113,7 +113,8 @@ def validate_wo_a_fp8_twin(server_args) -> str:
     ):
         if getattr(cfg, attr):
             raise ValueError(
-                f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}"
+                f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}; drop "
+                f"{flag} or use --dsv4-wo-a-fp8-twin off"
             )
     if mode == "drop" and not _weight_export_honours_refusals():
         raise ValueError(
