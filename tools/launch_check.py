@@ -49,7 +49,10 @@ def check(argv: list[str], out=sys.stdout) -> int:
 
     if not _given(argv, "--device"):
         argv = [*argv, "--device", "cuda"]
-    print(f"sglang {fork_version()}: checking on this machine, no device touched", file=out)
+    print(
+        f"sglang {fork_version()}: checking on this machine, no device touched",
+        file=out,
+    )
     try:
         server_args = prepare_server_args(argv)
     except SystemExit as e:  # argparse printed the usage and the bad value on stderr
@@ -73,7 +76,7 @@ def check(argv: list[str], out=sys.stdout) -> int:
             file=out,
         )
         return 2
-    except RuntimeError as e:  # an import-only stand-in was called, or resolution failed
+    except RuntimeError as e:  # a stand-in was called, or resolution failed
         print(f"not checked: {e}", file=out)
         return 2
     view, defaults = resolving_view(server_args), _defaults()
@@ -89,7 +92,10 @@ def check(argv: list[str], out=sys.stdout) -> int:
             print(f"  {flag} {value}", file=out)
     else:
         print("fork flags on: none (upstream's code path)", file=out)
-    print(f"fork flags off: {len(fork_flags()) - len(on)} (--version lists them)", file=out)
+    print(
+        f"fork flags off: {len(fork_flags()) - len(on)} (--version lists them)",
+        file=out,
+    )
     return 0
 
 
