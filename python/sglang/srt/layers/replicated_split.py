@@ -74,9 +74,32 @@ def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]
     return suffixes, max_rows
 
 
-def parse_replicated_linear_split(value) -> str:
-    """type_parser of the flag: its canonical text."""
-    return _canonical(replicated_linear_split_rule(value))
+class ReplicatedSplitValue(str):
+    """The flag's value, parsed once (by ``parse_replicated_linear_split``): its canonical
+    text, which the startup line and JSON show, and ``rule``, ``(suffixes, max_rows)`` or
+    None for off, which every reader uses. Pickled with its ``rule`` (no parse in a child)."""
+
+    rule: Optional[Tuple[Tuple[str, ...], int]]
+
+
+def parse_replicated_linear_split(value) -> ReplicatedSplitValue:
+    """type_parser of the flag: its canonical text and rule."""
+    if isinstance(value, ReplicatedSplitValue):
+        return value
+    rule = replicated_linear_split_rule(value)
+    parsed = ReplicatedSplitValue(_canonical(rule))
+    parsed.rule = rule
+    return parsed
+
+
+def split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]:
+    """The rule of the flag's resolved value; a text other than off never reaches here
+    (resolution parses ``Engine(...)``'s), and raises if it does."""
+    if isinstance(value, ReplicatedSplitValue):
+        return value.rule
+    if value is None or str(value).strip().lower() in ("", "off"):
+        return None
+    raise TypeError(f"{FLAG}={value!r} was not parsed by the server's resolution")
 
 
 def _canonical(parsed) -> str:
@@ -88,9 +111,18 @@ def validate_replicated_linear_split(server_args) -> None:
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)
-    parsed = replicated_linear_split_rule(
-        cfg.replicated_linear_split
-    )  # Engine(...) skips argparse
+    value = cfg.replicated_linear_split
+    if not isinstance(value, ReplicatedSplitValue):  # Engine(...) skips argparse
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        value = parse_replicated_linear_split(value)
+        if value.rule is not None:
+            declare_resolution(
+                server_args,
+                "validate_replicated_linear_split",
+                replicated_linear_split=value,
+            )
+    parsed = value.rule
     if parsed is None:
         return
     value = _canonical(parsed)
@@ -119,7 +151,7 @@ def check_replicated_split_layers(is_draft_worker: bool) -> None:
 
     if not get_context().is_config_namespace_published("exec"):
         return
-    parsed = replicated_linear_split_rule(get_exec().comm.replicated_linear_split)
+    parsed = split_rule(get_exec().comm.replicated_linear_split)
     if parsed is None:
         return
     check_matched(parsed, get_spec().speculative_algorithm, is_draft_worker, _matched)
@@ -167,7 +199,7 @@ def maybe_replicated_split(
     # Layers built outside a server (tools, tests) have no published flags: the flag is off.
     if not get_context().is_config_namespace_published("exec"):
         return None
-    parsed = replicated_linear_split_rule(get_exec().comm.replicated_linear_split)
+    parsed = split_rule(get_exec().comm.replicated_linear_split)
     if parsed is None:
         return None
     suffix = prefix_matches(prefix, parsed[0])

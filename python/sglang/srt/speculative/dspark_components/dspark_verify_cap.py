@@ -58,10 +58,21 @@ def verify_cap_spec(value) -> VerifyCapSpec:
         ) from None
 
 
-def parse_verify_cap(value: str) -> str:
-    """type_parser of the flag: its text (gamma is known only after resolution)."""
-    verify_cap_spec(value)
-    return value
+class VerifyCapValue(str):
+    """The flag's value, parsed once (by ``parse_verify_cap``): its text, which the startup
+    line, ``--help`` and JSON show, and ``spec``, which every reader uses. Pickled with its
+    ``spec`` (a child process does not parse it again)."""
+
+    spec: VerifyCapSpec
+
+
+def parse_verify_cap(value) -> VerifyCapValue:
+    """type_parser of the flag: its text and spec (gamma is checked after resolution)."""
+    if isinstance(value, VerifyCapValue):
+        return value
+    parsed = VerifyCapValue(str(value).strip())
+    parsed.spec = verify_cap_spec(parsed)
+    return parsed
 
 
 def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
@@ -86,7 +97,14 @@ def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
             "--speculative-dspark-verify-cap needs --speculative-algorithm DSPARK "
             f"(got {algorithm!r}); drop the flag."
         )
-    spec = verify_cap_spec(cap)
+    if not isinstance(cap, VerifyCapValue):  # Engine(...) bypasses argparse
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        cap = parse_verify_cap(cap)
+        declare_resolution(
+            server_args, "validate_verify_cap", speculative_dspark_verify_cap=cap
+        )
+    spec = cap.spec
     gamma = int(cfg.speculative_num_draft_tokens) - 1
     if spec.fixed is not None and not (1 <= spec.fixed <= gamma):
         raise ValueError(
@@ -320,7 +338,8 @@ class VerifyCap:
 
 
 def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[VerifyCap]:
-    """The cap from the resolved spec arguments, handed to ``target_model``; None when off."""
+    """The cap from the resolved spec arguments (the flag's parsed value), handed to
+    ``target_model``; None when off."""
     value = spec.speculative_dspark_verify_cap
     if value is None:
         return None
@@ -331,7 +350,7 @@ def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[Verify
         )
     gamma = int(spec.speculative_num_draft_tokens) - 1
     cap = VerifyCap(
-        spec=verify_cap_spec(value),
+        spec=value.spec,
         gamma=gamma,
         k_min=int(spec.speculative_dspark_verify_cap_min or 1),
         log_path=spec.speculative_dspark_verify_cap_log,
@@ -350,9 +369,10 @@ def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[Verify
     return cap
 
 
-def verify_cap_needs_confidence(value) -> bool:
-    """Whether the flag's value is a conf: stopping rule (it needs the draft's confidence head)."""
-    return value is not None and verify_cap_spec(value).thresholds is not None
+def verify_cap_needs_confidence(value: Optional[VerifyCapValue]) -> bool:
+    """Whether the flag's parsed value is a conf: stopping rule (it needs the draft's
+    confidence head)."""
+    return value is not None and value.spec.thresholds is not None
 
 
 def verify_cap_cutoff(
