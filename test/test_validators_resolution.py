@@ -287,8 +287,9 @@ def test_an_advised_value_is_accepted(kwargs, advice, fixed, llama_config):
 
 
 def test_every_refusal_says_what_to_do():
-    """Read from the source: every ``raise ValueError(...)`` in a ``validate_*`` names a change
-    (the cases above run one per validator; this covers the branches a Llama target skips)."""
+    """Read from the source: every ``raise ValueError(...)`` in a ``validate_*`` names a
+    change (the cases above run one per validator; this covers the branches Llama skips).
+    """
     silent = []
     for name, module in _validators().items():
         path = REPO / "python" / (module.replace(".", "/") + ".py")

@@ -77,7 +77,8 @@ def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]
 class ReplicatedSplitValue(str):
     """The flag's value, parsed once (by ``parse_replicated_linear_split``): its canonical
     text, which the startup line and JSON show, and ``rule``, ``(suffixes, max_rows)`` or
-    None for off, which every reader uses. Pickled with its ``rule`` (no parse in a child)."""
+    None for off, which every reader uses. Pickled with its ``rule``: no parse in a child.
+    """
 
     rule: Optional[Tuple[Tuple[str, ...], int]]
 
