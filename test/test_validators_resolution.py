@@ -321,3 +321,85 @@ def test_the_advice_check_can_fail():
         w in "--x 3 does nothing without --speculative-algorithm DSPARK"
         for w in ADVICE_WORDS
     )
+
+
+def _parser_calls_outside_resolution(sources: dict[str, str]) -> list[str]:
+    """``file:function:parser`` for each call of a type parser (a ``parse_*`` of our modules)
+    from a function that is neither a parser nor a validator (``validate_*``, ``handle_*``).
+    """
+    trees = {path: ast.parse(text) for path, text in sources.items()}
+    parsers = {
+        n.name
+        for tree in trees.values()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef) and n.name.startswith("parse_")
+    }
+    found = []
+    for path, tree in trees.items():
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef) or fn.name.startswith(
+                ("parse_", "validate_", "handle_")
+            ):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "id", None) or getattr(
+                        node.func, "attr", None
+                    )
+                    if name in parsers:
+                        found.append(f"{path}:{fn.name}:{name}")
+    return found
+
+
+def test_each_flag_is_parsed_once_by_its_type_parser():
+    """A flag's text is parsed by its type parser (argparse), or for an ``Engine(...)`` keyword
+    by its validator, which declares the parsed value (``sglang.fork.parsed_flag``); what is
+    built from the published value (a layer, the scheduler's detector, a model's feature)
+    never parses it again. Read from every module the series owns."""
+    from forklib.series import load_series
+
+    sources = {
+        own: (REPO / own).read_text()
+        for patch in load_series()
+        for own in patch.owns
+        if own.endswith(".py")
+    }
+    assert _parser_calls_outside_resolution(sources) == []
+
+
+def test_the_parse_once_check_can_fail():
+    """Negative control: a builder that parses the flag again is found."""
+    source = (
+        "def parse_mode(v):\n    return v\n\n"
+        "def build_feature(value):\n    return parse_mode(value)\n"
+    )
+    assert _parser_calls_outside_resolution({"m.py": source}) == [
+        "m.py:build_feature:parse_mode"
+    ]
+
+
+@pytest.mark.parametrize(
+    "field, given, parsed",
+    [
+        ("dsv4_hc_fused_stats", " OFF ", "off"),
+        ("engram_prefetch", "Off", "off"),
+    ],
+)
+def test_an_engine_keyword_is_published_parsed(field, given, parsed, llama_config):
+    """``Engine(...)`` skips argparse: the validator declares the parsed value, which the
+    publish gate accepts (the field is resolvable) and every later reader sees."""
+    from conftest import resolve_server_args
+
+    from sglang.srt.arg_groups.overrides import resolving_view, validate_declarations
+
+    if field not in _fields():
+        pytest.skip(f"{field}: its patch is not in the series")
+    sa = resolve_server_args(llama_config, **{field: given})
+    assert getattr(resolving_view(sa), field) == parsed
+    validate_declarations(sa, sa._resolved_overrides)
+
+
+def _fields() -> set[str]:
+    from sglang.srt.server_args import ServerArgs
+
+    return set(ServerArgs.__struct_fields__)

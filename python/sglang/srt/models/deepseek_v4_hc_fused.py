@@ -45,13 +45,14 @@ def parse_hc_fused_stats(value) -> str:
 
 def validate_hc_fused_stats(server_args) -> str:
     """Resolution-hook check: refused where the flag would do nothing, with the reason."""
+    from sglang.fork import parsed_flag
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
     )
 
     cfg = resolving_view(server_args)
-    mode = parse_hc_fused_stats(cfg.dsv4_hc_fused_stats)
+    mode = parsed_flag(server_args, "dsv4_hc_fused_stats", parse_hc_fused_stats)
     if mode == "off":
         return mode
     hf_config = model_config_of(server_args).hf_config
@@ -298,8 +299,8 @@ def _differing_bits(a, b) -> tuple[int, int]:
 def build_hc_fused_stats(
     mode: str, previous: Optional[HcFusedStats] = None
 ) -> Optional[HcFusedStats]:
-    """The model's feature at load (None when off); ``previous`` is kept when the mode is unchanged."""
-    mode = parse_hc_fused_stats(mode)
+    """The model's feature at load (None when off) from the flag's parsed value; ``previous``
+    is kept when the mode is unchanged."""
     if mode == "off":
         return None
     if previous is not None and previous.mode == mode:

@@ -292,8 +292,9 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
 
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
     """After load: a twin for every bf16 wo_a of ``model``. A later call changes no layer: CUDA
-    graphs captured since hold what each layer had (docs/wo-a-fp8-twin.md)."""
-    mode = parse_wo_a_fp8_twin(mode)
+    graphs captured since hold what each layer had (docs/wo-a-fp8-twin.md). ``mode``: the
+    flag's value, checked by ``validate_wo_a_fp8_twin`` (the parser changes no accepted one).
+    """
     if mode == "off":
         return 0, 0  # upstream's path: no kernel of ours is imported
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90
