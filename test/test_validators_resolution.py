@@ -386,17 +386,17 @@ def test_the_parse_once_check_can_fail():
     ],
 )
 def test_an_engine_keyword_is_published_parsed(field, given, parsed, llama_config):
-    """``Engine(...)`` skips argparse: the validator declares the parsed value, which the
-    publish gate accepts (the field is resolvable) and every later reader sees."""
+    """``Engine(...)`` skips argparse: the validator declares the parsed value, which every
+    later reader sees."""
     from conftest import resolve_server_args
 
-    from sglang.srt.arg_groups.overrides import resolving_view, validate_declarations
+    from sglang.srt.arg_groups.overrides import resolving_view
 
     if field not in _fields():
         pytest.skip(f"{field}: its patch is not in the series")
     sa = resolve_server_args(llama_config, **{field: given})
     assert getattr(resolving_view(sa), field) == parsed
-    validate_declarations(sa, sa._resolved_overrides)
+    assert ("parsed_flag", {field: parsed}) in sa._resolved_overrides
 
 
 def _fields() -> set[str]:

@@ -47,9 +47,10 @@ def test_parse_accepts_the_documented_forms():
         0.03,
         0.06,
     )
-    assert (
-        vc.parse_verify_cap("conf:0.1") == "conf:0.1"
-    )  # the type_parser keeps the text
+    # the type_parser's value: the spec, shown as the flag's form
+    assert vc.parse_verify_cap("conf:0.1") == vc.VerifyCapSpec(thresholds=(0.1,))
+    assert str(vc.parse_verify_cap(" conf:0.1,0.2 ")) == "conf:0.1,0.2"
+    assert str(vc.parse_verify_cap("3")) == "3"
 
 
 @pytest.mark.parametrize(
@@ -216,7 +217,7 @@ def test_the_flag_is_parsed_once(monkeypatch):
         ["--model-path", "m", "--speculative-dspark-verify-cap", "conf:0.4"]
     )
     value = args.speculative_dspark_verify_cap
-    assert calls == ["conf:0.4"] and value == "conf:0.4"
+    assert calls == ["conf:0.4"] and str(value) == "conf:0.4"
     assert _validate(value).thresholds == (0.4,)
     value = pickle.loads(pickle.dumps(value))
     spec = types.SimpleNamespace(
@@ -225,7 +226,7 @@ def test_the_flag_is_parsed_once(monkeypatch):
         speculative_dspark_verify_cap_min=None,
         speculative_dspark_verify_cap_log=None,
     )
-    assert vc.build_verify_cap(spec, device="cpu").spec.thresholds == (0.4,)
+    assert vc.build_verify_cap(spec, device="cpu").spec is value
     assert vc.verify_cap_needs_confidence(value)
     assert calls == ["conf:0.4"]
     calls.clear()

@@ -109,8 +109,8 @@ def parsed_flag(server_args: Any, field: str, parse: Callable[[Any], Any]) -> An
 
     A command-line value is the parser's output already and comes back equal. An
     ``Engine(...)`` keyword skips argparse: where parsing changes it ("ON" -> "on") the parsed
-    value is declared (the field is ``resolvable``), so the published record holds parsed
-    values only and the objects built from it at model or scheduler construction never parse.
+    value is declared, so the published record holds parsed values only and the objects
+    built from it at model or scheduler construction never parse.
     """
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
 

@@ -21,8 +21,9 @@ import logging
 import re
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import msgspec
 import torch
 from torch import nn
 
@@ -74,30 +75,31 @@ def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]
     return suffixes, max_rows
 
 
-class ReplicatedSplitValue(str):
-    """The flag's value, parsed once (by ``parse_replicated_linear_split``): its canonical
-    text, which the startup line and JSON show, and ``rule``, ``(suffixes, max_rows)`` or
-    None for off, which every reader uses. Pickled with its ``rule``: no parse in a child.
-    """
+class ReplicatedSplitRule(msgspec.Struct, frozen=True):
+    """The flag's parsed value when on, held by the server arguments (``str``: its form)."""
 
-    rule: Optional[Tuple[Tuple[str, ...], int]]
+    suffixes: Tuple[str, ...]
+    max_rows: int
+
+    def __str__(self) -> str:
+        return _canonical((self.suffixes, self.max_rows))
 
 
-def parse_replicated_linear_split(value) -> ReplicatedSplitValue:
-    """type_parser of the flag: its canonical text and rule."""
-    if isinstance(value, ReplicatedSplitValue):
+def parse_replicated_linear_split(value) -> Union[str, ReplicatedSplitRule]:
+    """type_parser of the flag: "off", or the rule every reader uses, parsed once; a parsed
+    value comes back as it is."""
+    if isinstance(value, ReplicatedSplitRule):
         return value
     rule = replicated_linear_split_rule(value)
-    parsed = ReplicatedSplitValue(_canonical(rule))
-    parsed.rule = rule
-    return parsed
+    return "off" if rule is None else ReplicatedSplitRule(*rule)
 
 
 def split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]:
-    """The rule of the flag's resolved value; a text other than off never reaches here
-    (resolution parses ``Engine(...)``'s), and raises if it does."""
-    if isinstance(value, ReplicatedSplitValue):
-        return value.rule
+    """``(suffixes, max_rows)`` of the flag's resolved value, None for off; a text other than
+    off never reaches here (resolution parses ``Engine(...)``'s), and raises if it does.
+    """
+    if isinstance(value, ReplicatedSplitRule):
+        return value.suffixes, value.max_rows
     if value is None or str(value).strip().lower() in ("", "off"):
         return None
     raise TypeError(f"{FLAG}={value!r} was not parsed by the server's resolution")
@@ -113,19 +115,18 @@ def validate_replicated_linear_split(server_args) -> None:
 
     cfg = resolving_view(server_args)
     value = cfg.replicated_linear_split
-    if not isinstance(value, ReplicatedSplitValue):  # Engine(...) skips argparse
+    if not isinstance(value, ReplicatedSplitRule):  # Engine(...) skips argparse
+        value = parse_replicated_linear_split(value)
+        if value == "off":
+            return
         from sglang.srt.arg_groups.overrides import declare_resolution
 
-        value = parse_replicated_linear_split(value)
-        if value.rule is not None:
-            declare_resolution(
-                server_args,
-                "validate_replicated_linear_split",
-                replicated_linear_split=value,
-            )
-    parsed = value.rule
-    if parsed is None:
-        return
+        declare_resolution(
+            server_args,
+            "validate_replicated_linear_split",
+            replicated_linear_split=value,
+        )
+    parsed = split_rule(value)
     value = _canonical(parsed)
     if cfg.tp_size < 2:
         raise ValueError(

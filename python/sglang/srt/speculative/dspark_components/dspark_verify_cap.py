@@ -32,10 +32,17 @@ CAP_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
 class VerifyCapSpec(msgspec.Struct, frozen=True):
+    """The flag's parsed value, held by the server arguments (``str``: the flag's form)."""
+
     fixed: Optional[int] = None
     thresholds: Optional[tuple[float, ...]] = (
         None  # one value, or one per draft 2..gamma
     )
+
+    def __str__(self) -> str:
+        if self.thresholds is None:
+            return str(self.fixed)
+        return "conf:" + ",".join(str(t) for t in self.thresholds)
 
 
 def verify_cap_spec(value) -> VerifyCapSpec:
@@ -58,21 +65,12 @@ def verify_cap_spec(value) -> VerifyCapSpec:
         ) from None
 
 
-class VerifyCapValue(str):
-    """The flag's value, parsed once (by ``parse_verify_cap``): its text, which the startup
-    line, ``--help`` and JSON show, and ``spec``, which every reader uses. Pickled with its
-    ``spec`` (a child process does not parse it again)."""
-
-    spec: VerifyCapSpec
-
-
-def parse_verify_cap(value) -> VerifyCapValue:
-    """type_parser of the flag: its text and spec (gamma is checked after resolution)."""
-    if isinstance(value, VerifyCapValue):
+def parse_verify_cap(value) -> VerifyCapSpec:
+    """type_parser of the flag: the value every reader uses, parsed once (gamma is checked
+    after resolution); a parsed value comes back as it is."""
+    if isinstance(value, VerifyCapSpec):
         return value
-    parsed = VerifyCapValue(str(value).strip())
-    parsed.spec = verify_cap_spec(parsed)
-    return parsed
+    return verify_cap_spec(value)
 
 
 def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
@@ -97,14 +95,14 @@ def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
             "--speculative-dspark-verify-cap needs --speculative-algorithm DSPARK "
             f"(got {algorithm!r}); drop the flag."
         )
-    if not isinstance(cap, VerifyCapValue):  # Engine(...) bypasses argparse
+    if not isinstance(cap, VerifyCapSpec):  # Engine(...) bypasses argparse
         from sglang.srt.arg_groups.overrides import declare_resolution
 
         cap = parse_verify_cap(cap)
         declare_resolution(
             server_args, "validate_verify_cap", speculative_dspark_verify_cap=cap
         )
-    spec = cap.spec
+    spec = cap
     gamma = int(cfg.speculative_num_draft_tokens) - 1
     if spec.fixed is not None and not (1 <= spec.fixed <= gamma):
         raise ValueError(
@@ -350,7 +348,7 @@ def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[Verify
         )
     gamma = int(spec.speculative_num_draft_tokens) - 1
     cap = VerifyCap(
-        spec=value.spec,
+        spec=value,
         gamma=gamma,
         k_min=int(spec.speculative_dspark_verify_cap_min or 1),
         log_path=spec.speculative_dspark_verify_cap_log,
@@ -369,10 +367,10 @@ def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[Verify
     return cap
 
 
-def verify_cap_needs_confidence(value: Optional[VerifyCapValue]) -> bool:
+def verify_cap_needs_confidence(value: Optional[VerifyCapSpec]) -> bool:
     """Whether the flag's parsed value is a conf: stopping rule (it needs the draft's
     confidence head)."""
-    return value is not None and value.spec.thresholds is not None
+    return value is not None and value.thresholds is not None
 
 
 def verify_cap_cutoff(
