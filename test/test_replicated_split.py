@@ -99,7 +99,7 @@ def test_refused_forms_list_the_accepted_ones(value):
 
 def test_canonical_value():
     assert (
-        rs.parse_replicated_linear_split(" main_proj , wqkv_a ")
+        str(rs.parse_replicated_linear_split(" main_proj , wqkv_a "))
         == "main_proj,wqkv_a:96"
     )
     assert rs.parse_replicated_linear_split("off") == "off"
@@ -112,9 +112,45 @@ def test_flag_on_command_line():
     ServerArgs.add_cli_args(parser)
     assert parser.parse_args(["--model-path", "x"]).replicated_linear_split == "off"
     args = parser.parse_args(["--model-path", "x", FLAG, "wqkv_a, main_proj:32"])
-    assert args.replicated_linear_split == "wqkv_a,main_proj:32"
+    assert str(args.replicated_linear_split) == "wqkv_a,main_proj:32"
     with pytest.raises(argparse.ArgumentError, match="expected off, or SUFFIX"):
         parser.parse_args(["--model-path", "x", FLAG, "wqkv_a:0"])
+
+
+def test_the_flag_is_parsed_once(monkeypatch):
+    """The command line's text is parsed once, by the field's type parser, into the value every
+    reader uses: the validator, a child process (pickled) and each layer that reads the rule
+    parse nothing again. An ``Engine(...)`` text is parsed once, by the validator, which
+    declares the parsed value; an unparsed text at a reader raises."""
+    import pickle
+
+    import sglang.srt.layers.replicated_split as engine_rs
+    from sglang.srt.server_args import ServerArgs
+
+    calls = []
+    rule = engine_rs.replicated_linear_split_rule
+    monkeypatch.setattr(
+        engine_rs, "replicated_linear_split_rule", lambda v: calls.append(v) or rule(v)
+    )
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    value = parser.parse_args(["--model-path", "x", FLAG, "wqkv_a:32"])
+    value = value.replicated_linear_split
+    assert calls == ["wqkv_a:32"] and str(value) == "wqkv_a:32"
+    engine_rs.validate_replicated_linear_split(_cfg(replicated_linear_split=value))
+    value = pickle.loads(pickle.dumps(value))
+    for _layer in range(3):
+        assert engine_rs.split_rule(value) == (("wqkv_a",), 32)
+    assert calls == ["wqkv_a:32"]
+    calls.clear()
+    cfg = _cfg(replicated_linear_split="wqkv_a")
+    engine_rs.validate_replicated_linear_split(cfg)
+    assert calls == ["wqkv_a"]
+    declared = cfg._resolved_overrides[-1][1]["replicated_linear_split"]
+    assert engine_rs.split_rule(declared) == (("wqkv_a",), rs.DEFAULT_MAX_ROWS)
+    assert engine_rs.split_rule("off") is None
+    with pytest.raises(TypeError, match="not parsed"):
+        engine_rs.split_rule("wqkv_a")
 
 
 def _cfg(**kw):

@@ -760,6 +760,8 @@ TOOL_TESTS = {
     "test/test_flags_off.py",
     # every patch's validator through ServerArgs resolution (a case per patch present)
     "test/test_validators_resolution.py",
+    # tools/fork check -- ARGS: a launch command checked without a GPU
+    "test/test_launch_check.py",
     "test/test_docstring_share.py",
     # modules outside the wheel, beside their tests and benchmarks (no patch ships them)
     "test/test_pad_k.py",

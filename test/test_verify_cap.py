@@ -47,9 +47,10 @@ def test_parse_accepts_the_documented_forms():
         0.03,
         0.06,
     )
-    assert (
-        vc.parse_verify_cap("conf:0.1") == "conf:0.1"
-    )  # the type_parser keeps the text
+    # the type_parser's value: the spec, shown as the flag's form
+    assert vc.parse_verify_cap("conf:0.1") == vc.VerifyCapSpec(thresholds=(0.1,))
+    assert str(vc.parse_verify_cap(" conf:0.1,0.2 ")) == "conf:0.1,0.2"
+    assert str(vc.parse_verify_cap("3")) == "3"
 
 
 @pytest.mark.parametrize(
@@ -195,6 +196,42 @@ def test_validate_through_server_args_resolution(llama_config, monkeypatch):
     )
     with pytest.raises(ValueError, match="--moe-a2a-backend deepep at tp 4"):
         vc.validate_verify_cap(sa)
+
+
+def test_the_flag_is_parsed_once(monkeypatch):
+    """The command line's text is parsed once, by the field's type parser, into the value
+    every reader uses: the validator, a child process (pickled), the cap's builder and the
+    draft's confidence-head switch parse nothing again. An ``Engine(...)`` text is parsed
+    once, by the validator, which declares the parsed value."""
+    import argparse
+    import pickle
+
+    from sglang.srt.server_args import ServerArgs
+
+    calls = []
+    real = vc.verify_cap_spec
+    monkeypatch.setattr(vc, "verify_cap_spec", lambda v: calls.append(v) or real(v))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(
+        ["--model-path", "m", "--speculative-dspark-verify-cap", "conf:0.4"]
+    )
+    value = args.speculative_dspark_verify_cap
+    assert calls == ["conf:0.4"] and str(value) == "conf:0.4"
+    assert _validate(value).thresholds == (0.4,)
+    value = pickle.loads(pickle.dumps(value))
+    spec = types.SimpleNamespace(
+        speculative_dspark_verify_cap=value,
+        speculative_num_draft_tokens=GAMMA + 1,
+        speculative_dspark_verify_cap_min=None,
+        speculative_dspark_verify_cap_log=None,
+    )
+    assert vc.build_verify_cap(spec, device="cpu").spec is value
+    assert vc.verify_cap_needs_confidence(value)
+    assert calls == ["conf:0.4"]
+    calls.clear()
+    assert _validate("3").fixed == 3  # Engine(...)'s text: parsed by the validator
+    assert calls == ["3"]
 
 
 def test_bad_flag_value_is_an_argparse_error():
@@ -681,7 +718,7 @@ def test_the_cap_is_built_once_and_held_by_the_target_model():
     """No process-wide cap: ``build_verify_cap`` hands it to the model that declares
     ``verify_cap``, refuses a model that does not, and is None with the flag off."""
     spec = types.SimpleNamespace(
-        speculative_dspark_verify_cap="conf:0.4",
+        speculative_dspark_verify_cap=vc.parse_verify_cap("conf:0.4"),
         speculative_num_draft_tokens=GAMMA + 1,
         speculative_dspark_verify_cap_min=2,
         speculative_dspark_verify_cap_log=None,
@@ -689,8 +726,9 @@ def test_the_cap_is_built_once_and_held_by_the_target_model():
     model = types.SimpleNamespace(verify_cap=None)
     cap = vc.build_verify_cap(spec, device="cpu", target_model=model)
     assert model.verify_cap is cap and cap.gamma == GAMMA and cap.k_min == 2
-    assert cap.needs_confidence and vc.verify_cap_needs_confidence("conf:0.4")
-    assert not vc.verify_cap_needs_confidence("2")
+    assert cap.needs_confidence
+    assert vc.verify_cap_needs_confidence(vc.parse_verify_cap("conf:0.4"))
+    assert not vc.verify_cap_needs_confidence(vc.parse_verify_cap("2"))
     assert not vc.verify_cap_needs_confidence(None)
     other = vc.build_verify_cap(spec, device="cpu")
     assert other is not cap  # two workers in one process do not share a cap

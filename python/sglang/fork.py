@@ -13,7 +13,7 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 # 0.5.23+fork.1.3f9a1c2: upstream release, number of patches, 7 hex of the series digest.
 VERSION_RE = re.compile(r"^\d+(?:\.\d+)+\+fork\.\d+\.[0-9a-f]{7}$")
@@ -102,6 +102,23 @@ def startup_line(view: Any) -> str:
         f"{flag}={getattr(view, flag_field(flag))}" for flag in fork_flags()
     )
     return f"sglang {fork_version()} fork flags: {values or '(none)'}"
+
+
+def parsed_flag(server_args: Any, field: str, parse: Callable[[Any], Any]) -> Any:
+    """A fork flag's value for its validator, parsed by ``parse`` (the field's type parser).
+
+    A command-line value is the parser's output already and comes back equal. An
+    ``Engine(...)`` keyword skips argparse: where parsing changes it ("ON" -> "on") the parsed
+    value is declared, so the published record holds parsed values only and the objects
+    built from it at model or scheduler construction never parse.
+    """
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+
+    raw = getattr(resolving_view(server_args), field)
+    value = parse(raw)
+    if type(value) is not type(raw) or value != raw:
+        declare_resolution(server_args, "parsed_flag", **{field: value})
+    return value
 
 
 def parse_expected_version(value: str) -> str:

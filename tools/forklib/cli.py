@@ -199,9 +199,11 @@ def cmd_gpu_bundle(args) -> None:
     )
 
 
-def cmd_check(args) -> None:
+def cmd_check(args) -> int | None:
     from .docs import problems
 
+    if args.launch_args:
+        return check_launch(args.launch_args, args.venv)
     patches = load_series(args.series)
     check_series(patches)
     print(
@@ -216,6 +218,20 @@ def cmd_check(args) -> None:
     print("README.md and CONTRIBUTING.md: the series' flags and the pinned release")
     print("\n".join(_needs_line(None, patches, tag=python_tag(target_python(args)))))
     cmd_lint(args)
+
+
+def check_launch(launch_args: list[str], venv: Path = VENV) -> int:
+    """``check -- ARGS``: ARGS parsed and resolved as ``launch_server`` would, on this machine
+    with ``venv``'s engine and no device (tools/launch_check.py); 1 when refused."""
+    python = venv_python(venv)
+    if not python.exists():
+        raise ForkError(
+            f"{python} is missing: run `make` first (it installs the fork there)"
+        )
+    script = REPO_ROOT / "tools" / "launch_check.py"
+    return subprocess.run(
+        [str(python), "-W", "ignore", str(script), *launch_args]
+    ).returncode
 
 
 def _needs_line(
@@ -400,9 +416,22 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser(
         "check",
-        help="headers complete, ownership of python/sglang files, upstream's formatters",
+        help="headers complete, ownership of python/sglang files, upstream's formatters; "
+        "with -- ARGS: check a launch_server command's arguments without a GPU",
     )
-    p.add_argument("--venv", type=Path, default=VENV, help="where the formatters are")
+    p.add_argument(
+        "--venv",
+        type=Path,
+        default=VENV,
+        help="where the formatters and the engine are",
+    )
+    p.add_argument(
+        "launch_args",
+        nargs="*",
+        metavar="-- ARGS",
+        help="launch_server arguments: parsed, resolved and validated as the server would, "
+        "on this machine (no device touched); prints the fork flags on, or the refusal",
+    )
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser(
         "lint",

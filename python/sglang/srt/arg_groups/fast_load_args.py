@@ -54,13 +54,15 @@ def validate_fast_load(server_args) -> None:
         for flag, value in (("num-threads", threads), ("slab-mb", slab)):
             if value is not None:
                 raise ValueError(
-                    f"--weight-loader-fast-load-{flag} {value} does nothing without --weight-loader-fast-load"
+                    f"--weight-loader-fast-load-{flag} {value} does nothing without "
+                    "--weight-loader-fast-load; add --weight-loader-fast-load or drop it"
                 )
         return
     if cfg.load_format not in ("auto", "safetensors"):
         raise ValueError(
             "--weight-loader-fast-load reads safetensors checkpoints (--load-format auto or "
-            f"safetensors); got --load-format {cfg.load_format}"
+            f"safetensors); got --load-format {cfg.load_format}: use --load-format auto or "
+            "drop --weight-loader-fast-load"
         )
     path = cfg.model_path
     if (
@@ -75,7 +77,7 @@ def validate_fast_load(server_args) -> None:
         if found:
             raise ValueError(
                 f"--weight-loader-fast-load reads safetensors checkpoints; {path} holds "
-                f"{os.path.basename(found[0])} and no .safetensors"
+                f"{os.path.basename(found[0])} and no .safetensors; drop the flag"
             )
     refused = {
         "--weight-loader-prefetch-checkpoints": (
@@ -94,7 +96,8 @@ def validate_fast_load(server_args) -> None:
     for flag, (on, why) in refused.items():
         if on:
             raise ValueError(
-                f"--weight-loader-fast-load cannot be combined with {flag}: {why}"
+                f"--weight-loader-fast-load cannot be combined with {flag}: {why}; "
+                "drop one of the two"
             )
     try:
         extra = json.loads(cfg.model_loader_extra_config or "{}")

@@ -37,7 +37,7 @@ def validate_engram_fused_all_reduce(server_args) -> bool:
     if cfg.tp_size <= 1:
         raise ValueError(
             f"{FLAG} does nothing at --tp-size {cfg.tp_size}: the Engram lookup has no "
-            "all-reduce on one rank"
+            "all-reduce on one rank; drop the flag"
         )
     hf_config = model_config_of(server_args).hf_config
     model_arch = hf_config.architectures[0]
@@ -45,14 +45,14 @@ def validate_engram_fused_all_reduce(server_args) -> bool:
     if model_arch != "DeepseekV4ForCausalLM" or not layer_ids:
         raise ValueError(
             f"{FLAG}: this model ({model_arch}) has no Engram layers (DeepSeek-V4.1 "
-            "checkpoints list them in engram_layer_ids)"
+            "checkpoints list them in engram_layer_ids); drop the flag"
         )
     prefetch = cfg.engram_prefetch  # --engram-prefetch (patch 0015, in Depends:)
     if prefetch not in ("on", "check"):
         raise ValueError(
             f"{FLAG} needs --engram-prefetch on (or check), got --engram-prefetch={prefetch}: "
             "the one all-reduce at the first Engram layer needs every layer's rows gathered "
-            "after the hasher"
+            "after the hasher; add --engram-prefetch on"
         )
     from sglang.srt.environ import envs
 
@@ -72,7 +72,8 @@ def validate_engram_fused_all_reduce(server_args) -> bool:
                 continue
             what = "every rank reads the whole shared host table (SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT=shared)"
         raise ValueError(
-            f"{FLAG} does nothing with {env}=1: {what}, the lookup has no all-reduce"
+            f"{FLAG} does nothing with {env}=1: {what}, the lookup has no all-reduce; "
+            "drop the flag"
         )
     check_rows_partition(hf_config, cfg.tp_size)
     return True
@@ -97,7 +98,7 @@ def check_rows_partition(hf_config, tp_size: int) -> None:
             raise ValueError(
                 f"{FLAG}: Engram layer {layer_id}'s {rows} rows are not split into disjoint "
                 f"ranges over {tp_size} TP ranks ({ranges}); one all-reduce would not give the "
-                "per-layer bits"
+                f"per-layer bits; drop the flag, or pick a --tp-size whose shards are disjoint"
             )
 
 

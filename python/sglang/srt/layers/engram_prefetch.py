@@ -55,13 +55,14 @@ def parse_engram_prefetch(value) -> str:
 
 def validate_engram_prefetch(server_args) -> str:
     """Resolution-hook check: the value, and every configuration where it would do nothing."""
+    from sglang.fork import parsed_flag
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
     )
 
     cfg = resolving_view(server_args)
-    mode = parse_engram_prefetch(cfg.engram_prefetch)
+    mode = parsed_flag(server_args, "engram_prefetch", parse_engram_prefetch)
     if mode == "off":
         return mode
     hf_config = model_config_of(server_args).hf_config
@@ -70,18 +71,20 @@ def validate_engram_prefetch(server_args) -> str:
     if model_arch != "DeepseekV4ForCausalLM" or not layers:
         raise ValueError(
             f"--engram-prefetch={mode}: this model ({model_arch}) has no Engram layers "
-            "(DeepSeek-V4.1 checkpoints list them in engram_layer_ids)"
+            "(DeepSeek-V4.1 checkpoints list them in engram_layer_ids); use --engram-prefetch off"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
         raise ValueError(
-            f"--engram-prefetch={mode}: needs --device cuda (a side stream), got {cfg.device}"
+            f"--engram-prefetch={mode}: needs --device cuda (a side stream), got {cfg.device}; "
+            "use --engram-prefetch off"
         )
     if cfg.tp_size > 1 and (
         getattr(cfg, "attn_dp_size", 1) > 1 or getattr(cfg, "dp_size", 1) > 1
     ):
         raise ValueError(
             f"--engram-prefetch={mode} with DP attention: the Engram lookup gathers every DP "
-            "rank's hash ids first (a collective per layer), which the side stream does not move"
+            "rank's hash ids first (a collective per layer), which the side stream does not move; "
+            "use --engram-prefetch off"
         )
     return mode
 
@@ -213,8 +216,8 @@ def _local_rows(embed, ids: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def build_engram_prefetch(mode: str, layers, device=None) -> Optional[EngramPrefetch]:
-    """The model's prefetch (None when off or without Engram layers on this rank)."""
-    mode = parse_engram_prefetch(mode)
+    """The model's prefetch from the flag's parsed value (None when off or without Engram
+    layers on this rank)."""
     if mode == "off":
         return None
     engrams = [

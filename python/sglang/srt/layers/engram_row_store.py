@@ -52,7 +52,8 @@ def validate_engram_row_store(server_args) -> None:
         parse_engram_row_store_cache_gib(gib)
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
         raise ValueError(
-            f"{FLAG}={directory!r}: not a writable directory (each rank writes its Engram shard there at load)"
+            f"{FLAG}={directory!r}: not a writable directory (each rank writes its Engram shard there "
+            "at load); create it, or name a writable directory on local storage"
         )
     from sglang.srt.environ import envs
 
@@ -63,21 +64,25 @@ def validate_engram_row_store(server_args) -> None:
         placement = getattr(envs, env, None)  # None: a release without that placement
         if placement is not None and placement.get():
             raise ValueError(
-                f"{FLAG} cannot be used with {env}=1: that places the Engram tables elsewhere"
+                f"{FLAG} cannot be used with {env}=1: that places the Engram tables elsewhere; "
+                f"unset {env} or drop {FLAG}"
             )
     prefetch = cfg.engram_prefetch  # --engram-prefetch (patch 0015, in Depends:)
     if prefetch not in (None, "off"):
         raise ValueError(
             f"{FLAG} cannot be used with --engram-prefetch={prefetch}: the prefetch gathers from the "
-            "device table, which the row store does not keep"
+            "device table, which the row store does not keep; use --engram-prefetch off"
         )
     if cfg.enable_torch_compile:
         raise ValueError(
-            f"{FLAG} cannot be used with --enable-torch-compile: the lookup reads storage on the host"
+            f"{FLAG} cannot be used with --enable-torch-compile: the lookup reads storage on the "
+            "host; drop --enable-torch-compile"
         )
     hf_config = model_config_of(server_args).hf_config
     if not getattr(hf_config, "engram_layer_ids", None):
-        raise ValueError(f"{FLAG} does nothing here: the model has no Engram tables")
+        raise ValueError(
+            f"{FLAG} does nothing here: the model has no Engram tables; drop the flag"
+        )
 
 
 def parse_engram_row_store_cache_gib(value) -> float:

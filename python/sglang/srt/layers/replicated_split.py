@@ -21,8 +21,9 @@ import logging
 import re
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+import msgspec
 import torch
 from torch import nn
 
@@ -74,9 +75,34 @@ def replicated_linear_split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]
     return suffixes, max_rows
 
 
-def parse_replicated_linear_split(value) -> str:
-    """type_parser of the flag: its canonical text."""
-    return _canonical(replicated_linear_split_rule(value))
+class ReplicatedSplitRule(msgspec.Struct, frozen=True):
+    """The flag's parsed value when on, held by the server arguments (``str``: its form)."""
+
+    suffixes: Tuple[str, ...]
+    max_rows: int
+
+    def __str__(self) -> str:
+        return _canonical((self.suffixes, self.max_rows))
+
+
+def parse_replicated_linear_split(value) -> Union[str, ReplicatedSplitRule]:
+    """type_parser of the flag: "off", or the rule every reader uses, parsed once; a parsed
+    value comes back as it is."""
+    if isinstance(value, ReplicatedSplitRule):
+        return value
+    rule = replicated_linear_split_rule(value)
+    return "off" if rule is None else ReplicatedSplitRule(*rule)
+
+
+def split_rule(value) -> Optional[Tuple[Tuple[str, ...], int]]:
+    """``(suffixes, max_rows)`` of the flag's resolved value, None for off; a text other than
+    off never reaches here (resolution parses ``Engine(...)``'s), and raises if it does.
+    """
+    if isinstance(value, ReplicatedSplitRule):
+        return value.suffixes, value.max_rows
+    if value is None or str(value).strip().lower() in ("", "off"):
+        return None
+    raise TypeError(f"{FLAG}={value!r} was not parsed by the server's resolution")
 
 
 def _canonical(parsed) -> str:
@@ -88,25 +114,36 @@ def validate_replicated_linear_split(server_args) -> None:
     from sglang.srt.arg_groups.model_override_base import resolving_view
 
     cfg = resolving_view(server_args)
-    parsed = replicated_linear_split_rule(
-        cfg.replicated_linear_split
-    )  # Engine(...) skips argparse
-    if parsed is None:
-        return
+    value = cfg.replicated_linear_split
+    if not isinstance(value, ReplicatedSplitRule):  # Engine(...) skips argparse
+        value = parse_replicated_linear_split(value)
+        if value == "off":
+            return
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        declare_resolution(
+            server_args,
+            "validate_replicated_linear_split",
+            replicated_linear_split=value,
+        )
+    parsed = split_rule(value)
     value = _canonical(parsed)
     if cfg.tp_size < 2:
         raise ValueError(
-            f"{FLAG}={value} does nothing with --tp {cfg.tp_size}: there is no rank to split over"
+            f"{FLAG}={value} does nothing with --tp {cfg.tp_size}: there is no rank to split over; "
+            f"use {FLAG} off"
         )
     attn_dp = getattr(cfg, "attn_dp_size", 1) or 1
     if attn_dp > 1 or getattr(cfg, "enable_dp_attention", False):
         raise ValueError(
             f"{FLAG}={value}: with attention data parallelism (--attn-dp-size {attn_dp}) the TP "
             "ranks run different rows through these layers, and the split needs the same rows "
-            "on every rank"
+            f"on every rank; use {FLAG} off"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
-        raise ValueError(f"{FLAG}={value}: needs --device cuda, got {cfg.device}")
+        raise ValueError(
+            f"{FLAG}={value}: needs --device cuda, got {cfg.device}; use {FLAG} off"
+        )
 
 
 def check_replicated_split_layers(is_draft_worker: bool) -> None:
@@ -116,7 +153,7 @@ def check_replicated_split_layers(is_draft_worker: bool) -> None:
 
     if not get_context().is_config_namespace_published("exec"):
         return
-    parsed = replicated_linear_split_rule(get_exec().comm.replicated_linear_split)
+    parsed = split_rule(get_exec().comm.replicated_linear_split)
     if parsed is None:
         return
     check_matched(parsed, get_spec().speculative_algorithm, is_draft_worker, _matched)
@@ -164,7 +201,7 @@ def maybe_replicated_split(
     # Layers built outside a server (tools, tests) have no published flags: the flag is off.
     if not get_context().is_config_namespace_published("exec"):
         return None
-    parsed = replicated_linear_split_rule(get_exec().comm.replicated_linear_split)
+    parsed = split_rule(get_exec().comm.replicated_linear_split)
     if parsed is None:
         return None
     suffix = prefix_matches(prefix, parsed[0])

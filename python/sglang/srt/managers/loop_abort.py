@@ -121,7 +121,7 @@ def validate_loop_abort(server_args: Any) -> None:
     if cfg.disaggregation_mode == "prefill":
         raise ValueError(
             "--enable-loop-abort on a prefill server (--disaggregation-mode prefill) would do "
-            "nothing: requests decode on the decode server; set it there"
+            "nothing: requests decode on the decode server; drop it here and set it there"
         )
 
 
@@ -205,14 +205,11 @@ class LoopAbort:
 
 
 def build_loop_abort(cfg: Any) -> Optional[LoopAbort]:
-    """The scheduler's ``LoopAbort``, or None with ``--enable-loop-abort`` off."""
+    """The scheduler's ``LoopAbort`` from the resolved limits (``validate_loop_abort``
+    refused any other), or None with ``--enable-loop-abort`` off."""
     if not cfg.enable_loop_abort:
         return None
-    max_period, min_tokens = cfg.loop_abort_max_period, cfg.loop_abort_min_tokens
-    return LoopAbort(
-        None if max_period is None else parse_loop_abort_max_period(max_period),
-        None if min_tokens is None else parse_loop_abort_min_tokens(min_tokens),
-    )
+    return LoopAbort(cfg.loop_abort_max_period, cfg.loop_abort_min_tokens)
 
 
 def smallest_period(tokens) -> int:

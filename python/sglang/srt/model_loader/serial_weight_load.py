@@ -52,5 +52,5 @@ def validate_weight_loader_disable_async_load(server_args: Any) -> None:
     if cfg.load_format == "dummy":
         raise ValueError(
             "--weight-loader-disable-async-load with --load-format dummy would do nothing: no "
-            "checkpoint is read"
+            "checkpoint is read; drop the flag"
         )

@@ -45,13 +45,14 @@ def parse_hc_fused_stats(value) -> str:
 
 def validate_hc_fused_stats(server_args) -> str:
     """Resolution-hook check: refused where the flag would do nothing, with the reason."""
+    from sglang.fork import parsed_flag
     from sglang.srt.arg_groups.model_override_base import (
         model_config_of,
         resolving_view,
     )
 
     cfg = resolving_view(server_args)
-    mode = parse_hc_fused_stats(cfg.dsv4_hc_fused_stats)
+    mode = parsed_flag(server_args, "dsv4_hc_fused_stats", parse_hc_fused_stats)
     if mode == "off":
         return mode
     hf_config = model_config_of(server_args).hf_config
@@ -59,22 +60,25 @@ def validate_hc_fused_stats(server_args) -> str:
     if model_arch != "DeepseekV4ForCausalLM":
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: only DeepSeek-V4.1 computes hyper-connection mix "
-            f"statistics; this model is {model_arch}"
+            f"statistics; this model is {model_arch}; use --dsv4-hc-fused-stats off"
         )
     if not getattr(hf_config, "hc_pre_from_prev_sublayer", False):
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: this DeepSeek-V4 checkpoint does not predict its "
             "hyper-connection mix from the previous sublayer (hc_pre_from_prev_sublayer is "
-            "false: DeepSeek-V4, not V4.1), so the mix-statistics kernels never run"
+            "false: DeepSeek-V4, not V4.1), so the mix-statistics kernels never run; use "
+            "--dsv4-hc-fused-stats off"
         )
     if torch.version.hip is not None:
         raise ValueError(
             f"--dsv4-hc-fused-stats={mode}: this torch is a ROCm build; ROCm reduces the mix "
-            "statistics with its own kernels, which the one-pass kernel does not reproduce"
+            "statistics with its own kernels, which the one-pass kernel does not reproduce; "
+            "use --dsv4-hc-fused-stats off"
         )
     if getattr(cfg, "device", None) not in (None, "cuda"):
         raise ValueError(
-            f"--dsv4-hc-fused-stats={mode}: needs --device cuda, got {cfg.device}"
+            f"--dsv4-hc-fused-stats={mode}: needs --device cuda, got {cfg.device}; use "
+            "--dsv4-hc-fused-stats off"
         )
     return mode
 
@@ -295,8 +299,8 @@ def _differing_bits(a, b) -> tuple[int, int]:
 def build_hc_fused_stats(
     mode: str, previous: Optional[HcFusedStats] = None
 ) -> Optional[HcFusedStats]:
-    """The model's feature at load (None when off); ``previous`` is kept when the mode is unchanged."""
-    mode = parse_hc_fused_stats(mode)
+    """The model's feature at load (None when off) from the flag's parsed value; ``previous``
+    is kept when the mode is unchanged."""
     if mode == "off":
         return None
     if previous is not None and previous.mode == mode:

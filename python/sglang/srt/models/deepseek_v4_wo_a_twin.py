@@ -113,7 +113,8 @@ def validate_wo_a_fp8_twin(server_args) -> str:
     ):
         if getattr(cfg, attr):
             raise ValueError(
-                f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}"
+                f"--dsv4-wo-a-fp8-twin={mode} cannot be used with {flag}: {why}; drop "
+                f"{flag} or use --dsv4-wo-a-fp8-twin off"
             )
     if mode == "drop" and not _weight_export_honours_refusals():
         raise ValueError(
@@ -291,8 +292,9 @@ def _drop(entries: list, label: str) -> tuple[int, int]:
 
 def build_wo_a_fp8_twins(model: torch.nn.Module, mode, label: str) -> tuple[int, int]:
     """After load: a twin for every bf16 wo_a of ``model``. A later call changes no layer: CUDA
-    graphs captured since hold what each layer had (docs/wo-a-fp8-twin.md)."""
-    mode = parse_wo_a_fp8_twin(mode)
+    graphs captured since hold what each layer had (docs/wo-a-fp8-twin.md). ``mode``: the
+    flag's value, checked by ``validate_wo_a_fp8_twin`` (the parser changes no accepted one).
+    """
     if mode == "off":
         return 0, 0  # upstream's path: no kernel of ours is imported
     from sglang.kernels.ops.gemm import dsv4_wo_a_fp8_sm90 as sm90

@@ -67,7 +67,7 @@ def b12x_refusal(flag: str, api: str, attr: str) -> Optional[str]:
     return (
         f"{flag} refused: "
         + "; ".join(problems)
-        + f" (install: pip install b12x=={B12X_VERSION})"
+        + f" (on an SM120/SM121 GPU: pip install b12x=={B12X_VERSION}; elsewhere drop {flag})"
     )
 
 

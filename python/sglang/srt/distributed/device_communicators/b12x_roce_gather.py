@@ -31,14 +31,17 @@ def validate_b12x_roce_all_gather(server_args) -> None:
         return
     tp, nnodes = cfg.tp_size, cfg.nnodes
     if tp < 2:
-        raise ValueError(f"{FLAG} does nothing with --tp {tp}: there is no all-gather")
+        raise ValueError(
+            f"{FLAG} does nothing with --tp {tp}: there is no all-gather; drop the flag"
+        )
     if nnodes < 2:
         raise ValueError(
-            f"{FLAG} needs TP ranks on different nodes joined by RoCE (found --nnodes {nnodes})"
+            f"{FLAG} needs TP ranks on different nodes joined by RoCE (found --nnodes {nnodes}); "
+            "drop the flag on one node"
         )
     if tp > 16:
         raise ValueError(
-            f"{FLAG}: b12x's RoCE runtime serves 2..16 ranks, found --tp {tp}"
+            f"{FLAG}: b12x's RoCE runtime serves 2..16 ranks, found --tp {tp}; drop the flag"
         )
     require_b12x(FLAG, "comm.roce", "AllReduce")
 

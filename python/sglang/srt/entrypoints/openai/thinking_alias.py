@@ -46,7 +46,8 @@ def validate_thinking_aliases(server_args) -> None:
         raise ValueError(
             f"--enable-thinking-aliases maps client switches onto the `thinking` chat-template "
             f"argument, which only models served with --reasoning-parser {' / '.join(parsers)} read; "
-            f"got --reasoning-parser {cfg.reasoning_parser}, where the flag would do nothing"
+            f"got --reasoning-parser {cfg.reasoning_parser}, where the flag would do nothing; "
+            "set --reasoning-parser to the served model's (one of those) or drop the flag"
         )
 
 

@@ -47,7 +47,7 @@ def validate_block_fp8_mxfp8_backend(server_args) -> None:
     if not serves_block_fp8_as_mxfp8(block, fmt):
         raise ValueError(
             f"{FLAG} b12x does nothing here: the checkpoint's linears are not 32x32 ue8m0 "
-            f"block-fp8 (found weight_block_size={block}, scale_fmt={fmt})"
+            f"block-fp8 (found weight_block_size={block}, scale_fmt={fmt}); drop the flag"
         )
     require_b12x(f"{FLAG} b12x", "gemm.block_fp8_linear", "plan")
 

@@ -35,13 +35,14 @@ def validate_b12x_moe(server_args) -> None:
     if a2a not in (None, "none"):
         raise ValueError(
             f"{FLAG} cannot be used with --moe-a2a-backend {a2a}: b12x's fused MoE takes the "
-            "standard dispatcher's rows and expert ids"
+            "standard dispatcher's rows and expert ids; use --moe-a2a-backend none"
         )
     chunk = getattr(cfg, "chunked_prefill_size", None)
     if chunk is not None and chunk <= 0:
         raise ValueError(
             f"{FLAG} needs a bounded prefill chunk (--chunked-prefill-size > 0, found {chunk}): "
-            "its execution plans are prepared up to the chunk size before serving"
+            "its execution plans are prepared up to the chunk size before serving; set "
+            "--chunked-prefill-size to a positive size, e.g. 8192"
         )
     require_b12x(FLAG, "moe.fused_moe", "plan_execution")
 

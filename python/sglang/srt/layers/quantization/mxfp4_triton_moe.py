@@ -58,7 +58,9 @@ def validate_triton_mxfp4_moe(server_args) -> None:
             "dispatcher's rows and expert ids; use --moe-a2a-backend none"
         )
     if getattr(cfg, "device", "cuda") not in (None, "cuda"):
-        raise ValueError(f"{FLAG} runs on CUDA GPUs, found --device {cfg.device}")
+        raise ValueError(
+            f"{FLAG} runs on CUDA GPUs, found --device {cfg.device}; use --moe-runner-backend auto"
+        )
 
 
 def wants_triton_mxfp4_moe(

@@ -185,4 +185,6 @@ def validate_flashinfer_autotune_keep(server_args) -> None:
     elif not envs.SGLANG_FLASHINFER_AUTOTUNE_CACHE.get():
         why = "SGLANG_FLASHINFER_AUTOTUNE_CACHE=0 writes a fresh cache per run and reuses none"
     if why:
-        raise ValueError(f"--flashinfer-autotune-keep-cache would do nothing: {why}")
+        raise ValueError(
+            f"--flashinfer-autotune-keep-cache would do nothing: {why}; drop the flag"
+        )

@@ -158,17 +158,18 @@ def validate_draft_head_fp8(server_args) -> None:
         raise ValueError(
             f"{what} cannot be used with --enable-deterministic-inference: calls above "
             f"{max(MAX_ROWS.values())} rows ({min(MAX_ROWS.values())} off Hopper) keep the bf16 head, so a request's draft logits (and the tokens it accepts) "
-            "would depend on how many rows its batch has"
+            "would depend on how many rows its batch has; drop one of the two flags"
         )
     if (algorithm or "").upper() != "DSPARK":
         raise ValueError(
-            f"{what} applies to --speculative-algorithm DSPARK only (got {algorithm!r})"
+            f"{what} applies to --speculative-algorithm DSPARK only (got {algorithm!r}); drop "
+            "the flag"
         )
     arch = model_config_of(server_args).hf_config.architectures[0]
     if arch not in FP8_HEAD_TARGETS:
         raise ValueError(
             f"{what}: the target is {arch}; only the DSpark draft of {', '.join(FP8_HEAD_TARGETS)} "
-            "builds the fp8 head (the dense DSpark draft keeps bf16)"
+            "builds the fp8 head (the dense DSpark draft keeps bf16); drop the flag"
         )
 
 

@@ -47,7 +47,7 @@ def validate_draft_temperature_scale(server_args) -> None:
     if tau != 1.0 and (speculative_algorithm or "").upper() != "DSPARK":
         raise ValueError(
             "--speculative-dspark-draft-temperature-scale applies to "
-            f"--speculative-algorithm DSPARK only (got {speculative_algorithm!r})"
+            f"--speculative-algorithm DSPARK only (got {speculative_algorithm!r}); drop the flag"
         )
 
 

@@ -221,7 +221,8 @@ def validate_fence_accept_results(server_args) -> None:
     if enabled and (algorithm or "").upper() != "DSPARK":
         raise ValueError(
             "--speculative-dspark-fence-accept-results applies to --speculative-algorithm DSPARK "
-            f"only (got {algorithm!r}): no other algorithm has folded accept results to fence"
+            f"only (got {algorithm!r}): no other algorithm has folded accept results to fence; "
+            "drop the flag"
         )
 
 

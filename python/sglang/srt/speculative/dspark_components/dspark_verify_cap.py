@@ -32,10 +32,17 @@ CAP_TARGETS = ("DeepseekV4ForCausalLM",)
 
 
 class VerifyCapSpec(msgspec.Struct, frozen=True):
+    """The flag's parsed value, held by the server arguments (``str``: the flag's form)."""
+
     fixed: Optional[int] = None
     thresholds: Optional[tuple[float, ...]] = (
         None  # one value, or one per draft 2..gamma
     )
+
+    def __str__(self) -> str:
+        if self.thresholds is None:
+            return str(self.fixed)
+        return "conf:" + ",".join(str(t) for t in self.thresholds)
 
 
 def verify_cap_spec(value) -> VerifyCapSpec:
@@ -58,10 +65,12 @@ def verify_cap_spec(value) -> VerifyCapSpec:
         ) from None
 
 
-def parse_verify_cap(value: str) -> str:
-    """type_parser of the flag: its text (gamma is known only after resolution)."""
-    verify_cap_spec(value)
-    return value
+def parse_verify_cap(value) -> VerifyCapSpec:
+    """type_parser of the flag: the value every reader uses, parsed once (gamma is checked
+    after resolution); a parsed value comes back as it is."""
+    if isinstance(value, VerifyCapSpec):
+        return value
+    return verify_cap_spec(value)
 
 
 def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
@@ -78,47 +87,58 @@ def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
         if cap_min is not None or log_path:
             raise ValueError(
                 "--speculative-dspark-verify-cap-min / --speculative-dspark-verify-cap-log "
-                "need --speculative-dspark-verify-cap."
+                "need --speculative-dspark-verify-cap; add it (e.g. conf:0.1) or drop them."
             )
         return None
     if algorithm != "DSPARK":
         raise ValueError(
             "--speculative-dspark-verify-cap needs --speculative-algorithm DSPARK "
-            f"(got {algorithm!r})."
+            f"(got {algorithm!r}); drop the flag."
         )
-    spec = verify_cap_spec(cap)
+    if not isinstance(cap, VerifyCapSpec):  # Engine(...) bypasses argparse
+        from sglang.srt.arg_groups.overrides import declare_resolution
+
+        cap = parse_verify_cap(cap)
+        declare_resolution(
+            server_args, "validate_verify_cap", speculative_dspark_verify_cap=cap
+        )
+    spec = cap
     gamma = int(cfg.speculative_num_draft_tokens) - 1
     if spec.fixed is not None and not (1 <= spec.fixed <= gamma):
         raise ValueError(
-            f"--speculative-dspark-verify-cap {cap}: K must be in 1..gamma (gamma={gamma})."
+            f"--speculative-dspark-verify-cap {cap}: K must be in 1..gamma (gamma={gamma}); "
+            f"use a K in 1..{gamma}."
         )
     if spec.thresholds is not None and len(spec.thresholds) not in (1, gamma - 1):
         raise ValueError(
             f"--speculative-dspark-verify-cap {cap}: give one threshold or gamma - 1 = "
-            f"{gamma - 1} (drafts 2..{gamma}), got {len(spec.thresholds)}."
+            f"{gamma - 1} (drafts 2..{gamma}), got {len(spec.thresholds)}; use one, e.g. "
+            f"conf:{spec.thresholds[0]}."
         )
     if cap_min is not None and spec.thresholds is None:
         raise ValueError(
             "--speculative-dspark-verify-cap-min is the fewest drafts a conf: cap verifies; "
-            f"with the fixed cap {cap} every request verifies {spec.fixed}."
+            f"with the fixed cap {cap} every request verifies {spec.fixed}; drop "
+            "--speculative-dspark-verify-cap-min."
         )
     cap_min = 1 if cap_min is None else int(cap_min)
     if not (1 <= cap_min <= gamma):
         raise ValueError(
             f"--speculative-dspark-verify-cap-min must be in 1..gamma (gamma={gamma}), "
-            f"got {cap_min}."
+            f"got {cap_min}; use one in 1..{gamma}."
         )
     if log_path and spec.thresholds is None:
         raise ValueError(
             "--speculative-dspark-verify-cap-log records the confidence stopping rule; "
-            "it needs a conf: cap."
+            "it needs a conf: cap (e.g. conf:0.1); drop the log with a fixed cap."
         )
     log_dir = os.path.dirname(os.path.abspath(log_path)) if log_path else None
     if log_dir is not None and not (
         os.path.isdir(log_dir) and os.access(log_dir, os.W_OK)
     ):
         raise ValueError(
-            f"--speculative-dspark-verify-cap-log {log_path}: {log_dir} is not a writable directory."
+            f"--speculative-dspark-verify-cap-log {log_path}: {log_dir} is not a writable directory; "
+            "create it or log elsewhere."
         )
     from sglang.srt.speculative.ragged_verify import read_ragged_verify_mode
 
@@ -126,12 +146,14 @@ def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
     if ragged_mode != "static":
         raise ValueError(
             "--speculative-dspark-verify-cap runs inside the static verify layout; it "
-            f"needs SGLANG_RAGGED_VERIFY_MODE=static (got {ragged_mode!r})."
+            f"needs SGLANG_RAGGED_VERIFY_MODE=static (got {ragged_mode!r}); set it, or drop "
+            "the cap."
         )
     if cfg.attn_dp_size > 1:
         raise ValueError(
             "--speculative-dspark-verify-cap needs the verify rows of one rank in the "
-            "MoE (request-major); dp attention (attn_dp_size > 1) is not supported."
+            f"MoE (request-major); found attn_dp_size {cfg.attn_dp_size}: drop dp attention or "
+            "the cap."
         )
     from sglang.srt.arg_groups.model_override_base import model_config_of
 
@@ -140,23 +162,26 @@ def validate_verify_cap(server_args) -> Optional[VerifyCapSpec]:
         raise ValueError(
             f"--speculative-dspark-verify-cap: the target is {target_arch}; only "
             f"{', '.join(CAP_TARGETS)} routes its verify rows by live length (elsewhere the cap "
-            "would only shorten acceptance)."
+            "would only shorten acceptance); drop the flag."
         )
     if cfg.moe_a2a_backend not in (None, "none") and cfg.tp_size > 1:
         raise ValueError(
             f"--speculative-dspark-verify-cap cannot be used with --moe-a2a-backend "
             f"{cfg.moe_a2a_backend} at tp {cfg.tp_size}: the backend scatters the verify rows over the "
-            "attention-TP ranks before the router, so a rank's rows are not request-major."
+            "attention-TP ranks before the router, so a rank's rows are not request-major; use "
+            "--moe-a2a-backend none or drop the cap."
         )
     if str(cfg.device).startswith("npu"):
         raise ValueError(
-            "--speculative-dspark-verify-cap: the NPU top-k route does not take the live length."
+            f"--speculative-dspark-verify-cap: the NPU top-k route does not take the live "
+            f"length (found --device {cfg.device}); drop the flag."
         )
     max_running = cfg.max_running_requests
     if max_running is not None and max_running > MAX_REQUESTS:
         raise ValueError(
             f"--speculative-dspark-verify-cap holds one live length per request for at most "
-            f"{MAX_REQUESTS} requests; --max-running-requests is {max_running}."
+            f"{MAX_REQUESTS} requests; --max-running-requests is {max_running}: set it to at "
+            f"most {MAX_REQUESTS}."
         )
     return spec
 
@@ -311,7 +336,8 @@ class VerifyCap:
 
 
 def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[VerifyCap]:
-    """The cap from the resolved spec arguments, handed to ``target_model``; None when off."""
+    """The cap from the resolved spec arguments (the flag's parsed value), handed to
+    ``target_model``; None when off."""
     value = spec.speculative_dspark_verify_cap
     if value is None:
         return None
@@ -322,7 +348,7 @@ def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[Verify
         )
     gamma = int(spec.speculative_num_draft_tokens) - 1
     cap = VerifyCap(
-        spec=verify_cap_spec(value),
+        spec=value,
         gamma=gamma,
         k_min=int(spec.speculative_dspark_verify_cap_min or 1),
         log_path=spec.speculative_dspark_verify_cap_log,
@@ -341,9 +367,10 @@ def build_verify_cap(spec, *, device=None, target_model=None) -> Optional[Verify
     return cap
 
 
-def verify_cap_needs_confidence(value) -> bool:
-    """Whether the flag's value is a conf: stopping rule (it needs the draft's confidence head)."""
-    return value is not None and verify_cap_spec(value).thresholds is not None
+def verify_cap_needs_confidence(value: Optional[VerifyCapSpec]) -> bool:
+    """Whether the flag's parsed value is a conf: stopping rule (it needs the draft's
+    confidence head)."""
+    return value is not None and value.thresholds is not None
 
 
 def verify_cap_cutoff(
