@@ -198,6 +198,7 @@ def test_export_refuses_a_patch_whose_modules_do_not_import_alone(dep_fork):
 def test_export_tells_upstreams_missing_module_from_ours(dep_fork):
     """A module of ours that does not import because upstream lacks what it reads is not
     fixed by a `Depends:` trailer: the export says it is upstream's, port or drop."""
+    _with_depends(dep_fork, "0002-user", "0001-helper")
     with pytest.raises(ForkError) as e:
         export("5", root=dep_fork)
     msg = str(e.value)
