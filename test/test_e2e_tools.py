@@ -14,10 +14,12 @@ from e2e.matrix import (
     LOGPROB_BOUND,
     P_MIN,
     STANDINS,
+    V41_MODELS,
     Row,
     chi2_same,
     evaluate,
     evidence,
+    judge_speculation,
     feature_lines,
     kernel_summary,
     main,
@@ -192,22 +194,28 @@ def test_rows_hold_their_promises():
     ):
         assert named[name].same_as == ("random_up_off",), name
     assert named["random_nospec"].same_as == ("random_up_nospec",)
-    # DeepSeek-V4.1: flags off and every V4.1 feature identical to upstream's V4.1 rows, each
-    # engaged; the V4 checkpoints' refusals of the same flags stay
+    # DeepSeek-V4.1: flags off and every V4.1 feature held to upstream without speculation bit
+    # for bit, upstream's known flip an expected failure; the V4 checkpoints' refusals stay
     for name in (
         "v41_off",
         "v41_engram_prefetch",
         "v41_engram_prefetch_check",
         "v41_hc_fused_stats",
+        "v41_agree_off",
+        "v41_partial_off",
+        "v41_agree_engram_prefetch",
     ):
-        assert named[name].model == "v41" and named[name].same_as_one_of == (
-            "v41_up_off",
-            "v41_up_off_again",
-        )
-    # upstream V4.1 with DSpark served twice: compared and recorded, not judged
-    again = named["v41_up_off_again"]
-    assert again.tree == "upstream" and again.recorded_vs == ("v41_up_off",)
-    assert not again.same_as and not again.same_as_one_of
+        r = named[name]
+        assert r.model in V41_MODELS and r.same_as == (f"{r.model}_up_nospec",), name
+        assert r.upstream_defect == "v41_dspark_graph_flip" and not r.same_as_one_of
+        assert r.recorded_vs == (f"{r.model}_up_off",) and r.accepts == "reference"
+    # upstream's V4.1 DSpark on three servers per checkpoint, each held to the same rule
+    for model in V41_MODELS:
+        servers = [named[f"{model}_up_off{s}"] for s in ("", "_again", "_third")]
+        for r in servers:
+            assert r.tree == "upstream" and r.same_as == (f"{model}_up_nospec",)
+            assert r.upstream_defect == "v41_dspark_graph_flip"
+        assert [r.recorded_vs for r in servers] == [()] + [(f"{model}_up_off",)] * 2
     # the diagnosis: upstream with the Engram commit inside the verify graph, on two servers
     for name in ("v41_up_engram_graph", "v41_up_engram_graph_again"):
         r = named[name]
@@ -232,7 +240,7 @@ def test_rows_hold_their_promises():
         "--engram-row-store-dir",
     ):
         served = [r for r in rows() if flag in r.args and not r.refused_with]
-        assert served and all(r.model == "v41" and r.engaged for r in served), flag
+        assert served and all(r.model in V41_MODELS and r.engaged for r in served)
         assert any(flag in r.args and r.refused_with for r in rows()), flag
     # the harness's own control: upstream twice, the same bits
     again = named["random_up_nospec_again"]
@@ -336,6 +344,253 @@ def _speculative(n, seed, q_temp_sampled, q_temp_rule, margin=4.84, bias=6.6):
             prev = t
         out.append(seq)
     return out
+
+
+def _speculated(tokens, accepts):
+    rec = _served(tokens)
+    rec["_greedy"]["accepts"] = accepts
+    return rec
+
+
+def test_speculation_is_judged_a_server_that_dropped_it_fails():
+    """DSpark is lossless: a server that stopped speculating emits the reference's tokens and
+    passes every token check; the speculation check alone refuses it."""
+    counts = [[20, 40, [0, 0, 20]], [22, 41, [1, 2, 19]]]
+    recs = {"ref": _speculated([[1, 2], [3, 4]], counts)}
+    same = _speculated([[1, 2], [3, 4]], [list(c) for c in counts])
+    evaluate(_row("a", same_as=("ref",), accepts="reference"), same, recs)
+    assert same["ok"] and same["speculation"]["rule"] == "equal to ref's"
+    dropped = _speculated([[1, 2], [3, 4]], [[0, 0, None], [0, 0, None]])
+    evaluate(_row("b", same_as=("ref",), accepts="reference"), dropped, recs)
+    assert dropped["ok"] is False and dropped["checks"] == {
+        "fork_flags_line": True,
+        "no_log_errors": True,
+        "completion_matches_generate": True,
+        "identical_to_ref": True,
+        "speculation": False,
+    }
+    # the negative control passes only because the speculation check refuses it
+    control = _speculated([[1, 2], [3, 4]], [[0, 0, None], [0, 0, None]])
+    evaluate(
+        _row("c", same_as=("ref",), accepts="reference", must_fail="speculation"),
+        control,
+        recs,
+    )
+    assert control["ok"]
+    # one request accepting one draft fewer over the same tokens: not the reference's
+    fewer = _speculated([[1, 2], [3, 4]], [[20, 40, [0, 0, 20]], [22, 40, [1, 3, 18]]])
+    evaluate(_row("d", same_as=("ref",), accepts="reference"), fewer, recs)
+    assert fewer["checks"]["speculation"] is False
+    # other tokens (a rounding-level row on random weights): held to running only
+    other = _speculated([[1, 2], [3, 5]], [[20, 30, None], [20, 30, None]])
+    evaluate(_row("e", bound_to="ref", accepts="reference"), other, recs)
+    assert other["checks"]["speculation"] and "runs" in other["speculation"]["rule"]
+    # a flag that moves acceptance by design must still speculate; a no-speculation row must not
+    for accepts, counts_, ok in (
+        ("design", [[25, 10, None], [25, 10, None]], True),
+        ("design", [[0, 0, None], [0, 0, None]], False),
+        ("none", [[0, 0, None], [0, 0, None]], True),
+        ("none", [[20, 40, None], [22, 41, None]], False),
+    ):
+        rec = _speculated([[1, 2], [3, 4]], counts_)
+        assert judge_speculation(_row("f", accepts=accepts), rec, recs)["ok"] is ok
+    # a raw record from before the check cannot pass it
+    old = _served([[1, 2], [3, 4]])
+    assert judge_speculation(_row("g", accepts="reference"), old, recs)["ok"] is False
+
+
+def test_upstreams_v41_flip_is_an_expected_failure_never_a_pass():
+    """V4.1 DSpark rows are held to upstream without speculation; a row that gives the second
+    result an upstream server of the run also gave (or a pinned one) is an expected failure
+    naming the defect; any other result, or another failing check, is a plain failure.
+    """
+    from e2e.matrix import defect_counts, greedy_digest
+
+    flip = "v41_dspark_graph_flip"
+    nospec, other = [[1, 2, 3]], [[1, 2, 9]]
+
+    def v41(name, tokens, tree="fork"):
+        rec = _served(tokens)
+        rec.update(model="v41", tree=tree, args=["--speculative-algorithm", "DSPARK"])
+        return rec
+
+    def row(name, tree="fork"):
+        return Row(
+            name,
+            [],
+            model="v41",
+            tree=tree,
+            same_as=("v41_up_nospec",),
+            upstream_defect=flip,
+        )
+
+    recs = {
+        "v41_up_nospec": {**v41("n", nospec, "upstream"), "args": []},
+        "v41_up_off": v41("a", nospec, "upstream"),
+        "v41_up_off_again": v41("b", other, "upstream"),
+    }
+    for name, tree in (("v41_up_off", "upstream"), ("v41_up_off_again", "upstream")):
+        recs[name]["fork_flags_line"] = None
+        evaluate(row(name, tree), recs[name], recs)
+    assert recs["v41_up_off"]["ok"] and "expected_failure" not in recs["v41_up_off"]
+    again = recs["v41_up_off_again"]
+    assert again["ok"] is False and again["expected_failure"] == flip
+    # a fork row on upstream's second result: expected failure; on a third: failure
+    same_flip = v41("c", other)
+    evaluate(row("v41_off"), same_flip, recs)
+    assert same_flip["ok"] is False and same_flip["expected_failure"] == flip
+    third = v41("d", [[1, 7, 7]])
+    evaluate(row("v41_off"), third, recs)
+    assert third["ok"] is False and "expected_failure" not in third
+    # the pinned result counts without an upstream server showing it this run
+    alone = {k: v for k, v in recs.items() if k != "v41_up_off_again"}
+    pinned = v41("e", other)
+    import e2e.matrix as m
+
+    saved = m.UPSTREAM_DEFECTS[flip]["results"]
+    m.UPSTREAM_DEFECTS[flip]["results"] = {"v41": [greedy_digest(pinned["_greedy"])]}
+    try:
+        evaluate(row("v41_off"), pinned, alone)
+    finally:
+        m.UPSTREAM_DEFECTS[flip]["results"] = saved
+    assert pinned["expected_failure"] == flip
+    # the flip with another check failing too is a plain failure
+    worse = v41("f", other)
+    worse["log_errors"] = ["Traceback"]
+    evaluate(row("v41_off"), worse, recs)
+    assert "expected_failure" not in worse
+    counts = defect_counts(
+        [row("v41_up_off", "upstream"), row("v41_up_off_again", "upstream")],
+        {n: recs[n] for n in ("v41_up_off", "v41_up_off_again")},
+    )
+    assert counts[flip]["by_checkpoint"] == {
+        "v41": {"servers": 2, "flipped": ["v41_up_off_again"]}
+    }
+
+
+def test_sampling_parameters_mixed_batches_and_seed_for_seed_bits():
+    """A mixed row's groups are each judged against the reference of their parameters, its
+    greedy group must be the target's chain; a seeded row must emit its reference's tokens.
+    """
+    from e2e.matrix import MIXED_SETS, SAMPLED_PROMPT, char_vocab, sampled_reference
+
+    named = {r.name: r for r in rows()}
+    for k in ("t0.6", "t1.3"):
+        ref = named[sampled_reference(k)]
+        assert ref.tree == "upstream" and ref.sampling == k and ref.accepts == "none"
+        assert named[f"s_off_{k}"].sampling == k
+    assert named["s_tau_0.7_t1.3"].sampling == "t1.3"
+    assert named["s_off"].seeded_same_as == "s_up_off"
+    prev0 = char_vocab()[SAMPLED_PROMPT[-1]]
+    succ = list(range(128))
+    chain = []
+    for _ in range(8):
+        chain.append(succ[chain[-1] if chain else prev0])
+    n = 2000
+    refs = {k: _speculative(n, 10 + i, 1.0, 1.0) for i, k in enumerate(MIXED_SETS)}
+    recs = {
+        sampled_reference(k): {"_sampled": {"tokens": refs[k]}}
+        for k in MIXED_SETS
+        if k != "greedy"
+    }
+    recs["s_up_off"] = {"seeded": [[1, 2], [3, 4]]}
+
+    def mixed(wrong_set=None):
+        draws = {
+            k: iter(_speculative(n, 20 + i, 1.0, 1.0)) for i, k in enumerate(MIXED_SETS)
+        }
+        draws[wrong_set] = iter(_chain(n, 0.3, 7)) if wrong_set else None
+        tokens = []
+        for i in range(n * len(MIXED_SETS)):
+            k = MIXED_SETS[i % len(MIXED_SETS)]
+            tokens.append(list(chain) if k == "greedy" else next(draws[k]))
+        rec = {**_served([[1]]), "_sampled": {"tokens": tokens, "spec": None}}
+        rec.pop("_greedy")
+        rec["seeded"] = [[1, 2], [3, 4]]
+        return rec
+
+    row = Row("m", [], model="sample", greedy=False, sampled=True, sampling="mixed",
+              seeded_same_as="s_up_off")  # fmt: skip
+    good = mixed()
+    evaluate(row, good, recs, succ)
+    assert good["ok"], good["checks"]
+    assert {k for k in good["checks"] if k.startswith("sampled_agrees")} == {
+        "sampled_agrees_t1", "sampled_agrees_t0.6", "sampled_agrees_t1.3"
+    }  # fmt: skip
+    bad = mixed("t1.3")
+    evaluate(row, bad, recs, succ)
+    assert bad["checks"]["sampled_agrees_t1.3"] is False
+    assert bad["checks"]["sampled_agrees_t1"]
+    other_bits = mixed()
+    other_bits["seeded"] = [[1, 2], [3, 5]]
+    evaluate(row, other_bits, recs, succ)
+    assert other_bits["checks"]["seeded_identical_to_s_up_off"] is False
+
+
+def _sampled_accepts(n, seed, p):
+    """n requests of 3 verify steps accepting 0..3 drafts each step, every draft in turn with
+    probability p."""
+    rng, out = random.Random(seed), []
+    for _ in range(n):
+        accepted = 0
+        for _ in range(3):
+            k = 0
+            while k < 3 and rng.random() < p:
+                k += 1
+            accepted += k
+        out.append([3, accepted])
+    return out
+
+
+def test_sampled_acceptance_held_to_upstreams_interval_and_a_small_shift_refused():
+    n = 20000
+    recs = {"s_up_off": {"_sampled": {"accepts": _sampled_accepts(n, 1, 0.6)}}}
+    row = _row("s", accepts="reference")
+    same = {"_sampled": {"accepts": _sampled_accepts(n, 2, 0.6)}}
+    assert judge_speculation(row, same, recs)["ok"]
+    # a 3 % lower per-draft acceptance (0.6 -> 0.582) is refused at 20,000 requests
+    lower = {"_sampled": {"accepts": _sampled_accepts(n, 3, 0.582)}}
+    verdict = judge_speculation(row, lower, recs)
+    assert verdict["ok"] is False and verdict["z"] < 0, verdict
+    dropped = {"_sampled": {"accepts": [[0, 0]] * n}}
+    assert judge_speculation(row, dropped, recs)["ok"] is False
+
+
+def test_rows_judge_their_speculation_and_the_dropped_control_is_there():
+    named = {r.name: r for r in rows()}
+    for r in named.values():
+        if r.refused_with:
+            assert r.accepts is None, r.name
+        elif "--speculative-algorithm" not in r.args:
+            assert r.accepts == "none", r.name
+        else:
+            assert r.accepts in ("reference", "design"), r.name
+    assert named["cap_3"].accepts == named["s_tau_0.7"].accepts == "design"
+    assert named["off"].accepts == named["s_head_fp8"].accepts == "reference"
+    control = named["off_speculation_dropped"]
+    assert control.fault == "speculation_off" and control.must_fail == "speculation"
+
+
+def test_the_speculation_fault_drops_every_speculative_argument():
+    import subprocess
+    import sys
+
+    code = (
+        "import sitecustomize, sglang.srt.server_args as m\n"
+        "print(sitecustomize.without_speculation(['--model-path', 'x', "
+        "'--speculative-algorithm', 'DSPARK', '--speculative-moe-runner-backend', "
+        "'triton', '--tp', '1', '--speculative-use-block-verification', '--port', '9']))\n"
+        "print(m.prepare_server_args.__module__)\n"
+    )
+    env = {**os.environ, "E2E_FAULT": "speculation_off"}
+    env["PYTHONPATH"] = os.pathsep.join([str(STANDINS[0]), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    assert out.stdout.splitlines() == [
+        "['--model-path', 'x', '--tp', '1', '--port', '9']",
+        "sitecustomize",
+    ], out.stderr[-2000:]
 
 
 def test_sample_test_accepts_the_exact_rule_and_refuses_both_negative_controls():
@@ -754,11 +1009,14 @@ def test_every_v41_row_resolves_through_upstreams_pipeline(
         return resolved_view(sa)
 
     assert resolve([], matrix.DSPARK).enable_decoder_swa_bounded_replay is True
-    v41 = [r for r in matrix.rows() if r.model == "v41"]
-    assert len(v41) == 12
-    for row in v41:
-        view = resolve(matrix.MODEL_ARGS["v41"], row.args)
-        assert view.enable_decoder_swa_bounded_replay is False, row.name
+    v41 = [r for r in matrix.rows() if r.model in V41_MODELS]
+    assert len(v41) == 24
+    # the V4.1 checkpoints share one config: each distinct argument list once
+    assert len({tuple(matrix.MODEL_ARGS[r.model]) for r in v41}) == 1
+    distinct = {tuple(r.args): r.name for r in v41}
+    for args, name in distinct.items():
+        view = resolve(matrix.MODEL_ARGS["v41"], list(args))
+        assert view.enable_decoder_swa_bounded_replay is False, name
 
 
 def _dspark_exposition(hist, cap_lens=None, tau=1.0, gamma=5):

@@ -67,6 +67,8 @@ def _sinkhorn_on_triton(mhc):
 # engine itself), changing results by construction, far beyond rounding:
 #   wo_a_group_x2  the wo_a twin's kernels return group 0's outputs doubled (a 2x scale error)
 #   tau_q_at_T     the DSpark draft samples at tau x T, but the accept rule reads q at T
+#   speculation_off  the server drops every --speculative-* argument before parsing: it serves
+#                  without speculation although the row asked for DSpark
 
 
 def _short(value) -> str:
@@ -160,7 +162,25 @@ def _tau_q_at_t(tau_module):
     tau_module.scale_draft_params = scale_draft_params
 
 
+def without_speculation(argv: list) -> list:
+    """``argv`` without its ``--speculative-*`` options and their values."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip and not arg.startswith("--"):
+            continue
+        skip = arg.startswith("--speculative-")
+        if not skip:
+            kept.append(arg)
+    return kept
+
+
+def _speculation_off(server_args):
+    prepare = server_args.prepare_server_args
+    server_args.prepare_server_args = lambda argv: prepare(without_speculation(argv))
+
+
 _FAULTS = {
+    "speculation_off": ("sglang.srt.server_args", _speculation_off),
     "wo_a_group_x2": ("sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90", _wo_a_group_x2),
     "tau_q_at_T": (
         "sglang.srt.speculative.dspark_components.dspark_draft_tau",
