@@ -72,7 +72,9 @@ class DsparkAcceptanceCounts:
 
     def __init__(self, gamma: int) -> None:
         if gamma < 1:
-            raise ValueError(f"DSpark acceptance metrics: gamma must be >= 1, got {gamma}")
+            raise ValueError(
+                f"DSpark acceptance metrics: gamma must be >= 1, got {gamma}"
+            )
         self.gamma = int(gamma)
         self.accepted_hist = [0] * (self.gamma + 1)
         self.verified_hist = [0] * (self.gamma + 1)
@@ -85,7 +87,8 @@ class DsparkAcceptanceCounts:
     ) -> None:
         """One verify step: ``correct_drafts[i]`` accepted drafts of ``reqs[i]``, ``cap_lens[i]``
         its verified length with the bonus slot (None: every draft verified). Skips the
-        requests upstream's per-request statistics skip (retracted or already finished)."""
+        requests upstream's per-request statistics skip (retracted or already finished).
+        """
         acc, ver, gamma = self.accepted_hist, self.verified_hist, self.gamma
         for i, req in enumerate(reqs):
             if req.is_retracted or req.finished():
@@ -230,7 +233,8 @@ def build_dspark_acceptance_metrics(
     spec, collector, registry=None
 ) -> Optional[DsparkAcceptanceMetrics]:
     """The metrics for this scheduler when it exports metrics (``collector``: upstream's
-    scheduler collector, whose labels they share, or None) and serves DSpark; else None."""
+    scheduler collector, whose labels they share, or None) and serves DSpark; else None.
+    """
     if collector is None or not _is_dspark(spec):
         return None
     return DsparkAcceptanceMetrics(
