@@ -1,33 +1,17 @@
 """DSpark acceptance by draft position, in upstream's metrics framework (--enable-metrics).
 
-Upstream exports acceptance as means per verify step (``sglang:spec_accept_length``,
-``spec_accept_rate``); this adds what says *which* draft positions fail:
+Series (upstream's scheduler labels plus one of ours; what they mean and how to read them:
+docs/dspark-tuning.md): ``sglang:dspark_drafts_proposed_total`` and ``..._accepted_total``
+per ``position``, ``sglang:dspark_verify_steps_total`` per ``accepted_drafts`` (a histogram in
+counter form), ``sglang:dspark_verify_rows_total`` per ``rows`` (``live``,
+``kept_out_of_moe``) and the gauge ``sglang:dspark_draft_temperature_scale``.
 
-* ``sglang:dspark_drafts_proposed_total{position}`` and
-  ``sglang:dspark_drafts_accepted_total{position}``: per draft position 1..gamma, the drafts
-  put to the target's verification and the drafts it accepted. A draft past a verify cap
-  (``--speculative-dspark-verify-cap``, or upstream's ragged ``cap_lens``) is not proposed.
-* ``sglang:dspark_verify_steps_total{accepted_drafts}``: request verify steps by their number
-  of accepted drafts 0..gamma, a histogram in counter form (exact counts; Prometheus'
-  ``Histogram.observe`` per request and step would cost ~2 us each on the scheduler).
-* ``sglang:dspark_verify_rows_total{rows}``: the static verify's rows (gamma + 1 per request
-  and step), ``live`` (verified: the anchor and the drafts in the cap) or ``kept_out_of_moe``
-  (past the cap: they route as their anchor and stream no expert of their own).
-* ``sglang:dspark_draft_temperature_scale``: the tau in effect.
-
-Counting: per verify step the scheduler reads the accepted drafts and the verified lengths
-that upstream already copied to the host (``_resolve_spec_v2_tokens``), so it adds no device
-sync; it counts the requests upstream's per-request statistics count (neither retracted nor
-finished) into two histograms (accepted drafts, verified drafts), from which every count above
-follows. The counters are written at upstream's decode-log interval, which also logs the
-interval's rate per position, and when the scheduler goes idle, so a scrape after the
-requests finished equals the sum of their responses' ``meta_info`` counts
-(``dspark_drafts_proposed_by_position``, ``dspark_drafts_accepted_by_position``), which
-the tokenizer derives from upstream's per-request histograms.
-
-Everything here is built only with --enable-metrics and DSpark: otherwise no metric is
-registered, no count is taken, and the log, the results and ``meta_info`` are upstream's.
-Reading them: docs/dspark-tuning.md.
+Invariants: the scheduler counts from the accept and cap lengths upstream already copied to the
+host (no device sync), the requests upstream's per-request statistics count (neither retracted
+nor finished); the counters are written at the decode-log interval and when the scheduler goes
+idle, so an idle server's counters equal the sum of its responses' ``meta_info`` counts, which
+the tokenizer derives from upstream's per-request histograms. Without --enable-metrics or DSpark
+nothing is built, registered or counted.
 """
 
 from __future__ import annotations
@@ -123,10 +107,8 @@ def _delta(now: Dict[str, List[int]], then: Dict[str, List[int]]):
 
 
 class DsparkAcceptanceMetrics:
-    """The scheduler's DSpark acceptance metrics: counts, their Prometheus series (upstream's
-    labels plus one of ours) and the decode-log suffix. Built by
-    ``build_dspark_acceptance_metrics``; ``registry`` is for tests (default: prometheus'
-    own, as upstream's collectors use)."""
+    """The scheduler's counts, their Prometheus series and the decode-log suffix
+    (``registry``: prometheus' default, as upstream's collectors use, or a test's)."""
 
     def __init__(
         self,
@@ -211,8 +193,7 @@ class DsparkAcceptanceMetrics:
         self._flushed = now
 
     def interval_log_suffix(self) -> str:
-        """Flush, and the decode-log text for the interval since the last one: accepted /
-        proposed per position, and the rows kept out of the MoE when a cap kept any."""
+        """Flush; the decode-log text of the interval: accepted / proposed per position."""
         self.flush()
         now = self.counts.totals()
         d = _delta(now, self._logged)
@@ -282,10 +263,9 @@ def add_dspark_position_counts(meta_info: dict, spec, enabled: bool) -> None:
 
 
 class VerifyCapLens:
-    """The verify cap's live lengths (anchor + verified drafts) of a step, as upstream's
-    ``cap_lens`` result field: copied out of the cap's buffer, which the next step rewrites,
-    and carried to the host by upstream's asynchronous result copy. Built only with metrics
-    on, so without them the results are unchanged."""
+    """A step's verify-cap live lengths as upstream's ``cap_lens`` result field (a copy: the
+    next step rewrites the cap's buffer); upstream's asynchronous result copy carries it.
+    """
 
     def __init__(self, verify_cap) -> None:
         self.verify_cap = verify_cap
