@@ -147,6 +147,27 @@ def test_a_row_whose_feature_did_not_engage_fails():
     ]
 
 
+def test_a_graph_served_kernel_must_count_its_replays_on_the_device():
+    """Under CUDA graphs the Python probe fires at the capture only: a head that was captured
+    and then never replayed logs its call lines, and only the device counter shows the gap.
+    """
+    from e2e.matrix import P_HEAD
+
+    row = _row("a", probes=(P_HEAD,))
+    name = P_HEAD.split("?")[0]
+    for count, ok in ((2, False), (99, False), (100, True), (68600, True)):
+        log = f"e2e probe: {name} call 1 -> None\ne2e probe: {name} device count {count}\n"
+        rec = _served([[1]])
+        rec["_evidence"] = {e: bool(re.search(e, log)) for e in evidence(row)}
+        evaluate(row, rec, {})
+        assert rec["ok"] is ok, count
+    captured_only = _served([[1]])
+    log = f"e2e probe: {name} call 1 -> None\n"
+    captured_only["_evidence"] = {e: bool(re.search(e, log)) for e in evidence(row)}
+    evaluate(row, captured_only, {})
+    assert captured_only["ok"] is False
+
+
 def test_an_upstream_row_must_not_be_the_fork():
     rec = _served([[1]])
     evaluate(_row("up", tree="upstream"), rec, {})
@@ -319,7 +340,7 @@ def _softmax_top(margin, temperature, vocab=128):
     return e / (e + vocab - 1)
 
 
-def _speculative(n, seed, q_temp_sampled, q_temp_rule, margin=4.84, bias=6.6):
+def _speculative(n, seed, q_temp_sampled, q_temp_rule, margin=4.84, bias=6.6, prev0=0):
     """Token-wise rejection sampling of the sample checkpoint's target (top p) with a draft whose
     top q is ``bias`` at ``q_temp_sampled``; the accept rule reads q at ``q_temp_rule``. Exact
     when the two temperatures agree."""
@@ -330,7 +351,7 @@ def _speculative(n, seed, q_temp_sampled, q_temp_rule, margin=4.84, bias=6.6):
     q_s_rest, q_r_rest = (1 - q_s) / 127, (1 - q_r) / 127
     out = []
     for _ in range(n):
-        prev, seq = 0, []
+        prev, seq = prev0, []
         for _ in range(8):
             modal = rng.random() < q_s  # the draft's proposal
             accept = min(1.0, (p_top / q_r) if modal else (p_rest / q_r_rest))
@@ -468,10 +489,11 @@ def test_upstreams_v41_flip_is_an_expected_failure_never_a_pass():
     }
 
 
-def test_sampling_parameters_mixed_batches_and_seed_for_seed_bits():
-    """A mixed row's groups are each judged against the reference of their parameters, its
-    greedy group must be the target's chain; a seeded row must emit its reference's tokens.
-    """
+def test_sampling_parameters_mixed_batches_and_seed_for_seed_bits(monkeypatch):
+    """A mixed row's groups are each judged against the reference of their parameters and the
+    target's distribution, its greedy group must be the target's chain; a seeded row must emit
+    its reference's tokens; without the target's distribution the row fails."""
+    import e2e.matrix as m
     from e2e.matrix import MIXED_SETS, SAMPLED_PROMPT, char_vocab, sampled_reference
 
     named = {r.name: r for r in rows()}
@@ -481,25 +503,30 @@ def test_sampling_parameters_mixed_batches_and_seed_for_seed_bits():
         assert named[f"s_off_{k}"].sampling == k
     assert named["s_tau_0.7_t1.3"].sampling == "t1.3"
     assert named["s_off"].seeded_same_as == "s_up_off"
+    # the grouping and the references are under test here, not the filters: every set at T 1
+    t1 = {"temperature": 1.0}
+    monkeypatch.setattr(m, "SAMPLING_SETS", {**m.SAMPLING_SETS, "t0.6": t1, "t1.3": t1})
     prev0 = char_vocab()[SAMPLED_PROMPT[-1]]
-    succ = list(range(128))
     chain = []
     for _ in range(8):
-        chain.append(succ[chain[-1] if chain else prev0])
+        chain.append(SUCC[chain[-1] if chain else prev0])
     n = 2000
-    refs = {k: _speculative(n, 10 + i, 1.0, 1.0) for i, k in enumerate(MIXED_SETS)}
+
+    def draw(seed):
+        return _speculative(n, seed, 1.0, 1.0, prev0=prev0)
+
     recs = {
-        sampled_reference(k): {"_sampled": {"tokens": refs[k]}}
-        for k in MIXED_SETS
+        sampled_reference(k): {"_sampled": {"tokens": draw(10 + i)}}
+        for i, k in enumerate(MIXED_SETS)
         if k != "greedy"
     }
+    recs["s_up_nospec"]["_target"] = _sim_dists()
     recs["s_up_off"] = {"seeded": [[1, 2], [3, 4]]}
 
     def mixed(wrong_set=None):
-        draws = {
-            k: iter(_speculative(n, 20 + i, 1.0, 1.0)) for i, k in enumerate(MIXED_SETS)
-        }
-        draws[wrong_set] = iter(_chain(n, 0.3, 7)) if wrong_set else None
+        draws = {k: iter(draw(20 + i)) for i, k in enumerate(MIXED_SETS)}
+        if wrong_set:
+            draws[wrong_set] = iter(_chain(n, 0.3, 7))
         tokens = []
         for i in range(n * len(MIXED_SETS)):
             k = MIXED_SETS[i % len(MIXED_SETS)]
@@ -512,19 +539,28 @@ def test_sampling_parameters_mixed_batches_and_seed_for_seed_bits():
     row = Row("m", [], model="sample", greedy=False, sampled=True, sampling="mixed",
               seeded_same_as="s_up_off")  # fmt: skip
     good = mixed()
-    evaluate(row, good, recs, succ)
+    evaluate(row, good, recs, SUCC)
     assert good["ok"], good["checks"]
-    assert {k for k in good["checks"] if k.startswith("sampled_agrees")} == {
-        "sampled_agrees_t1", "sampled_agrees_t0.6", "sampled_agrees_t1.3"
-    }  # fmt: skip
+    for test in ("sampled_agrees", "sampled_fits_target"):
+        assert {k for k in good["checks"] if k.startswith(test)} == {
+            f"{test}_{k}" for k in ("t1", "t0.6", "t1.3")
+        }
     bad = mixed("t1.3")
-    evaluate(row, bad, recs, succ)
+    evaluate(row, bad, recs, SUCC)
     assert bad["checks"]["sampled_agrees_t1.3"] is False
-    assert bad["checks"]["sampled_agrees_t1"]
+    assert bad["checks"]["sampled_fits_target_t1.3"] is False
+    assert (
+        bad["checks"]["sampled_agrees_t1"] and bad["checks"]["sampled_fits_target_t1"]
+    )
     other_bits = mixed()
     other_bits["seeded"] = [[1, 2], [3, 5]]
-    evaluate(row, other_bits, recs, succ)
+    evaluate(row, other_bits, recs, SUCC)
     assert other_bits["checks"]["seeded_identical_to_s_up_off"] is False
+    del recs["s_up_nospec"]["_target"]
+    blind = mixed()
+    evaluate(row, blind, recs, SUCC)
+    assert blind["ok"] is False
+    assert blind["checks"]["target_distribution_of_s_up_nospec_served"] is False
 
 
 def _sampled_accepts(n, seed, p):
@@ -567,6 +603,8 @@ def test_rows_judge_their_speculation_and_the_dropped_control_is_there():
             assert r.accepts in ("reference", "design"), r.name
     assert named["cap_3"].accepts == named["s_tau_0.7"].accepts == "design"
     assert named["off"].accepts == named["s_head_fp8"].accepts == "reference"
+    subtle = named["s_tau_q_3pct"]
+    assert subtle.fault == "tau_q_3pct" and subtle.must_fail == "sampled_fits_target"
     control = named["off_speculation_dropped"]
     assert control.fault == "speculation_off" and control.must_fail == "speculation"
 
@@ -591,6 +629,65 @@ def test_the_speculation_fault_drops_every_speculative_argument():
         "['--model-path', 'x', '--tp', '1', '--port', '9']",
         "sitecustomize",
     ], out.stderr[-2000:]
+
+
+def _sim_dists():
+    """The target of ``_speculative``'s simulation: after t, t + 1 at p_top, t itself never,
+    the 126 others uniform."""
+    top = _softmax_top(4.84, 1.0)
+    rest = math.log((1 - top) / 126)
+    return [
+        [math.log(top) if u == (t + 1) % 128 else -math.inf if u == t else rest
+         for u in range(128)]
+        for t in range(128)
+    ]  # fmt: skip
+
+
+def test_fit_test_takes_the_exact_rule_and_refuses_a_3_percent_q_temperature_error():
+    """Scored against the target's own distribution (no reference sample's noise): the exact
+    rule passes; q read at 1.03 x its temperature at every drafted position is refused, as are
+    the 0.97 T target and a draw the filters exclude. (The two-sample test sees 3 % too, 2 %
+    barely; the fit test 2 % clearly and 1 % not: docs/gpu-testing.md.)"""
+    from e2e.matrix import fit_test
+
+    dists, n, t1 = _sim_dists(), 20000, {"temperature": 1.0}
+    for seed in (2, 3):
+        assert fit_test(_speculative(n, seed, 1.0, 1.0), dists, t1, 0)["min_p"] >= P_MIN
+    for seed, q_rule in ((4, 1.03), (5, 1.02)):
+        fit = fit_test(_speculative(n, seed, 1.0, q_rule), dists, t1, 0)
+        assert fit["min_p"] < P_MIN and fit["p_modal_drafted"] < P_MIN, q_rule
+    colder = _chain(n, _softmax_top(4.84, 0.97), 3)
+    assert fit_test(colder, dists, t1, 0)["min_p"] < P_MIN
+    # top-k 1 leaves only the modal token: any other draw is impossible
+    exact = _speculative(200, 6, 1.0, 1.0)
+    fit = fit_test(exact, dists, {"temperature": 1.0, "top_k": 1}, 0)
+    assert fit["impossible_draws"] > 0 and fit["min_p"] == 0.0
+
+
+def test_processed_mirrors_upstreams_torch_sampler_filters():
+    from e2e.matrix import processed
+
+    lp = [math.log(p) for p in (0.5, 0.2, 0.15, 0.1, 0.05)]
+    close = lambda a, b: all(abs(x - y) < 1e-12 for x, y in zip(a, b))  # noqa: E731
+    assert close(processed(lp, {"temperature": 1.0}), [0.5, 0.2, 0.15, 0.1, 0.05])
+    assert processed(lp, {"temperature": 0.0}) == [1.0, 0, 0, 0, 0]
+    # top-p keeps a token while the mass before it is at most p
+    assert close(
+        processed(lp, {"temperature": 1.0, "top_p": 0.65}),
+        [0.5 / 0.7, 0.2 / 0.7, 0, 0, 0],
+    )
+    assert close(
+        processed(lp, {"temperature": 1.0, "top_k": 3}),
+        [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0],
+    )
+    # min-p relative to the top token's probability
+    assert close(
+        processed(lp, {"temperature": 1.0, "min_p": 0.25}),
+        [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0],
+    )
+    hot = processed(lp, {"temperature": 2.0})
+    w = [p**0.5 for p in (0.5, 0.2, 0.15, 0.1, 0.05)]
+    assert close(hot, [x / sum(w) for x in w])  # fmt: skip
 
 
 def test_sample_test_accepts_the_exact_rule_and_refuses_both_negative_controls():
@@ -657,10 +754,21 @@ def test_the_tau_fault_leaves_q_at_t():
         "temps = torch.ones(2); params = types.SimpleNamespace(temperatures=temps, "
         "step_temperatures=torch.ones(2))\n"
         "draft = torch.zeros(2); t.stage_draft_temperatures(params, draft, 2)\n"
-        "print(draft.tolist(), params.step_temperatures.tolist())\n"
+        "print([round(x, 4) for x in draft.tolist()], params.step_temperatures.tolist())\n"
     )
-    env = {**os.environ, "E2E_FAULT": "tau_q_at_T"}
+    env = {**os.environ, "E2E_FAULT": "tau_q_3pct"}
     env["PYTHONPATH"] = os.pathsep.join([str(STANDINS[0]), env.get("PYTHONPATH", "")])
+    subtle = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+    )
+    # the subtle control: q at 1.03 x tau x T, the draft still at tau x T
+    assert subtle.stdout.split() == [
+        "[0.515,",
+        "0.515]",
+        "[0.5,",
+        "0.5]",
+    ], subtle.stderr[-2000:]
+    env["E2E_FAULT"] = "tau_q_at_T"
     faulty = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )

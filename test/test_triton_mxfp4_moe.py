@@ -174,6 +174,26 @@ def test_live_weights_checked_and_a_call_serves_the_kernel():
     assert torch.equal(out.hidden_states, want)
 
 
+def test_inside_the_verify_caps_scope_dead_rows_read_no_expert():
+    """In a target verify under the cap (live_rows_scope), the method hands the live lengths to
+    the kernel: a dead row's output is 0 (no expert read), live rows are the plain call's.
+    """
+    from sglang.srt.layers.moe.router_live_rows import LiveRows, live_rows_scope
+
+    weights = experts()
+    layer, m = loaded(weights), method(limit=10.0)
+    m.process_weights_after_loading(layer)
+    x, ids, tw = inputs(6)  # two requests of 3 verify rows
+    topk = SimpleNamespace(topk_ids=ids, topk_weights=tw)
+    call = SimpleNamespace(hidden_states=x, topk_output=topk)
+    plain = m.apply(layer, call).hidden_states
+    live = LiveRows(lens=torch.tensor([2, 3]), stride=3, owner="--test")
+    with live_rows_scope(live):
+        capped = m.apply(layer, call).hidden_states
+    assert torch.equal(capped[[0, 1, 3, 4, 5]], plain[[0, 1, 3, 4, 5]])
+    assert torch.count_nonzero(capped[2]) == 0 and torch.count_nonzero(plain[2]) > 0
+
+
 def test_a_corrupted_layer_refuses_to_start_naming_itself(monkeypatch):
     """The fault: the kernel reads every down scale one step high (each value doubled), as a
     kernel that misreads the layout would; the check compares it with the exact product of

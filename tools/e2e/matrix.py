@@ -217,6 +217,10 @@ P_BLOCK = (
     "accept_draft_tokens?block_verification"
 )
 P_LOOP = "sglang.srt.managers.loop_abort:LoopGuard.feed"  # the per-token check ran
+# Kernels served inside the decode and verify CUDA graphs: their probes must also count 100 or
+# more calls on the device over a row's requests (sitecustomize), so a kernel that was captured but
+# never replayed (or replaced at replay) fails the row.
+REPLAYED_PROBES = {P_TWIN_SMALL, P_TWIN_MID, P_HEAD}
 L_TWIN = (
     r"--dsv4-wo-a-fp8-twin=\w+ \([^)]*\): fp8 twins for [1-9]\d* wo_a weights \([1-9]"
 )
@@ -294,6 +298,7 @@ class Row:
     seeded_same_as: str | None = None  # sampled bits seed for seed equal to this row's
     fault: str | None = None  # E2E_FAULT: a negative control
     must_fail: str | None = None  # the check a negative control must fail
+    may_fail: tuple[str, ...] = ()  # checks a negative control's fault may also fail
     requests: str | None = None  # extra requests: "loop" | "thinking"
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # server environment
 
@@ -717,6 +722,19 @@ def rows() -> list[Row]:
             probes=(P_TAU,),
             fault="tau_q_at_T",
             must_fail="sampled_agrees",
+            may_fail=("sampled_fits_target",),
+            **sampled,
+        ),
+        # the subtle control: q read at 1.03 x its temperature at every drafted position, which
+        # the exact fit test must refuse (the two-sample test may not see it)
+        _row(
+            "s_tau_q_3pct",
+            *TAU,
+            engaged=(L_TAU,),
+            probes=(P_TAU,),
+            fault="tau_q_3pct",
+            must_fail="sampled_fits_target",
+            may_fail=("sampled_agrees",),
             **sampled,
         ),
         # ---- startup refusals
@@ -934,6 +952,34 @@ def sampled(
         "spec": spec_stats(metas),
         "accepts": [request_accepts(o) for o in metas],
     }
+
+
+def target_distributions(server: Server, model: Path) -> list[list[float]]:
+    """The served target's next-token logprobs after the sampled prompt with its last token
+    replaced by each token of the vocabulary, over the whole vocabulary (``top_logprobs_num``),
+    at T 1 with no filter (so they are the raw distribution, not a processed one). The sample
+    checkpoint is a Markov chain to within its 1e-3 residual writes: row ``t`` is the target's
+    distribution after token ``t`` at any position (``fit_test``)."""
+    from transformers import AutoTokenizer
+
+    vocab = TINY_DSV4["vocab_size"]
+    prompt = AutoTokenizer.from_pretrained(model)(SAMPLED_PROMPT)["input_ids"]
+    outs = server.post(
+        "/generate",
+        {
+            "input_ids": [prompt[:-1] + [t] for t in range(vocab)],
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 1},
+            "return_logprob": True,
+            "top_logprobs_num": vocab,
+        },
+    )
+    dists = []
+    for o in outs:
+        row = [-math.inf] * vocab
+        for logprob, token, *_ in o["meta_info"]["output_top_logprobs"][0]:
+            row[token] = logprob
+        dists.append(row)
+    return dists
 
 
 def seeded(server: Server) -> list[list[int]]:
@@ -1309,6 +1355,103 @@ def chi2_same(
     return result
 
 
+def processed(logprobs: list[float], params: dict) -> list[float]:
+    """The distribution upstream's torch sampler draws from (``--sampling-backend pytorch``):
+    softmax at the temperature, then top-p, top-k and min-p each judged on the same sorted,
+    unrenormalised probabilities (ties in token order), renormalised. Greedy: the argmax.
+    """
+    temperature = params.get("temperature", 1.0)
+    if temperature == 0:
+        top = max(range(len(logprobs)), key=lambda t: logprobs[t])
+        return [float(t == top) for t in range(len(logprobs))]
+    peak = max(logprobs)
+    w = [math.exp((lp - peak) / temperature) for lp in logprobs]
+    total = sum(w)
+    probs = [x / total for x in w]
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    top_p, top_k = params.get("top_p", 1.0), params.get("top_k", -1)
+    min_p = params.get("min_p", 0.0) * probs[order[0]]
+    kept, cum = [0.0] * len(probs), 0.0
+    for rank, t in enumerate(order):
+        if cum <= top_p and (top_k < 0 or rank < top_k) and probs[t] >= min_p:
+            kept[t] = probs[t]
+        cum += probs[t]
+    total = sum(kept)
+    return [x / total for x in kept]
+
+
+def fit_test(
+    tokens: list[list[int]], dists: list[list[float]], params: dict, prev0: int
+) -> dict:
+    """Do the draws follow the target's own distribution, exactly? One-sample tests against
+    ``processed(dists[previous token], params)``, which no reference sample's noise dilutes:
+    - the draws that took the target's modal token over all positions after the first (the
+      drafted ones; given the past each is a Bernoulli of known mean, so their sum has a known
+      variance, dependence between positions notwithstanding), and per position;
+    - per position, a chi-square goodness of fit of (previous token, token) pairs, cells with
+      fewer than 5 expected draws pooled per previous token.
+    ``min_p`` is the smallest p-value."""
+    from scipy.stats import chi2
+
+    probs, modals = {}, {}
+
+    def p_of(prev):
+        if prev not in probs:
+            probs[prev] = processed(dists[prev], params)
+            modals[prev] = max(range(len(probs[prev])), key=lambda t: probs[prev][t])
+        return probs[prev]
+
+    result, took, mean, var, impossible = {}, 0, 0.0, 0.0, 0
+    for pos in range(SAMPLED_TOKENS):
+        pairs = Counter()
+        k, m, v = 0, 0.0, 0.0
+        for seq in tokens:
+            prev = seq[pos - 1] if pos else prev0
+            dist = p_of(prev)
+            modal = modals[prev]
+            impossible += dist[seq[pos]] == 0
+            k += seq[pos] == modal
+            m += dist[modal]
+            v += dist[modal] * (1 - dist[modal])
+            pairs[prev, seq[pos]] += 1
+        result[f"p_modal_pos{pos}"] = _z_p(k, m, v)
+        if pos:
+            took, mean, var = took + k, mean + m, var + v
+        stat, dof = 0.0, 0
+        for prev in {a for a, _ in pairs}:
+            n = sum(c for (a, _), c in pairs.items() if a == prev)
+            expected = [n * q for q in p_of(prev)]
+            big = [t for t, e in enumerate(expected) if e >= 5]
+            cells = [(pairs[prev, t], expected[t]) for t in big]
+            rest = n - sum(o for o, _ in cells), n - sum(e for _, e in cells)
+            if rest[1] >= 1e-9:
+                cells.append(rest)
+            stat += sum((o - e) ** 2 / e for o, e in cells if e > 0)
+            dof += len(cells) - 1
+        result[f"p_fit_pos{pos}"] = float(chi2.sf(stat, dof)) if dof else 1.0
+    result["p_modal_drafted"] = _z_p(took, mean, var)
+    result["modal_drafted_share"] = round(
+        took / max(len(tokens), 1) / (SAMPLED_TOKENS - 1), 4
+    )
+    result["modal_drafted_expected"] = round(
+        mean / max(len(tokens), 1) / (SAMPLED_TOKENS - 1), 4
+    )
+    # a draw of a token the filters give no mass is impossible for an exact sampler
+    result["impossible_draws"] = impossible
+    result["p_possible"] = 0.0 if impossible else 1.0
+    result["min_p"] = min(v for k, v in result.items() if k.startswith("p_"))
+    return result
+
+
+def _z_p(observed: float, mean: float, var: float) -> float:
+    """Two-sided p-value of ``observed`` against a normal of ``mean`` and ``var``."""
+    from scipy.stats import norm
+
+    if var <= 0:
+        return 1.0 if observed == mean else 0.0
+    return float(2 * norm.sf(abs(observed - mean) / math.sqrt(var)))
+
+
 def sampled_reference(sampling: str) -> str:
     """The row serving the target's own distribution (upstream, no speculation) at ``sampling``."""
     return SAMPLED_REFERENCE if sampling == "t1" else f"{SAMPLED_REFERENCE}_{sampling}"
@@ -1429,6 +1572,10 @@ def serve_row(
         + MODEL_ARGS.get(row.model, [])
         + row.args
     )
+    dump = logs / f"{row.name}.probe-dump"
+    dump.unlink(missing_ok=True)
+    if row.probes:
+        env = {**env, "E2E_PROBE_DUMP": str(dump)}
     with Server(model, args, env=env, log_path=logs / f"{row.name}.log") as server:
         rec["startup_s"] = round(server.startup_seconds, 1)
         line = fork_flags_line(server.log())
@@ -1446,6 +1593,7 @@ def serve_row(
                 server, row_seed(row.name), row.sampling, sampled_requests
             )
             if row.name == SAMPLED_REFERENCE:
+                rec["_target"] = target_distributions(server, model)
                 # the first negative control: the target's distribution at 0.97 T
                 rec["_control"] = sampled(
                     server,
@@ -1461,6 +1609,13 @@ def serve_row(
             rec["thinking_disagreeing_switches"] = thinking_request(server)
         if row.requests == "metrics":
             rec["metrics"] = metrics_requests(server)
+        if row.probes:  # the device counters, after every request of the row
+            dump.touch()
+            deadline = time.monotonic() + 20
+            while "e2e probe: device counts dumped" not in server.log():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
     rec["log_errors"] = server.errors()[:20]
     rec["upstream_fallbacks"] = server.fallbacks()[:5]
     rec["feature_lines"] = feature_lines(server.log())
@@ -1470,10 +1625,18 @@ def serve_row(
 
 
 def evidence(row: Row) -> list[str]:
-    """The log lines that show the row's feature ran: its startup lines and its probes' lines."""
-    return list(row.engaged) + [
-        re.escape(f"e2e probe: {p.split('?')[0]} call") for p in row.probes
-    ]
+    """The log lines that show the row's feature ran: its startup lines and its probes' lines;
+    for a kernel served under CUDA graphs (``REPLAYED_PROBES``), its device counter at 100 or
+    more (counted at every replay, not only at the capture)."""
+    lines = list(row.engaged)
+    for p in row.probes:
+        name = p.split("?")[0]
+        lines.append(re.escape(f"e2e probe: {name} call"))
+        if p in REPLAYED_PROBES:
+            lines.append(
+                re.escape(f"e2e probe: {name} device count ") + "[1-9][0-9]{2,}"
+            )
+    return lines
 
 
 def logprob_spread(got: dict, ref: dict) -> dict:
@@ -1761,6 +1924,7 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
         rec["sampled_requests"] = len(s["tokens"])  # a sitting's --sampled-requests
         prev0 = char_vocab()[SAMPLED_PROMPT[-1]]
         sets = MIXED_SETS if row.sampling == "mixed" else (row.sampling,)
+        target = recs.get(SAMPLED_REFERENCE, {}).get("_target")
         for name in sets:
             mine = [
                 t
@@ -1768,6 +1932,12 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
                 if sampling_set(row.sampling, i) == name
             ]
             key = "" if row.sampling != "mixed" else f"_{name}"
+            if target is None:
+                checks[f"target_distribution_of_{SAMPLED_REFERENCE}_served"] = False
+            elif name != "greedy":
+                fit = fit_test(mine, target, SAMPLING_SETS[name], prev0)
+                rec[f"sampled_fits_target{key}_result"] = fit
+                checks[f"sampled_fits_target{key}"] = fit["min_p"] >= P_MIN
             if name == "greedy":  # the target's chain: every request the same tokens
                 checks["greedy_among_sampled_is_one_result"] = len(
                     {tuple(t) for t in mine}
@@ -1795,13 +1965,19 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
             checks["control_0.97T_refused"] = (
                 rec["negative_control_0.97T"]["min_p"] < P_MIN
             )
+            if target is not None:
+                fit = fit_test(
+                    rec["_control"]["tokens"], target, SAMPLING_SETS["t1"], prev0
+                )
+                rec["negative_control_0.97T_fit"] = fit
+                checks["control_0.97T_refused_by_fit"] = fit["min_p"] < P_MIN
     rec["checks"] = checks
     defect = upstream_defect_result(row, rec, recs)
     if defect:
         rec["expected_failure"] = defect
     if row.must_fail:
         rec["ok"] = checks.get(row.must_fail) is False and all(
-            v for k, v in checks.items() if k != row.must_fail
+            v for k, v in checks.items() if k != row.must_fail and k not in row.may_fail
         )
     else:
         rec["ok"] = all(checks.values())
@@ -1824,7 +2000,7 @@ def _public(rec: dict) -> dict:
         rec["greedy"] = {
             k: v for k, v in g.items() if k not in ("tokens", "logprobs", "accepts")
         }
-    for key in ("_sampled", "_control", "_evidence", "seeded"):
+    for key in ("_sampled", "_control", "_evidence", "seeded", "_target"):
         rec.pop(key, None)
     return rec
 

@@ -62,11 +62,16 @@ def _sinkhorn_on_triton(mhc):
 # to the server log at its 1st, 10th, 100th, ... call ("e2e probe: <name> call <n> -> <result>");
 # with ``?kwarg`` only calls passing a truthy ``kwarg`` count. A row that names a probe fails
 # unless its line is in the log: the feature's code ran (under CUDA graphs: was captured).
+# A probe whose call passes a CUDA tensor also adds 1 to a counter on that device in the same
+# stream, so a captured call counts at every replay; when the file E2E_PROBE_DUMP appears (the
+# harness creates it after the row's requests) the process prints each such counter
+# ("e2e probe: <name> device count <n>") and "e2e probe: device counts dumped".
 #
 # E2E_FAULT=<name>: a deliberately wrong engine for a negative control (never a switch in the
 # engine itself), changing results by construction, far beyond rounding:
 #   wo_a_group_x2  the wo_a twin's kernels return group 0's outputs doubled (a 2x scale error)
 #   tau_q_at_T     the DSpark draft samples at tau x T, but the accept rule reads q at T
+#   tau_q_3pct     the accept rule reads q at 1.03 x the temperature the draft samples at
 #   speculation_off  the server drops every --speculative-* argument before parsing: it serves
 #                  without speculation although the row asked for DSpark
 
@@ -94,6 +99,7 @@ def _wrap_probe(module, qualname: str, kwarg: str) -> None:
     def probe(*args, **kwargs):
         result = fn(*args, **kwargs)
         if not kwarg or kwargs.get(kwarg):
+            _count_on_device(name, args, kwargs)
             count[0] += 1
             if count[0] in (1, 10, 100, 1000, 10000, 100000):
                 print(
@@ -102,6 +108,52 @@ def _wrap_probe(module, qualname: str, kwarg: str) -> None:
         return result
 
     setattr(owner, attr, kind(probe) if kind else probe)
+
+
+_DEVICE_COUNTS: dict = {}
+
+
+def _count_on_device(name: str, args, kwargs) -> None:
+    """Adds 1 to ``name``'s device counter (made at its first call with a CUDA tensor)."""
+    counter = _DEVICE_COUNTS.get(name)
+    if counter is None:
+        import torch
+
+        device = next(
+            (
+                a.device
+                for a in list(args) + list(kwargs.values())
+                if isinstance(a, torch.Tensor) and a.is_cuda
+            ),
+            None,
+        )
+        if device is None:
+            return
+        if not _DEVICE_COUNTS:
+            _start_dump_thread()
+        counter = _DEVICE_COUNTS[name] = torch.zeros(
+            1, dtype=torch.int64, device=device
+        )
+    counter.add_(1)
+
+
+def _start_dump_thread() -> None:
+    import os
+    import threading
+    import time
+
+    path = os.environ.get("E2E_PROBE_DUMP")
+    if not path:
+        return
+
+    def dump():
+        while not os.path.exists(path):
+            time.sleep(0.5)
+        for name, counter in list(_DEVICE_COUNTS.items()):
+            print(f"e2e probe: {name} device count {int(counter.item())}", flush=True)
+        print("e2e probe: device counts dumped", flush=True)
+
+    threading.Thread(target=dump, daemon=True, name="e2e-probe-dump").start()
 
 
 def _register_probes(spec: str) -> None:
@@ -162,6 +214,27 @@ def _tau_q_at_t(tau_module):
     tau_module.scale_draft_params = scale_draft_params
 
 
+def _tau_q_3pct(tau_module):
+    """q read at 1.03 x the draft's sampling temperature (tau x T) at every drafted position."""
+    stage = tau_module.stage_draft_temperatures
+
+    def stage_draft_temperatures(params, draft_temperatures, bs):
+        stage(params, draft_temperatures, bs)
+        if draft_temperatures is not params.temperatures:
+            draft_temperatures[:bs].mul_(1.03)
+
+    scale = tau_module.scale_draft_params
+
+    def scale_draft_params(params):
+        out = scale(params)
+        if out is params:
+            return out
+        return out._replace(temperatures=out.temperatures * 1.03)
+
+    tau_module.stage_draft_temperatures = stage_draft_temperatures
+    tau_module.scale_draft_params = scale_draft_params
+
+
 def without_speculation(argv: list) -> list:
     """``argv`` without its ``--speculative-*`` options and their values."""
     kept, skip = [], False
@@ -181,6 +254,10 @@ def _speculation_off(server_args):
 
 _FAULTS = {
     "speculation_off": ("sglang.srt.server_args", _speculation_off),
+    "tau_q_3pct": (
+        "sglang.srt.speculative.dspark_components.dspark_draft_tau",
+        _tau_q_3pct,
+    ),
     "wo_a_group_x2": ("sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90", _wo_a_group_x2),
     "tau_q_at_T": (
         "sglang.srt.speculative.dspark_components.dspark_draft_tau",

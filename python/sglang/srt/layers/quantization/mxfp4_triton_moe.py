@@ -24,6 +24,7 @@ from sglang.kernels.ops.moe.mxfp4_verify_moe import (
     mxfp4_verify_moe,
     within_bound,
 )
+from sglang.srt.layers.moe.router_live_rows import router_live_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -186,5 +187,7 @@ class Mxfp4TritonMoEMethod:
             topk.topk_weights,
             *self._weights(layer),
             swiglu_limit=self.swiglu_limit,
+            # inside the verify cap's scope its dead rows read and compute nothing
+            **router_live_kwargs(topk.topk_ids),
         )
         return StandardCombineInput(hidden_states=out)
