@@ -3,7 +3,7 @@ distinct weights that they stream from HBM (43 layers as in DeepSeek-V4.1; the H
 60 MB), median of many replays, achieved bandwidth and the floor from bytes beside each time.
 Every benchmark prints a table and writes JSON named after itself and the device, through
 ``write_result`` (tools/e2e/provenance.py): each result carries its ``provenance`` block (fork
-build, device, torch, triton, python), and a rerun by another build never silently replaces a
+build, device, torch, triton, python, harness commit), and a rerun by another build never silently replaces a
 result that docs cite (``--overwrite``).
 """
 

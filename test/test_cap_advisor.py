@@ -292,7 +292,7 @@ def test_step_time_from_the_cost_model(tmp_path):
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
     result = json.loads(
-        (REPO / "benchmark/results/verify_cap_moe-NVIDIA_H200.json").read_text()
+        (REPO / "benchmark/results/archive/verify_cap_moe-NVIDIA_H200.json").read_text()
     )
     row = next(r for r in result["rows"] if (r["bs"], r["k"]) == (1, 3))
     saved_ms = 43 * (row["moe_us_no_cap"] - row["moe_us_cap"]) / 1e3

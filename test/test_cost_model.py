@@ -132,9 +132,9 @@ def test_small_batches_save_and_the_savings_are_the_measured_ones():
     p, s = _predict(bs=1)
     rows = {
         (r["G"], r["M"]): r
-        for r in json.loads((cm.RESULTS / "wo_a_fp8-NVIDIA_H200.json").read_text())[
-            "rows"
-        ]
+        for r in json.loads(
+            cm.result_file(cm.RESULTS, "wo_a_fp8-NVIDIA_H200.json")[0].read_text()
+        )["rows"]
     }
     verify = s["wo_a, target verify"]
     assert verify["status"] == cm.MEASURED
@@ -210,7 +210,9 @@ def test_the_verify_cap_is_measured_only_at_the_benchmarks_expert_shape():
     v4 = cm.Model(
         **{**cm.asdict(V41), "hidden": 7168, "expert_width": 3072, "layers": 43}
     )
-    data = json.loads((cm.RESULTS / "verify_cap_moe-NVIDIA_H200.json").read_text())
+    data = json.loads(
+        cm.result_file(cm.RESULTS, "verify_cap_moe-NVIDIA_H200.json")[0].read_text()
+    )
     row = next(r for r in data["rows"] if (r["bs"], r["k"]) == (4, 3))
     p = cm.predict(cm.Setup(v4, 4, 5, 4, cm.Flags(verify_cap="3")))
     cap = p["sites"][3]
@@ -303,8 +305,27 @@ def results(tmp_path):
     """The committed H200 result files the step reads, without any MoE runner result."""
     for name in STOCK_FILES:
         f = f"{name}-NVIDIA_H200.json"
-        (tmp_path / f).write_text((cm.RESULTS / f).read_text())
+        (tmp_path / f).write_text(cm.result_file(cm.RESULTS, f)[0].read_text())
     return tmp_path
+
+
+def test_an_archived_result_is_read_and_named_until_its_rerun_lands(tmp_path):
+    """A file moved to results/archive/ (an older build's) still feeds the model, cited as
+    ``archive/<name>``; the re-run's file in results/ takes its place; with neither, the part
+    is not measured instead of failing."""
+    f = "wo_a_fp8-NVIDIA_H200.json"
+    assert cm.result_file(tmp_path, f) == (None, f)
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "archive" / f).write_text(json.dumps({"rows": []}))
+    assert cm.result_file(tmp_path, f) == (tmp_path / "archive" / f, f"archive/{f}")
+    assert cm._result(tmp_path, "wo_a_fp8", "NVIDIA_H200")[1] == f"archive/{f}"
+    (tmp_path / f).write_text(json.dumps({"rows": [1]}))
+    assert cm._result(tmp_path, "wo_a_fp8", "NVIDIA_H200") == ({"rows": [1]}, f)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cm._result(empty, "wo_a_fp8", "NVIDIA_H200") == (None, f"no {f}")
+    s = cm.step_share(results=empty)
+    assert s["batches"]  # the step is still split, its measured parts marked missing
 
 
 def _moe_file(folder, device="NVIDIA_H200", rows=(4, 6, 8, 12, 24, 48), upstream_to=24):

@@ -1,6 +1,6 @@
 """docker/: what can be checked of the serving image without an image registry.
 
-The image itself cannot be built on the project's machines. Checked instead: the first stage's
+The image is not built in CI. Checked instead: the first stage's
 script builds the fork wheel from a clean copy of the repository, for the tag the image's own
 Python installs (docker/wheel_tag.py); that wheel's dependency metadata is upstream's own, so
 installing it ``--no-deps`` over upstream's pinned set (the image's second stage) leaves

@@ -34,16 +34,18 @@ def test_every_table_of_the_script_is_on_its_page():
     for name, table in docs_tables.TABLES.items():
         assert f"<!-- docs_tables: {name} -->" in (REPO / table.page).read_text()
         for f in (table.result, *table.also):
-            assert (REPO / docs_tables.RESULTS / f).is_file()
+            assert docs_tables.result_path(f).is_file()
 
 
 @pytest.fixture
 def copy(tmp_path):
     """docs/ and the result files the tables read, in a scratch repository."""
     shutil.copytree(REPO / "docs", tmp_path / "docs")
-    (tmp_path / docs_tables.RESULTS).mkdir(parents=True)
     for f in {f for t in docs_tables.TABLES.values() for f in (t.result, *t.also)}:
-        shutil.copy(REPO / docs_tables.RESULTS / f, tmp_path / docs_tables.RESULTS)
+        src = docs_tables.result_path(f)
+        dest = tmp_path / src.relative_to(REPO)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, dest)
     assert docs_tables.update(tmp_path, write=False) == []
     return tmp_path
 
@@ -60,7 +62,7 @@ def test_a_figure_edited_in_a_page_is_found_and_rewritten(copy):
 
 
 def test_a_result_file_changed_under_its_table_is_found(copy):
-    path = copy / docs_tables.RESULTS / "hc_fused-NVIDIA_H200.json"
+    path = docs_tables.result_path("hc_fused-NVIDIA_H200.json", copy)
     data = json.loads(path.read_text())
     data["rows"][-1]["ratio"] = 2.0
     path.write_text(json.dumps(data))
@@ -71,7 +73,7 @@ def test_a_result_file_changed_under_its_table_is_found(copy):
 def test_a_second_result_file_is_read_from_the_checked_tree(copy):
     # The attribution table takes its predictions from the cost model's report: a change
     # there must show in the scratch tree's check, not be read from this checkout.
-    path = copy / docs_tables.RESULTS / "cost_model-cpu.json"
+    path = docs_tables.result_path("cost_model-cpu.json", copy)
     data = json.loads(path.read_text())
     for r in data["rows"]:
         r["cell"] = "999,999"
@@ -135,7 +137,7 @@ def test_a_stale_or_invalid_example_build_is_found():
 def test_the_matrix_table_counts_the_v41_rows_apart():
     """V4.1 rows get a line of their own (judged against upstream's V4.1 rows); a matrix served
     before they existed renders as it did."""
-    data = json.loads((REPO / docs_tables.RESULTS / "e2e-NVIDIA_H200.json").read_text())
+    data = json.loads(docs_tables.result_path("e2e-NVIDIA_H200.json").read_text())
     data["rows"] = {
         name: rec for name, rec in data["rows"].items() if not name.startswith("v41_")
     }
@@ -229,3 +231,25 @@ def test_the_full_depth_table_sorts_batches_and_marks_another_number_of_pairs():
         cap
         == "| cap 3: step time | 1.000 [0.900, 1.100] (n = 30) | 1.000 [0.900, 1.100] |"
     )
+
+
+def test_a_table_from_an_archived_file_says_so_and_links_nothing(copy):
+    """An older build's file in the archive still renders its table, under a line that names
+    it without a link and says it awaits a re-run; the re-run's file in results/ replaces it.
+    """
+    name = "loop_abort"
+    table = docs_tables.TABLES[name]
+    archived = copy / docs_tables.ARCHIVE / table.result
+    current = copy / docs_tables.RESULTS / table.result
+    if not archived.exists():
+        shutil.move(
+            current, archived.parent.mkdir(parents=True, exist_ok=True) or archived
+        )
+    assert docs_tables.result_path(table.result, copy) == archived
+    body = docs_tables.render(name, copy)
+    assert docs_tables.ARCHIVED in body and "](" not in body.splitlines()[-1]
+    shutil.copy(archived, current)
+    assert docs_tables.result_path(table.result, copy) == current
+    body = docs_tables.render(name, copy)
+    assert docs_tables.ARCHIVED not in body
+    assert f"](../benchmark/results/{table.result})" in body

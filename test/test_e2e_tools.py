@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 import math
 import os
 import random
@@ -898,6 +900,8 @@ def test_merge_keeps_the_earlier_rows_this_run_did_not_serve_and_refuses_another
     }
     with pytest.raises(SystemExit, match="fork_version"):
         merge_rows({**report, "fork_version": "v2"}, earlier)
+    with pytest.raises(SystemExit, match="commit"):
+        merge_rows({**report, "commit": "c2"}, earlier)
 
 
 def test_the_bundles_upstream_overlay_turns_the_fork_tree_back_into_the_release(
@@ -932,23 +936,89 @@ def test_the_bundles_upstream_overlay_turns_the_fork_tree_back_into_the_release(
     assert (bundle / "upstream-added.txt").read_text() == "python/sglang/ours.py\n"
 
 
+# The block a GPU machine records when it serves (not this machine's: evaluation must keep it).
+SERVED_BY = {
+    "fork_version": "1.0.0+fork.2.abcdef0",
+    "device": "NVIDIA H200",
+    "torch": "2.11.0",
+    "triton": "3.6.0",
+    "python": "3.12.3",
+    "commit": "0123456789abcdef0123456789abcdef01234567",
+}
+
+
 def test_raw_files_of_two_sittings_are_judged_as_one_matrix(tmp_path):
     meta = {"fork_version": "1.0.0+fork.2.abcdef0", "device": "D", "standins": True}
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     write_raw(
-        tmp_path / "a", meta, [1, 2], {"ref": {"tokens": [1]}, "x": {"tokens": [2]}}
+        tmp_path / "a",
+        meta,
+        [1, 2],
+        {"ref": {"tokens": [1]}, "x": {"tokens": [2]}},
+        SERVED_BY,
     )
-    write_raw(tmp_path / "b", meta, None, {"x": {"tokens": [3]}, "y": {"tokens": [4]}})
+    write_raw(
+        tmp_path / "b",
+        meta,
+        None,
+        {"x": {"tokens": [3]}, "y": {"tokens": [4]}},
+        SERVED_BY,
+    )
     a, b = tmp_path / "a" / "e2e-raw-D.json.gz", tmp_path / "b" / "e2e-raw-D.json.gz"
-    got_meta, recs, succ = read_raws([a, b])
-    assert got_meta == meta and succ == [1, 2]
+    got_meta, recs, succ, served_by = read_raws([a, b])
+    assert got_meta == meta and succ == [1, 2] and served_by == SERVED_BY
     assert recs == {"ref": {"tokens": [1]}, "x": {"tokens": [3]}, "y": {"tokens": [4]}}
-    other = tmp_path / "c"
-    other.mkdir()
-    write_raw(other, {**meta, "fork_version": "1.0.0+fork.3.1234567"}, None, {})
-    with pytest.raises(SystemExit, match="fork_version"):
-        read_raws([a, other / "e2e-raw-D.json.gz"])
+    for key, value in (("fork_version", "1.0.0+fork.3.1234567"), ("commit", "c2")):
+        other = tmp_path / key
+        other.mkdir()
+        write_raw(other, {**meta, key: value}, None, {}, SERVED_BY)
+        with pytest.raises(SystemExit, match=key):
+            read_raws([a, other / "e2e-raw-D.json.gz"])
+
+
+def test_evaluate_records_the_serving_machine_not_the_evaluating_one(tmp_path):
+    """``--evaluate`` on a CPU from a GPU run's raw file: the result's provenance is the GPU
+    machine's as it recorded it; the CPU that judged goes in ``evaluated_by``."""
+    from e2e import matrix
+    from e2e import provenance as prov
+
+    meta = {
+        "fork_version": SERVED_BY["fork_version"],
+        "device": "NVIDIA_H200",
+        "torch": "2.11.0",
+        "triton": "3.6.0",
+        "python": "3.12.3",
+        "commit": SERVED_BY["commit"],
+        "standins": True,
+        "sampled_requests": 1,
+    }
+    write_raw(
+        tmp_path, meta, None, {"off": {"skipped": "over the time budget"}}, SERVED_BY
+    )
+    raw = tmp_path / "e2e-raw-NVIDIA_H200.json.gz"
+    assert prov.check_files([raw]) == {}  # the raw file carries its provenance itself
+    out = tmp_path / "eval"
+    matrix.main(["--out", str(out), "--rows", "off", "--evaluate", str(raw)])
+    written = json.loads((out / "e2e-NVIDIA_H200.json").read_text())
+    assert written["provenance"] == SERVED_BY and prov.check(written) == []
+    assert written["evaluated_by"] == prov.provenance()
+    assert written["evaluated_by"]["device"] != SERVED_BY["device"]
+
+    # a raw file from before raw files carried the block: its meta, without a harness commit,
+    # is what the result records; it fails the check instead of taking this machine's commit
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    old = {k: v for k, v in meta.items() if k != "commit"}
+    with gzip.open(legacy / "e2e-raw-NVIDIA_H200.json.gz", "wt") as f:
+        json.dump({"meta": old, "succ": None, "rows": {"off": {"skipped": "x"}}}, f)
+    matrix.main(
+        ["--out", str(legacy / "o"), "--rows", "off", "--evaluate"]
+        + [str(legacy / "e2e-raw-NVIDIA_H200.json.gz")]
+    )
+    written = json.loads((legacy / "o" / "e2e-NVIDIA_H200.json").read_text())
+    assert written["provenance"]["device"] == "NVIDIA_H200"
+    assert prov.check(written) == ["provenance.commit missing or empty"]
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ def test_every_real_patch_exports_alone(tmp_path, series):
     assert problems == [], "\n".join(problems)
 
 
-# ---------------------------------------------------------------------------- dependencies (issue 19, item 5)
+# ---------------------------------------------------------------------------- dependencies
 
 DEP_SPECS = [
     Spec(

@@ -308,7 +308,7 @@ def test_real_drift_onto_an_older_release(tmp_path):
         assert p.name in text
 
 
-# ---------------------------------------------------------------------------- hardening (issue 19)
+# ---------------------------------------------------------------------------- hardening
 
 
 def _fork(tmp_path, monkeypatch, specs, target, version="1.1.0"):
@@ -516,7 +516,7 @@ def depends_on(root, name, dep):
     git(root, "commit", "-qam", f"{name} depends on {dep}")
 
 
-# ---------------------------------------------------------------------------- explained end to end (issue 36)
+# ---------------------------------------------------------------------------- explained end to end
 
 
 def test_the_real_run_classifies_every_patch_first_and_tests_at_the_end(

@@ -466,7 +466,7 @@ def test_readme_links_resolve():
     assert local and [t for t in local if not (REPO / t).exists()] == []
 
 
-# ---------------------------------------------------------------------------- refresh and tree (issue 19)
+# ---------------------------------------------------------------------------- refresh and tree
 
 from fakefork import BASE
 from fakefork import TAG as FAKE_TAG  # noqa: E402
@@ -585,6 +585,26 @@ def test_a_commit_without_a_body_keeps_its_trailers(fake):
     assert third.trailers["Why"] == ["a test"] and header_problems(third, root) == []
 
 
+def test_a_new_patch_takes_the_number_past_the_series_last(fake):
+    """Numbers freed by a patch that left (as 0013 and 0016 are) stay free: a new patch at the
+    end is numbered past the last one, not by its position."""
+    from forklib.series import load_series
+    from forklib.tree import refresh
+
+    root, tree = fake
+    series = root / "patches" / "series"
+    (root / "patches/0002-module.patch").rename(root / "patches/0004-module.patch")
+    series.write_text(series.read_text().replace("0002-module", "0004-module"))
+    _commit(
+        tree,
+        "third: a new patch\n\nBody.\n\n" + HEADER,
+        {"python/sglang/b.py": set_line(BASE["sglang/b.py"], 3, "b3 = 0")},
+    )
+    refresh(tree, root)
+    names = [p.name for p in load_series(series)]
+    assert names == ["0001-first", "0004-module", "0005-third-a-new-patch"]
+
+
 def test_refresh_writes_nothing_until_the_series_checks(fake):
     from forklib.tree import refresh
 
@@ -627,7 +647,7 @@ def test_refresh_keeps_the_series_comments_on_dropped_patches(fake):
 
 def test_no_test_hard_codes_the_pinned_release():
     """After `make rebase TO=<release>` the tests must pass unedited: they read the release
-    from upstream.toml (issue 19, item 6)."""
+    from upstream.toml."""
     pinned = load_pin().version
     hits = [
         f"{f.name}:{n}"
@@ -667,7 +687,7 @@ def test_no_module_of_ours_binds_a_top_level_name_twice(series):
 
 
 # A git short sha or a fork build string (<release>+fork.7.170b0a5): which build a figure came from
-# is the results file's business (and git log's), never the code's or a patch header's (issue 20).
+# is the results file's business (and git log's), never the code's or a patch header's.
 # A hash is 7-12 hex digits with a digit and a letter among them, standing alone: hex constants
 # are written 0x..., pinned sha256 digests are 64 digits, English words have no digit.
 BUILD_HASH_RE = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,12}\b")
@@ -733,6 +753,7 @@ TOOL_TESTS = {
     "test/test_upstream_tables.py",
     "test/test_reachable.py",
     "test/test_docs_tables.py",
+    "test/test_docs_words.py",
     "test/test_cost_model.py",
     "test/test_cap_advisor.py",
     "test/test_needs.py",

@@ -420,7 +420,7 @@ def test_with_no_effect_anywhere_a_cell_is_rarely_called_slower():
     assert any_slower / runs <= 0.08
 
 
-RESULT = "benchmark/results/e2e-full-depth-NVIDIA_H200.json"
+RESULT = "benchmark/results/archive/e2e-full-depth-NVIDIA_H200.json"
 
 
 def _committed() -> dict:
@@ -908,6 +908,8 @@ def test_merge_keeps_earlier_flag_sets_of_the_same_build():
     }
     with pytest.raises(SystemExit, match="fork_version"):
         sbs.merge_flag_sets(report, {**earlier, "fork_version": "other"})
+    with pytest.raises(SystemExit, match="commit"):
+        sbs.merge_flag_sets(report, {**earlier, "commit": "other"})
 
 
 def _batch(
@@ -1339,9 +1341,7 @@ def test_the_attribution_table_holds_the_flags_groups_against_the_model():
             },
         }
     }
-    model = json.loads(
-        (docs_tables.REPO / docs_tables.RESULTS / "cost_model-cpu.json").read_text()
-    )
+    model = json.loads(docs_tables.result_path("cost_model-cpu.json").read_text())
     rows = docs_tables.e2e_attribution(run, model).splitlines()
     assert len(rows) == 4
     assert rows[2] == (

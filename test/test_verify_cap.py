@@ -616,7 +616,7 @@ def test_kernel_with_dead_q_matches_the_twin_and_a_k_draft_verify(block, device)
         assert torch.equal(tn, kn[rows]) and torch.equal(ttok, ktok[rows]), k
 
 
-# ---------------------------------------------------------------- upstream APIs (issue 19, item 15)
+# ---------------------------------------------------------------- upstream APIs
 
 
 def test_a_deprecation_warning_from_our_modules_fails_the_tests():

@@ -27,6 +27,12 @@ from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = "benchmark/results"
+# Older files without complete provenance (benchmark/results/archive/README.md): a table still
+# read from one says so under it, and no page links into the archive.
+ARCHIVE = f"{RESULTS}/archive"
+ARCHIVED = (
+    "an older build's file, archived without complete provenance: awaits a re-run"
+)
 BLOCK_RE = re.compile(
     r"(<!-- docs_tables: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /docs_tables -->)",
     re.S,
@@ -47,13 +53,17 @@ def _g(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def _source(page: str, result: str, data: Any) -> str:
-    """The line under a table: its result file, linked from the page, and the build that wrote it."""
+def _source(page: str, result: str, data: Any, archived: bool = False) -> str:
+    """The line under a table: its result file, linked from the page, and the build that wrote it.
+    A file in the archive (an older build's, without complete provenance) is named, not linked,
+    and the line says the table awaits a re-run."""
     rel = Path("../" * (page.count("/"))) / RESULTS / result
     build = data.get("fork_version") if isinstance(data, dict) else None
     device = data.get("device") if isinstance(data, dict) else None
     device = device.replace("_", " ") if device else None
     extra = ", ".join(x for x in (device, f"build {build}" if build else None) if x)
+    if archived:
+        return f"From `{result}` ({extra + '; ' if extra else ''}{ARCHIVED})."
     return f"From [`{result}`]({rel.as_posix()})" + (f" ({extra})." if extra else ".")
 
 
@@ -859,8 +869,19 @@ TABLES: dict[str, Table] = {
 def render(name: str, root: Path = REPO, tables: dict[str, Table] = TABLES) -> str:
     """The block's body: the table from its result file, then the line linking that file."""
     t = tables[name]
-    data, *also = (_load(root / RESULTS / f) for f in (t.result, *t.also))
-    return f"{t.render(data, *also)}\n\n{_source(t.page, t.result, data)}\n"
+    data, *also = (_load(result_path(f, root)) for f in (t.result, *t.also))
+    archived = result_path(t.result, root).parent == root / ARCHIVE
+    return f"{t.render(data, *also)}\n\n{_source(t.page, t.result, data, archived)}\n"
+
+
+def result_path(name: str, root: Path = REPO) -> Path:
+    """``benchmark/results/<name>``, or the archived file of that name until a re-run lands."""
+    current = root / RESULTS / name
+    return (
+        current
+        if current.exists() or not (root / ARCHIVE / name).exists()
+        else root / ARCHIVE / name
+    )
 
 
 def _load(path: Path) -> Any:

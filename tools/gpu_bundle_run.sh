@@ -6,7 +6,9 @@
 #   (space-separated globs: a bare name matches in every feature folder benchmark/*/, a name with a
 #   folder under benchmark/; BENCH=none: tests only; TESTS=none: benchmarks only, for a probe run;
 #   TESTS='test/test_x.py -k y': those tests only)
-# Writes gpu-tests.log, gpu-tests.xml, every benchmark's JSON and bundle-run.json (summary).
+# Writes gpu-tests.log, gpu-tests.xml, every benchmark's JSON and bundle-run.json (summary), each
+# with this machine's provenance (build, device, torch, triton, the bundle's COMMIT): in the JSON,
+# or in a <file>.provenance.json sidecar (tools/e2e/provenance.py).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 results=$(mkdir -p "${1:-${OUT:-$here/results}}" && cd "${1:-${OUT:-$here/results}}" && pwd)
@@ -39,10 +41,10 @@ for pattern in "${patterns[@]}"; do
     done
 done
 
-python3 - "$results" "$tests_rc" "$bench_rc" <<'PY'
-import json, platform, sys, xml.etree.ElementTree as ET
+PYTHONPATH="$here/tools:$PYTHONPATH" python3 - "$results" "$tests_rc" "$bench_rc" <<'PY'
+import json, sys, xml.etree.ElementTree as ET
 from pathlib import Path
-import torch, triton
+from e2e.provenance import write_result, write_sidecar
 results, tests_rc, bench_rc = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 cases = []
 xml = results / "gpu-tests.xml"
@@ -54,14 +56,14 @@ for case in ET.parse(xml).iter("testcase") if xml.exists() else ():
     cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                   "seconds": float(case.get("time", 0))})
 summary = {
-    "fork_version": Path("VERSION").read_text().strip(),
-    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-    "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
     "pytest_exit_code": tests_rc, "benchmarks_ok": bench_rc == 0,
     "benchmark_json": sorted(p.name for p in results.glob("*.json") if p.name != "bundle-run.json"),
     "tests": cases,
 }
-(results / "bundle-run.json").write_text(json.dumps(summary, indent=1) + "\n")
+for name in ("gpu-tests.log", "gpu-tests.xml"):
+    if (results / name).is_file():
+        write_sidecar(results / name)
+summary = json.loads(write_result(results / "bundle-run.json", summary, overwrite=True).read_text())
 print(json.dumps({k: v for k, v in summary.items() if k != "tests"}, indent=1))
 print(f"{sum(c['outcome'] == 'passed' for c in cases)} passed, "
       f"{sum(c['outcome'] in ('failed', 'error') for c in cases)} failed")

@@ -4,7 +4,7 @@
 # but no sglang dependencies and no network (the H200 harness: functional stand-ins included).
 #   bash e2e.sh [RESULTS_DIR] [matrix args: --rows off,cap_3 --budget 500 ...]
 # Writes e2e-<device>.json, e2e-raw-<device>.json.gz (tokens and logprobs, for --evaluate) and
-# e2e-logs.tar.gz (one server log per row) to RESULTS_DIR.
+# e2e-logs.tar.gz (one server log per row, with its e2e-logs.tar.gz.provenance.json) to RESULTS_DIR.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 results=$(mkdir -p "${1:-${OUT:-$here/results}}" && cd "${1:-${OUT:-$here/results}}" && pwd)
@@ -27,4 +27,5 @@ python3 -m e2e.matrix --standins --upstream "$work/upstream/python" --out "$resu
 rc=$?
 mv "$results"/e2e/e2e-*.json "$results"/e2e/e2e-raw-*.json.gz "$results"/ 2>/dev/null
 tar -czf "$results/e2e-logs.tar.gz" -C "$results/e2e" e2e-logs && rm -rf "$results/e2e"
+python3 -m e2e.provenance stamp "$results/e2e-logs.tar.gz" || rc=1
 exit $rc

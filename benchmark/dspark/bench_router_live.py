@@ -3,7 +3,7 @@ moe_fused_gate at the DeepSeek-V4 routing shape (384 experts, top 6, sqrtsoftplu
 M = 6 * bs verify rows, 43 layers (distinct scores) in a CUDA graph. Goal: within 5 % of stock.
 H200: the first form (live length -> anchor address -> scores) was 1.06-1.10x stock; the
 series' form (routing runs stock's code, only the stores read the live length) 0.98-1.01x
-at bs 1..64 (every form tried: benchmark/results/router_live_forms-NVIDIA_H200.json).
+at bs 1..64 (every form tried: benchmark/results/archive/router_live_forms-NVIDIA_H200.json).
 """
 
 from __future__ import annotations

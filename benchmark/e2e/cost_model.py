@@ -127,7 +127,7 @@ class Model:
         )
 
 
-# DeepSeek-V4.1-Flash's widths as the project states them (issue 33; docs/b12x-moe.md: 384 experts,
+# DeepSeek-V4.1-Flash's widths as the project states them (docs/b12x-moe.md: 384 experts,
 # top 6, 2304 wide), with V4's head_dim 512 and o_lora_rank 1024 (configs/deepseek_v4.py). The
 # kernel benchmarks ran at exactly these shapes (wo_a R = 1024, D = 4096; the draft head's K = 5120).
 V41_FLASH = Model(
@@ -387,11 +387,24 @@ def cap_k(flags: Flags, gamma: int) -> tuple[float, str]:
 # ------------------------------------------------------------------ the measured savings
 
 
+def result_file(results: Path, name: str) -> tuple[Path | None, str]:
+    """``results/<name>``, else ``results/archive/<name>`` (an older build's file, kept until
+    its re-run lands: named ``archive/<name>`` wherever the model cites it); (None, name)
+    when neither exists."""
+    for path, cited in (
+        (results / name, name),
+        (results / "archive" / name, f"archive/{name}"),
+    ):
+        if path.is_file():
+            return path, cited
+    return None, name
+
+
 def _load(s: Setup, name: str) -> tuple[dict | None, str]:
-    path = s.results / f"{name}-{s.device}.json"
-    if not path.is_file():
+    path, cited = result_file(s.results, f"{name}-{s.device}.json")
+    if path is None:
         return None, f"no measurement on {s.device.replace('_', ' ')}"
-    return json.loads(path.read_text()), path.name
+    return json.loads(path.read_text()), cited
 
 
 def interpolate(points: dict[float, tuple[float, str]], x: float):
@@ -949,10 +962,10 @@ def _finite(x: object) -> bool:
 
 
 def _result(results: Path, name: str, device: str) -> tuple[dict | None, str]:
-    path = results / f"{name}-{device}.json"
-    if not path.is_file():
-        return None, f"no {path.name}"
-    return json.loads(path.read_text()), path.name
+    path, cited = result_file(results, f"{name}-{device}.json")
+    if path is None:
+        return None, f"no {cited}"
+    return json.loads(path.read_text()), cited
 
 
 Points = dict[float, tuple[float, str]]

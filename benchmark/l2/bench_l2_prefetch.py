@@ -8,8 +8,8 @@ linear starts from cold L2 (``cold``: stock); ``prefetched``: the same graph thr
 L2Prefetcher (learned in the warm-up forward, replayed in the capture: at each collective point
 a side-stream cp.async.bulk.prefetch.L2 of the first --budget-mb MB of
 the next linear's weight, joined at the next point; by default the whole weight and, for the
-24 MB one, also its first 6 MB, the budget the GB10 line used); ``warm``: every span reads the same weight
-(L2-resident). Linear time = (graph time - the spins alone) / LAYERS. Goal (issue 23):
+24 MB one, also its first 6 MB, the budget an earlier GB10 deployment used); ``warm``: every span reads the same weight
+(L2-resident). Linear time = (graph time - the spins alone) / LAYERS. Goal:
 prefetched within 10 % of warm (``goal_met``: prefetched_us <= 1.10 x warm_us).
 """
 

@@ -1,6 +1,6 @@
 """A real rebase of the series onto an older sglang release (``--to``), resolved by following
 the tool's output, then ``make``, ``make check``, every kept patch exported alone and the CPU
-tests on that release; records the transcript (issue 36, "Done when").
+tests on that release; records the transcript.
 
 Runs in a fresh clone of this repository's HEAD (nothing here is touched), with the shared
 wheel cache. Each stop is settled the way the tool's printout says: a conflict region
@@ -10,7 +10,7 @@ the target is ported after the rebase with the patch workflow (``make tree``, a 
 ``make refresh``). The resolutions are below, per release and one per stop, with the reason
 read from the region the tool named, so a drill replays unattended. The transcript (every
 command and its output, machine paths removed) goes to
-``benchmark/results/rebase-drill-<release>.log``.
+``benchmark/results/rebase-drill-<release>.log``, its provenance to ``<that>.provenance.json``.
 
     python3 benchmark/rebase/rebase_drill.py --to 0.5.22|0.5.21 [--keep DIR] [--no-test]
 
@@ -34,6 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmark" / "results"
+sys.path.insert(0, str(REPO / "tools"))
+from e2e.provenance import write_sidecar  # noqa: E402
 
 
 class Drill:
@@ -137,7 +139,9 @@ class Drill:
         f.write_text(text.replace(old, new))
 
     def save(self) -> None:
+        """The transcript, and beside it the provenance of the machine and commit that ran it."""
         self.log.write_text("\n".join(self.lines) + "\n")
+        write_sidecar(self.log)
 
     def stop(self, out: str, patch: str, *files: str) -> None:
         """The tool stopped at ``patch`` naming regions in exactly these files (a file once per

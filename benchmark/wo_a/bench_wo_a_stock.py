@@ -1,7 +1,7 @@
 """Baseline of the wo_a projection on this GPU, before any fork kernel: upstream's
 ``wo_a_bf16_small_batch`` (partial + reduce, G = 2 hard-coded), ``torch.einsum`` and a pure
 read of the same bf16 bytes in one Triton kernel, per layer at M = 2..8 rows, 43 layers in a
-CUDA graph. The fp8 twin of issue 5 is measured against these same three references.
+CUDA graph. The fp8 twin (`--dsv4-wo-a-fp8-twin`) is measured against these same three references.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the wo_a twin's mid goals (issue 5: 2x stock at 9..64 rows, 1.5x at 65..192; stock is
+"""What the wo_a twin's mid goals (2x stock at 9..64 rows, 1.5x at 65..192; stock is
 einsum there) ask of this GPU, measured in one run. Per G and M:
 - ``goal_us``: einsum's time (43 layers, CUDA graph) / 2 or / 1.5;
 - ``goal_TFLOPs``: the bf16 MMA rate that time needs for 2 M G R D FLOPs. x is bf16 and has no

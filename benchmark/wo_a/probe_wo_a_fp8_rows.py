@@ -3,7 +3,7 @@ graph, G = 2 / 4 / 8): the ring 2 and 4 blocks shallower and deeper, against the
 kernel and einsum. Every candidate gives each row the bits of a call of <= 8 rows of the served kernel
 (``bitwise`` column). A variant that does not fit the SM is listed with the error.
 FORK_PROBE_BUDGET_S (default 480) stops early and still writes what it has.
-Earlier runs (their JSON kept under benchmark/results/): wo_a_fp8_rows_probe-NVIDIA_H200.json
+Earlier runs (their JSON kept under benchmark/results/archive/): wo_a_fp8_rows_probe-NVIDIA_H200.json
 (build 0.5.23+fork.7.288a10a, before small_config served its choices) measured 32 weight rows
 per CTA (two m16 A operands share each B fragment of x: half the CTAs and half of x's L2 and
 shared-memory traffic per weight byte; now served at G = 4 / 8) and 17..64 rows of x (4 or 8

@@ -38,7 +38,8 @@ to. Per row, every check is recorded under ``checks`` and the row passes when al
 Rows on the real-shape checkpoint time decode instead (``timing`` rows). ``--side-by-side SETS``
 serves no row: it times upstream and the fork at once on a full-depth checkpoint
 (``e2e.side_by_side``). Results:
-``DIR/e2e-<device>.json`` (with the build, device, torch and triton) and one log per row.
+``DIR/e2e-<device>.json`` (with the provenance of the machine that served the rows: build, device,
+torch, triton, harness commit) and one log per row.
 ``--standins`` adds the H200 harness (functional stand-ins for binary packages that do not load
 there, and the switches that keep the model off them); without it the check runs on a GPU machine
 with upstream's real dependencies.
@@ -65,7 +66,7 @@ from pathlib import Path
 
 from . import side_by_side
 from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, TINY_ENGRAM, char_vocab, write_dsv4
-from .provenance import add_overwrite_arg
+from .provenance import FIELDS, add_overwrite_arg
 from .provenance import provenance as build_provenance
 from .provenance import write_result
 from .server import Server, ServerDied, refusal
@@ -2005,7 +2006,14 @@ def _public(rec: dict) -> dict:
     return rec
 
 
-def serve_all(args, selected: list[Row], profiled: set, t_start: float, meta: dict):
+def serve_all(
+    args,
+    selected: list[Row],
+    profiled: set,
+    t_start: float,
+    meta: dict,
+    served_by: dict,
+):
     """Serve the selected rows; returns their raw records and the sample checkpoint's successor map.
 
     The raw file (``e2e-raw-<device>.json.gz``) is rewritten after every row, so a run cut short
@@ -2082,7 +2090,7 @@ def serve_all(args, selected: list[Row], profiled: set, t_start: float, meta: di
         with (
             PROGRESS_LOCK
         ):  # a progress file, so a run cut short still says what served
-            write_raw(args.out, meta, succ, recs)
+            write_raw(args.out, meta, succ, recs, served_by)
             (args.out / "e2e-progress.json").write_text(  # not a result: progress
                 json.dumps(
                     {
@@ -2195,12 +2203,14 @@ def main(argv=None) -> int:
         "standins": args.standins,
         "sampled_requests": args.sampled_requests,
     }
+    # The machine that serves the rows: recorded with their tokens, kept by --evaluate elsewhere.
+    served_by = build_provenance()
     if args.evaluate:
-        meta, recs, succ = read_raws(args.evaluate)
+        meta, recs, succ, served_by = read_raws(args.evaluate)
         selected = [r for r in selected if r.name in recs]
     else:
-        recs, succ = serve_all(args, selected, profiled, t_start, meta)
-        write_raw(args.out, meta, succ, recs)
+        recs, succ = serve_all(args, selected, profiled, t_start, meta, served_by)
+        write_raw(args.out, meta, succ, recs, served_by)
     report = {**meta, "rows": {}}
     out_json = args.out / f"e2e-{meta['device']}.json"
     for row in selected:
@@ -2226,7 +2236,9 @@ def main(argv=None) -> int:
     report["upstream_defects"] = defect_counts(selected, report["rows"])
     report["passed"] = sum(bool(r["ok"]) for r in done)
     report["failed"] = len(done) - report["passed"] - len(expected)
-    out_json = write_result(out_json, report, overwrite=args.overwrite)
+    out_json = write_result(
+        out_json, report, overwrite=args.overwrite, produced_by=served_by
+    )
     print(
         f"{report['passed']} passed, {report['failed']} failed, "
         f"{len(expected)} expected failures (upstream defects: {', '.join(expected)})"
@@ -2286,28 +2298,47 @@ def serve_side_by_side(args) -> int:
     )
 
 
-def write_raw(out: Path, meta: dict, succ: list[int] | None, recs: dict) -> None:
-    """The tokens and logprobs of every row served so far, for ``--evaluate``."""
+def write_raw(
+    out: Path, meta: dict, succ: list[int] | None, recs: dict, served_by: dict
+) -> None:
+    """The tokens and logprobs of every row served so far, for ``--evaluate``, with the
+    provenance of the machine that served them (``served_by``)."""
     path = out / f"e2e-raw-{meta['device']}.json.gz"
     tmp = path.with_suffix(".tmp")
     with gzip.open(tmp, "wt") as f:
-        json.dump(
-            {"meta": meta, "succ": succ, "rows": dict(recs)}, f
-        )  # not a result: tokens
+        json.dump(  # not a result: tokens, with the serving machine's provenance
+            {"meta": meta, "provenance": served_by, "succ": succ, "rows": dict(recs)}, f
+        )
     tmp.replace(path)
 
 
-def read_raws(paths: list[Path]) -> tuple[dict, dict, list[int] | None]:
+# What must agree between sittings judged or merged as one matrix.
+SAME_RUN = ("fork_version", "device", "standins", "commit")
+
+
+def served_by_of(raw: dict) -> dict:
+    """The serving machine's provenance in a raw file; a file written before raw files carried
+    it gives what its ``meta`` recorded (no harness commit: the result then fails the
+    provenance check, it is not filled in with the evaluating machine's)."""
+    block = raw.get("provenance")
+    if isinstance(block, dict):
+        return block
+    return {k: raw["meta"][k] for k in FIELDS if k in raw["meta"]}
+
+
+def read_raws(paths: list[Path]) -> tuple[dict, dict, list[int] | None, dict]:
     """One matrix from the raw files of several sittings of one build on one device (a row served
-    in two of them: the later file's); refuses files of another build, device or checkpoint.
+    in two of them: the later file's); refuses files of another build, device, harness commit or
+    checkpoint. Returns the meta, the rows, the successor map and the serving machine's
+    provenance (the first file's).
     """
-    meta, recs, succ = None, {}, None
+    meta, recs, succ, served_by = None, {}, None, None
     for path in paths:
         with gzip.open(path, "rt") as f:
             raw = json.load(f)
         if meta is None:
-            meta, succ = raw["meta"], raw["succ"]
-        for key in ("fork_version", "device", "standins"):
+            meta, succ, served_by = raw["meta"], raw["succ"], served_by_of(raw)
+        for key in SAME_RUN:
             if raw["meta"].get(key) != meta.get(key):
                 raise SystemExit(
                     f"--evaluate: {path} has {key} {raw['meta'].get(key)!r}, "
@@ -2318,16 +2349,17 @@ def read_raws(paths: list[Path]) -> tuple[dict, dict, list[int] | None]:
                 raise SystemExit(f"--evaluate: {path} served another sample checkpoint")
             succ = raw["succ"]
         recs.update(raw["rows"])
-    return meta, recs, succ
+    return meta, recs, succ, served_by
 
 
 def merge_rows(report: dict, earlier: dict) -> None:
     """Keep ``earlier``'s rows that ``report`` did not serve; refuses another build or device (a
-    row's comparisons are only meaningful within one build on one device)."""
-    for key in ("fork_version", "device", "standins"):
-        if earlier.get(key) != report[key]:
+    row's comparisons are only meaningful within one build, device and harness commit).
+    """
+    for key in SAME_RUN:
+        if earlier.get(key) != report.get(key):
             raise SystemExit(
-                f"--merge: the earlier run's {key} is {earlier.get(key)!r}, this run's {report[key]!r}"
+                f"--merge: the earlier run's {key} is {earlier.get(key)!r}, this run's {report.get(key)!r}"
             )
     for name, rec in earlier["rows"].items():
         if name not in report["rows"] or report["rows"][name].get("ok") is None:

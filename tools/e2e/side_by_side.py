@@ -30,7 +30,7 @@ request (upstream's ``/start_profile``, ``matrix.profile``), one server after th
 attributes the change: kernel names grouped (``KERNEL_GROUPS``), time per decode step of each
 group on each side, and the sum of the groups' savings beside the measured step change
 (``attribute``). The JSON, ``DIR/e2e-full-depth-<device>.json``, carries the provenance block
-(build, device, torch, triton), per batch the cost model's command for that measurement, and
+(build, device, torch, triton, harness commit), per batch the cost model's command for that measurement, and
 the judging rule's verdict per flag set x batch (``noninferiority``): the fork's time per output
 token over upstream's, its one-sided 95 % upper bound below 1 + ``DELTA``, no upward drift, and
 exactly the pairs its plan fixed before the run (``--sbs-plan``). A cell that has not passed is
@@ -1187,13 +1187,14 @@ def judge(rec: dict) -> None:
 
 
 def merge_flag_sets(report: dict, earlier: dict) -> None:
-    """Keep what ``earlier`` measured (same build and device): a flag set this run did not
+    """Keep what ``earlier`` measured (same build, device and harness commit: the file records
+    one): a flag set this run did not
     measure, whole; of a flag set both measured with the same method, the batches this run
     skipped or did not list (each batch is its own interleaved pairs, so a set may gather its
     batches from several sittings; a kept batch says ``earlier_sitting``), and a batch both
     measured pooled (``pool_batch``). A set measured with another method is replaced whole.
     """
-    for key in ("fork_version", "device", "standins"):
+    for key in ("fork_version", "device", "standins", "commit"):
         if earlier.get(key) != report.get(key):
             raise SystemExit(
                 f"--sbs-merge: the earlier run's {key} is {earlier.get(key)!r}, this run's "

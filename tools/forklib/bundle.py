@@ -7,7 +7,9 @@ files stay behind), the small cp312 wheels of ``tools/requirements-import.txt``,
 import-only stand-ins, this repository's ``test/``, ``benchmark/``, ``patches/`` and
 ``upstream.toml`` (the tests read the series and the pin), and ``run.sh``,
 which unpacks, runs ``pytest -m gpu`` and every ``benchmark/*/bench_*.py`` and writes the
-results to one folder; and for the end-to-end matrix, ``tools/e2e`` with the serving wheels
+results to one folder; ``VERSION`` (the fork build) and ``COMMIT`` (this repository's commit,
+``-dirty`` when tracked files differ from it), which every result's provenance records on a
+machine without git (``tools/e2e/provenance.py``); and for the end-to-end matrix, ``tools/e2e`` with the serving wheels
 of ``tools/requirements-serve-gpu.txt`` and ``e2e.sh``, which serves the tiny DeepSeek-V4
 through ``launch_server`` row by row (``python -m e2e.matrix``).
 """
@@ -162,6 +164,7 @@ def make_bundle(tree: Path, version: str, dest: Path) -> int:
     shutil.copy(REPO_ROOT / "tools" / "gpu_bundle_run.sh", dest / "run.sh")
     shutil.copy(REPO_ROOT / "tools" / "gpu_e2e_run.sh", dest / "e2e.sh")
     (dest / "VERSION").write_text(version + "\n")
+    (dest / "COMMIT").write_text(repo_commit() + "\n")
     size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
     repo = _tracked_bytes()
     if size + repo > RUN_LIMIT:
@@ -170,6 +173,14 @@ def make_bundle(tree: Path, version: str, dest: Path) -> int:
             f"({repo / 2**20:.1f} MiB) are over a device run's {RUN_LIMIT / 2**20:.0f} MiB"
         )
     return size
+
+
+def repo_commit(repo: Path = REPO_ROOT) -> str:
+    """``HEAD``'s commit, ``-dirty`` appended when tracked files differ from it (the bundle then
+    carries code no commit holds, and says so)."""
+    head = out(repo, "rev-parse", "HEAD").strip()
+    dirty = out(repo, "status", "--porcelain", "--untracked-files=no").strip()
+    return head + ("-dirty" if dirty else "")
 
 
 def _tracked_bytes() -> int:

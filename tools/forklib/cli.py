@@ -351,6 +351,11 @@ def cmd_drift(args) -> None:
     drift(args.releases, REPO_ROOT, record=args.write)
     if args.write:
         print(f"wrote {args.write}")
+        if args.write.resolve().is_relative_to(REPO_ROOT / "benchmark" / "results"):
+            # a committed result: its provenance beside it (tools/e2e/provenance.py)
+            from e2e.provenance import write_sidecar
+
+            print(f"wrote {write_sidecar(args.write)}")
 
 
 def cmd_export(args) -> None:

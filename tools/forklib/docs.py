@@ -23,7 +23,8 @@ FLAGS_FILE = "docs/flags.toml"
 DOCS = ("README.md", "CONTRIBUTING.md")  # what quotes the release and the flags
 BEGIN = "<!-- begin: flag table written by `tools/fork docs` from patches/series and docs/flags.toml -->"
 END = "<!-- end: flag table -->"
-RELEASE_RE = re.compile(r"(?<![\w.])0\.\d+\.\d+(?![\w])")
+# a release, not part of a longer dotted number such as the address 0.0.0.0
+RELEASE_RE = re.compile(r"(?<![\w.])0\.\d+\.\d+(?![\w]|\.\d)")
 REBASE_SECTION = "## Rebasing onto a new upstream release"
 FLAG_TOKEN_RE = re.compile(r"(?<![\w-])--[a-z0-9]+(?:-[a-z0-9]+)+")
 # user pages quoting an example build (``<release>+fork.<patches>.<hash>``): a rebase rewrites

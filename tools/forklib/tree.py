@@ -509,6 +509,8 @@ def refresh(
         if path.exists():
             old.setdefault(parse_patch(path).subject, path.name)
     old_names = [p.name for p in old_paths]
+    # A new patch is numbered past the series' last number, never one that is taken or freed.
+    last = max((int(n[:4]) for n in old_names if n[:4].isdigit()), default=0)
     names: list[str] = []
     for i, (commit, subject) in enumerate(zip(commits, subjects)):
         name = old.get(subject)
@@ -522,7 +524,8 @@ def refresh(
             slug = "-".join(
                 out(tree, "log", "-1", "--format=%f", commit).split("-")[:6]
             )
-            name = f"{i + 1:04d}-{slug}.patch"
+            last = max(last, i) + 1
+            name = f"{last:04d}-{slug}.patch"
         names.append(name)
 
     owner: dict[str, tuple[str, str]] = {}

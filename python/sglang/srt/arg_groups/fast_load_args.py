@@ -10,7 +10,7 @@ import glob
 import json
 import os
 
-# Measured: benchmark/results/fast_load_sweep-cpu-2core.json (docs/fast-load.md).
+# Measured: benchmark/results/archive/fast_load_sweep-cpu-2core.json (docs/fast-load.md).
 DEFAULT_NUM_THREADS = 16
 DEFAULT_SLAB_MB = 16
 

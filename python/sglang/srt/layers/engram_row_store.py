@@ -149,7 +149,7 @@ class EngramRowStore:
         )
         self.cache_bytes = cache_bytes
         # Reads overlap on a thread pool where there are cores for it; on 2 cores the pool's
-        # hand-offs cost more than they overlap (benchmark/results/engram_row_store-cpu-2core.json).
+        # hand-offs cost more than they overlap (benchmark/results/archive/engram_row_store-cpu-2core.json).
         self.threads = (
             min(16, len(os.sched_getaffinity(0))) if threads is None else threads
         )

@@ -27,14 +27,14 @@ _USAGE = (
     "rows, where the twin kernel is faster), drop (every call reads the twin; the bf16 weight is released)"
 )
 # Hopper, mid: rows up to which the twin (small kernel, then the wgmma kernel) was measured >= 1.1x
-# faster than stock (einsum) on the H200, per group count (benchmark/results/wo_a_fp8-NVIDIA_H200.json);
+# faster than stock (einsum) on the H200, per group count (benchmark/results/archive/wo_a_fp8-NVIDIA_H200.json);
 # other G: 16. drop serves every decode/verify row count up to MID_MAX_ROWS from the twin.
 MID_FASTER_MAX = {2: 32, 4: 32, 8: 32}
 MID_MAX_ROWS = 192
 
 
 # Hopper, mid and drop: rows up to which the small kernel (x in the ring, up to 4 n8 tiles) beats
-# the wgmma one, per group count (benchmark/results/wo_a_fp8_rows_probe-NVIDIA_H200.json); other G: 8.
+# the wgmma one, per group count (benchmark/results/archive/wo_a_fp8_rows_probe-NVIDIA_H200.json); other G: 8.
 SMALL_KERNEL_MAX = {2: 32, 4: 32, 8: 16}
 
 

@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Rows the fp8 head serves, per kernel: past them it is no faster than cuBLAS bf16
-# (benchmark/results/draft_head_fp8-NVIDIA_H200.json). Larger calls keep the bf16 head: never
+# (benchmark/results/archive/draft_head_fp8-NVIDIA_H200.json). Larger calls keep the bf16 head: never
 # slower than stock.
 MAX_ROWS = {"wgmma": 64, "mma.sync": 32}
 

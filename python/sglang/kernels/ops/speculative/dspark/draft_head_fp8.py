@@ -27,7 +27,7 @@ MAX_M_TILES = 4  # up to 64 rows per call with the head streamed once
 MAX_SCALE = 2.0**15
 
 # (block_n, block_k, num_warps, num_stages, weights by TMA) per number of 16-row tiles: the
-# best worst case over both shards on the H200 (benchmark/results/tune_draft_head_fp8-NVIDIA_H200.json).
+# best worst case over both shards on the H200 (benchmark/results/archive/tune_draft_head_fp8-NVIDIA_H200.json).
 CONFIGS: dict[int, tuple[int, ...]] = {
     1: (128, 256, 8, 3, 1),
     2: (128, 128, 4, 4, 0),

@@ -43,7 +43,7 @@ _SMEM_BYTES = (
 
 # wgmma N (x's rows padded to a power of two: TMA's box) -> (vocab rows per CTA, warps, pipeline
 # stages at the TP4 shard, at the TP1 shard). Chosen on the H200
-# (benchmark/results/tune_draft_head_fp8_wgmma-NVIDIA_H200.json): at N = 64, 3 stages keep two
+# (benchmark/results/archive/tune_draft_head_fp8_wgmma-NVIDIA_H200.json): at N = 64, 3 stages keep two
 # CTAs per SM, which more stages or taller tiles lose. Past 64 rows the products' tensor time
 # adds to the head's read instead of hiding under it, and no candidate beat cuBLAS bf16.
 CONFIGS: dict[int, tuple[int, int, int, int]] = {
