@@ -1195,3 +1195,80 @@ def test_every_v41_row_resolves_through_upstreams_pipeline(
     for args, name in distinct.items():
         view = resolve(matrix.MODEL_ARGS["v41"], list(args))
         assert view.enable_decoder_swa_bounded_replay is False, name
+
+
+def _dspark_exposition(hist, cap_lens=None, tau=1.0, gamma=5):
+    """A /metrics page from the scheduler's DSpark acceptance metrics after ``hist[c]`` request
+    verify steps accepted c drafts (each verifying ``cap_lens - 1`` drafts, or every one).
+    """
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from upstream_api import require_patch
+
+    require_patch(
+        "0024-dspark-acceptance-by-draft-position-in", "the DSpark acceptance metrics"
+    )
+    from sglang.srt.speculative.dspark_components import dspark_acceptance_metrics
+
+    class Req:
+        is_retracted = False
+
+        def finished(self):
+            return False
+
+    registry = CollectorRegistry()
+    spec = SimpleNamespace(
+        speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=gamma + 1,
+        speculative_dspark_draft_temperature_scale=tau,
+    )
+    labels = {"model_name": "m", "engine_type": "unified", "tp_rank": "0"}
+    m = dspark_acceptance_metrics.build_dspark_acceptance_metrics(
+        spec, SimpleNamespace(labels=labels), registry
+    )
+    for c, n in enumerate(hist):
+        lens = None if cap_lens is None else [cap_lens] * n
+        m.observe_verify([Req()] * n, [c] * n, lens)
+    m.flush()
+    return generate_latest(registry).decode()
+
+
+def test_the_metrics_rows_judge_the_scrape_against_the_responses():
+    from e2e.matrix import _scrape_delta, dspark_scrape, metrics_checks
+
+    empty = dspark_scrape(_dspark_exposition([0]))
+    page = dspark_scrape(_dspark_exposition([2, 1, 1], cap_lens=4, tau=0.7))
+    assert page["proposed"] == [4.0, 4.0, 4.0, 0.0, 0.0]
+    assert page["accepted"] == [2.0, 1.0, 0.0, 0.0, 0.0]
+    assert (page["rows_live"], page["rows_kept_out_of_moe"], page["tau"]) == (
+        16,
+        8,
+        0.7,
+    )
+    got = {
+        "scrape": _scrape_delta(page, empty),
+        "responses": {
+            "proposed": [4.0, 4.0, 4.0, 0.0, 0.0],
+            "accepted": [2.0, 1.0, 0, 0, 0],
+        },
+        "verify_steps": 4,
+        "meta_info_counts": True,
+        "tau": page["tau"],
+        "gamma": 5,
+    }
+    flags = {
+        "--speculative-dspark-verify-cap": "3",
+        "--speculative-dspark-draft-temperature-scale": "0.7",
+    }
+    cap_tau = Row("m", [a for kv in flags.items() for a in kv], flags=flags)
+    assert all(metrics_checks(cap_tau, got).values())
+    # Each check can fail: a response count off by one, a row missing, no cap, another tau.
+    off = {**got, "responses": {**got["responses"], "accepted": [2.0, 0.0, 0, 0, 0]}}
+    assert not metrics_checks(cap_tau, off)["metrics_equal_responses"]
+    assert not metrics_checks(cap_tau, {**got, "verify_steps": 5})[
+        "metrics_rows_add_up"
+    ]
+    plain = Row("m", [])
+    checks = metrics_checks(plain, got)
+    assert not checks["metrics_rows_add_up"] and not checks["metrics_tau"]

@@ -544,6 +544,18 @@ def rows() -> list[Row]:
             **random_bound,
         ),
         _row("random_cap_conf", *CAP_CONF, engaged=(L_CAP,), **random_bound),
+        # --enable-metrics: /metrics against the responses; metrics change no bit
+        _row("random_metrics", "--enable-metrics", requests="metrics", **random_off),
+        _row(
+            "random_metrics_cap_tau",
+            "--enable-metrics",
+            "--speculative-dspark-verify-cap",
+            "3",
+            *TAU,
+            engaged=(L_CAP, L_TAU),
+            requests="metrics",
+            **random_bound,
+        ),
         _row(
             "random_head_fp8",
             *HEAD,
@@ -1031,6 +1043,109 @@ def thinking_request(server: Server) -> str:
     return "served"
 
 
+METRICS_SETTLE_S = 15.0  # the counters are written when the scheduler goes idle
+META_PROPOSED = "dspark_drafts_proposed_by_position"
+META_ACCEPTED = "dspark_drafts_accepted_by_position"
+_SAMPLE = re.compile(r"(sglang:dspark_\w+)\{(.*)\} (\S+)$")
+
+
+def dspark_scrape(text: str) -> dict:
+    """TP rank 0's DSpark acceptance series from a ``/metrics`` page (``--enable-metrics``):
+    proposed and accepted drafts per position (position 1 first), the verify rows and tau.
+    """
+    per: dict = {"proposed": {}, "accepted": {}, "rows": {}}
+    tau = None
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+        if labels.get("tp_rank") != "0":
+            continue
+        name, value = m.group(1), float(m.group(3))
+        if name == "sglang:dspark_drafts_proposed_total":
+            per["proposed"][int(labels["position"])] = value
+        elif name == "sglang:dspark_drafts_accepted_total":
+            per["accepted"][int(labels["position"])] = value
+        elif name == "sglang:dspark_verify_rows_total":
+            per["rows"][labels["rows"]] = value
+        elif name == "sglang:dspark_draft_temperature_scale":
+            tau = value
+    return {
+        "proposed": [per["proposed"][p] for p in sorted(per["proposed"])],
+        "accepted": [per["accepted"][p] for p in sorted(per["accepted"])],
+        "rows_live": per["rows"].get("live", 0.0),
+        "rows_kept_out_of_moe": per["rows"].get("kept_out_of_moe", 0.0),
+        "tau": tau,
+    }
+
+
+def _scrape_delta(after: dict, before: dict) -> dict:
+    out = {
+        k: [a - b for a, b in zip(after[k], before[k])]
+        for k in ("proposed", "accepted")
+    }
+    for k in ("rows_live", "rows_kept_out_of_moe"):
+        out[k] = after[k] - before[k]
+    return out
+
+
+def metrics_requests(server: Server) -> dict:
+    """``/metrics`` against the responses: greedy and sampled requests in batches, then the
+    scrape's change over them (polled until it equals the responses' sum or
+    ``METRICS_SETTLE_S`` passes) beside the sum of their ``meta_info`` counts."""
+
+    def scrape() -> dict:
+        return dspark_scrape(server.get("/metrics"))
+
+    before = scrape()
+    for _ in range(int(METRICS_SETTLE_S / 0.5)):  # settled: two scrapes alike
+        time.sleep(0.5)
+        again = scrape()
+        if again == before:
+            break
+        before = again
+    outs = server.post(
+        "/generate",
+        {
+            "text": GREEDY_PROMPTS[:8],
+            "sampling_params": {"temperature": 0, "max_new_tokens": GREEDY_TOKENS},
+        },
+    ) + server.post(
+        "/generate",
+        {
+            "text": [SAMPLED_PROMPT] * 8,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": GREEDY_TOKENS},
+        },
+    )
+    metas = [o["meta_info"] for o in outs]
+    gamma = len(before["proposed"])
+    responses = {
+        k: [float(sum(m.get(key, [0] * gamma)[p] for m in metas)) for p in range(gamma)]
+        for k, key in (("proposed", META_PROPOSED), ("accepted", META_ACCEPTED))
+    }
+    deadline = time.monotonic() + METRICS_SETTLE_S
+    while True:
+        after = scrape()
+        delta = _scrape_delta(after, before)
+        if (
+            delta["proposed"] == responses["proposed"]
+            and delta["accepted"] == responses["accepted"]
+        ) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    return {
+        "responses": responses,
+        "scrape": delta,
+        "verify_steps": sum(m.get("spec_verify_ct", 0) for m in metas),
+        "meta_info_counts": all(
+            META_PROPOSED in m for m in metas if m.get("spec_verify_ct")
+        ),
+        "tau": after["tau"],
+        "gamma": gamma,
+    }
+
+
 def request_accepts(out: dict, histogram: bool = False) -> list:
     """One request's speculation as its response reports it: [verify steps, accepted drafts]
     and, with ``histogram``, upstream's steps per accepted count (its meta_info)."""
@@ -1493,6 +1608,8 @@ def serve_row(
             rec["loop"] = loop_requests(server)
         if row.requests == "thinking":
             rec["thinking_disagreeing_switches"] = thinking_request(server)
+        if row.requests == "metrics":
+            rec["metrics"] = metrics_requests(server)
         if row.probes:  # the device counters, after every request of the row
             dump.touch()
             deadline = time.monotonic() + 20
@@ -1564,6 +1681,25 @@ def within_bound(model: str, spread: dict) -> bool:
         spread["first_decode_max_abs"] <= LOGPROB_BOUND["random"]
         and spread["share_compared"] >= MIN_SHARED_PREFIX
     )
+
+
+def metrics_checks(row: Row, m: dict) -> dict[str, bool]:
+    """``/metrics`` equals the sum of the responses' per-position counts; the verify rows add
+    up to gamma + 1 per request step, some kept out of the MoE exactly when a cap is on; the
+    tau gauge is the flag's value."""
+    s = m["scrape"]
+    cap = "--speculative-dspark-verify-cap" in row.args
+    tau = float(row.flags.get("--speculative-dspark-draft-temperature-scale", 1.0))
+    return {
+        "metrics_equal_responses": m["meta_info_counts"]
+        and sum(m["responses"]["proposed"]) > 0
+        and s["proposed"] == m["responses"]["proposed"]
+        and s["accepted"] == m["responses"]["accepted"],
+        "metrics_rows_add_up": s["rows_live"] + s["rows_kept_out_of_moe"]
+        == m["verify_steps"] * (m["gamma"] + 1)
+        and (s["rows_kept_out_of_moe"] > 0) == cap,
+        "metrics_tau": m["tau"] == tau,
+    }
 
 
 # A sampled row's accepted drafts per step is held to upstream's DSpark row on the same
@@ -1773,6 +1909,8 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
         checks["looping_request_aborted"] = rec["loop"]["greedy_finish"] == "loop"
         # EOS may end the sampled one (it is honoured here); only a loop finish fails
         checks["sampled_request_not_aborted"] = rec["loop"]["sampled_finish"] != "loop"
+    if "metrics" in rec:
+        checks.update(metrics_checks(row, rec["metrics"]))
     if "thinking_disagreeing_switches" in rec:
         checks["disagreeing_switches_refused"] = rec[
             "thinking_disagreeing_switches"
