@@ -297,7 +297,7 @@ def test_the_bundle_carries_the_commit_the_provenance_reads(tmp_path, monkeypatc
         monkeypatch.setattr(bundle, heavy, lambda *a, **k: 0)
     monkeypatch.setattr(bundle, "RUN_LIMIT", 2**40)
     dest = tmp_path / "gpu-bundle"
-    bundle.make_bundle(tmp_path, "0.5.23+fork.1.0000000", dest)
+    bundle.make_bundle(tmp_path, "0.0.1+fork.1.0000000", dest)
     assert (dest / "COMMIT").read_text().strip() == bundle.repo_commit()
     assert bundle.repo_commit() == prov.harness_commit(REPO)
     code = "from e2e import provenance as p; print(p.harness_commit())"
