@@ -266,9 +266,14 @@ def test_the_commit_is_the_repositorys_and_says_when_it_differs(tmp_path):
     assert prov.harness_commit(repo) == head
     (repo / "a.py").write_text("x = 2\n")
     assert prov.harness_commit(repo) == head + "-dirty"
-    # an unpacked GPU bundle: its COMMIT file, not the enclosing repository's HEAD
+    # a stray COMMIT file in a work tree does not stand for its HEAD
     (repo / prov.COMMIT_FILE).write_text("f" * 40 + "\n")
-    assert prov.harness_commit(repo) == "f" * 40
+    assert prov.harness_commit(repo) == head + "-dirty"
+    # an unpacked GPU bundle inside the checkout: its COMMIT file, not the checkout's HEAD
+    bundle = repo / "build" / "gpu-bundle"
+    bundle.mkdir(parents=True)
+    (bundle / prov.COMMIT_FILE).write_text("e" * 40 + "\n")
+    assert prov.harness_commit(bundle) == "e" * 40
     # neither: a value the check refuses
     bare = tmp_path / "bare"
     bare.mkdir()

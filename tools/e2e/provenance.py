@@ -9,8 +9,8 @@ one ``provenance`` block to the payload::
 so a number read later can be traced to the build, the harness code and the machine that produced
 it (a result without its build is not evidence of anything). ``commit`` is the commit of the
 repository whose harness ran: ``git rev-parse HEAD`` (``-dirty`` appended when tracked files
-differ from it), or on a machine without git the ``COMMIT`` file the GPU bundle carries beside its
-``VERSION``. ``check`` lists what a payload lacks; a value this module could not determine
+differ from it), or in the GPU bundle (no git on its machine) the ``COMMIT`` file it carries
+beside its ``VERSION`` (``harness_commit``). ``check`` lists what a payload lacks; a value this module could not determine
 (``unknown ...``) counts as missing.
 
 The block names the machine that produced the numbers. A result evaluated elsewhere (the e2e
@@ -93,30 +93,33 @@ def device_name() -> str:
 
 
 def harness_commit(root: Path = REPO) -> str:
-    """The commit of the harness that runs: the bundle's ``COMMIT`` file where ``root`` is an
-    unpacked GPU bundle, else ``git rev-parse HEAD`` of ``root`` (``-dirty`` appended when
-    tracked files differ from it), else ``unknown`` (which ``check`` refuses)."""
-    stamped = Path(root) / COMMIT_FILE
+    """The commit of the harness that runs: where ``root`` is the top of a git work tree,
+    ``git rev-parse HEAD`` (``-dirty`` appended when tracked files differ from it); else (an
+    unpacked GPU bundle, a copy without ``.git``) the ``COMMIT`` file the bundle carries; else
+    ``unknown`` (which ``check`` refuses). A bundle inside a checkout reads its own ``COMMIT``,
+    not the checkout's ``HEAD``, which may have moved since the bundle was built."""
+    root = Path(root).resolve()
+    top = _git(root, "rev-parse", "--show-toplevel")
+    if top is not None and Path(top).resolve() == root:
+        head = _git(root, "rev-parse", "HEAD")
+        dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+        if head and dirty is not None:
+            return head + ("-dirty" if dirty else "")
+    stamped = root / COMMIT_FILE
     if stamped.is_file() and stamped.read_text().strip():
         return stamped.read_text().strip()
+    return f"{UNKNOWN} (no git work tree, no {COMMIT_FILE} file at {root})"
+
+
+def _git(root: Path, *args: str) -> str | None:
+    """``git -C root ARGS``'s output, stripped; None when it fails or git is missing."""
     try:
-        head = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=30,
+        r = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, timeout=60
         )
-        if head.returncode != 0:
-            return f"{UNKNOWN} (no git repository, no {COMMIT_FILE} file at {root})"
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"{UNKNOWN} ({type(e).__name__})"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
 
 
 def provenance(device: str | None = None) -> dict[str, str]:
