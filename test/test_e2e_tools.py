@@ -1470,3 +1470,40 @@ def test_long_rows_hold_their_promises():
             assert r.tokens_as == ("long_up_off",) and r.bound_to == "long_up_off"
     assert named["long_cap_2"].accepts == named["long_tau_0.7"].accepts == "design"
     assert named["long_off"].accepts == named["long_wo_a_small"].accepts == "reference"
+
+
+def test_a_partly_agreeing_draft_proposes_what_draft_json_says(long_checkpoint):
+    """``draft_runs`` on the 128-token vocabulary: the spare tokens the misses propose include
+    printable tokens that are also some token's successor. Every agreeing cycle token's draft
+    proposal (the top of its Markov logits) is its successor, every miss proposes a distinct spare
+    token other than its successor; rows written by assignment, where one of two anchors sharing
+    a proposal loses it (and which one varies between writes), do not."""
+    import json
+
+    from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS
+    from safetensors import safe_open
+
+    path = long_checkpoint
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        code = f.get_tensor("mtp.0.markov_head.embed.weight").float()
+        head = f.get_tensor("mtp.0.markov_head.head.weight").float()
+    succ = json.loads((path / "succ.json").read_text())
+    miss = json.loads((path / "draft.json").read_text())["miss_tokens"]
+    vocab, special = len(succ), len(DEEPSEEK_SPECIAL_TOKENS)
+    spare = set(range(vocab - len(miss) - special, vocab - special))
+    cycle = [t for t in range(vocab) if succ[t] != t]
+
+    def proposals(rows):
+        return {t: int((rows @ code[t]).argmax()) for t in cycle}
+
+    got = proposals(head)
+    assert all(got[t] == succ[t] for t in cycle if t not in miss)
+    assert all(got[t] != succ[t] and got[t] in spare for t in miss)
+    assert len({got[t] for t in miss}) == len(miss)
+    shared = [p for p in spare if [got[t] for t in cycle].count(p) > 1]
+    assert shared  # the case the summed rows are there for
+    assigned = head.clone()
+    for t in cycle:  # by assignment: the later anchor overwrites a shared row
+        if got[t] in shared:
+            assigned[got[t]] = 40.0 * code[t]
+    assert proposals(assigned) != got

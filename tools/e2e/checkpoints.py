@@ -663,9 +663,10 @@ def write_dsv4(
 
     ``draft_runs`` (with ``agree``) makes the draft agree only in part (``draft_miss_positions``):
     along the successor cycle, runs of agreeing tokens of the given lengths, in turn, each followed
-    by one token whose Markov row points at another token (an unused ``<extra_i>`` token), so a
-    greedy verify step accepts the rest of the run its anchor starts and the bonus token then
-    starts the next run: (2, 3) accepts 2 and 3 drafts in turn, about 2.5 per step
+    by one token whose Markov row points at another token (the ids below the special tokens:
+    ``<extra_i>`` tokens, and on a small vocabulary printable ones too), so a greedy verify step
+    accepts the rest of the run its anchor starts and the bonus token then starts the next run:
+    (2, 3) accepts 2 and 3 drafts in turn, about 2.5 per step
     (``draft.json`` records the runs and that figure). The shape's ``shards`` (default 1) splits
     the weights over that many safetensors files with an index (written last, so a cut-short
     write is not mistaken for a checkpoint: ``checkpoint_written``).
@@ -713,7 +714,15 @@ def write_dsv4(
             spare -= len(
                 DEEPSEEK_SPECIAL_TOKENS
             )  # <extra_i> tokens, not the special ones
-            proposal[cycle[miss]] = spare
+            # on a small vocabulary a spare can be the miss token's own successor (the miss would
+            # agree): the spares rotate until none is
+            own = succ[cycle[miss]]
+            shift = next(
+                (k for k in range(len(miss)) if not (spare.roll(k) == own).any()), None
+            )
+            if shift is None:
+                raise ValueError(f"draft_runs {draft_runs!r}: no spare tokens left")
+            proposal[cycle[miss]] = spare.roll(shift)
             (path / "draft.json").write_text(
                 json.dumps(
                     {
@@ -726,7 +735,13 @@ def write_dsv4(
                     }
                 )
             )
-        markov_out[proposal[cycle]] = draft_bias * code[cycle]
+        # With draft_runs a spare token can also be another token's successor (a 128-token
+        # vocabulary has 6 unused ids): its row holds both anchors' codes, summed (two summands:
+        # the same bits in any order), so either anchor proposes it. Assigned instead, one of the
+        # two writes would win, which varies between writes of the checkpoint.
+        markov_out.index_put_(
+            (proposal[cycle],), draft_bias * code[cycle], accumulate=True
+        )
         (path / "succ.json").write_text(json.dumps(succ.tolist()))
     w.tensors.update({"embed.weight": embed, "head.weight": head})
     w.norm("norm", dim)
