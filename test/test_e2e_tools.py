@@ -1507,3 +1507,101 @@ def test_a_partly_agreeing_draft_proposes_what_draft_json_says(long_checkpoint):
         if got[t] in shared:
             assigned[got[t]] = 40.0 * code[t]
     assert proposals(assigned) != got
+
+
+class _LongServer:
+    """A stand-in for a served long checkpoint: one token a character, each output token the
+    successor of the one before, cached tokens the longest prefix (in pages of 64) shared with an
+    earlier prompt, streams that end with finish reason abort once ``/abort_request`` names
+    them, speculation reported as 2 drafts accepted per step."""
+
+    def __init__(self):
+        from e2e.checkpoints import char_vocab
+
+        self.vocab, self.seen, self.aborted, self.posts = char_vocab(), [], set(), []
+
+    def _ids(self, text):
+        return [self.vocab[c] for c in text]
+
+    def _cached(self, ids):
+        best = (
+            max(
+                (
+                    next(
+                        (i for i, (a, b) in enumerate(zip(ids, s)) if a != b),
+                        min(len(ids), len(s)),
+                    )
+                )
+                for s in self.seen
+            )
+            if self.seen
+            else 0
+        )
+        self.seen.append(ids)
+        return min(best, len(ids) - 1) // 64 * 64
+
+    def _out(self, ids, n, finish="length"):
+        out = [(ids[-1] + 1 + i) % 100 + 3 for i in range(n)]
+        steps = -(-n // 3)
+        return {
+            "output_ids": out,
+            "text": "".join(chr(65 + t % 26) for t in out),
+            "meta_info": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": n,
+                "cached_tokens": self._cached(ids) if finish == "length" else 0,
+                "finish_reason": {"type": finish},
+                "output_token_logprobs": [[-0.5, t, None] for t in out],
+                "spec_verify_ct": steps,
+                "spec_num_correct_drafts": 2 * steps,
+                "spec_correct_drafts_histogram": [0, 0, steps],
+            },
+        }
+
+    def post(self, path, body, timeout=None):
+        self.posts.append(path)
+        if path == "/v1/completions":
+            got = self._out(self._ids(body["prompt"]), body["max_tokens"])
+            return {"choices": [{"text": got["text"]}]}
+        return self._out(
+            self._ids(body["text"]), body["sampling_params"]["max_new_tokens"]
+        )
+
+    def post_text(self, path, body, timeout=None):
+        self.posts.append(path)
+        self.aborted.add(body["rid"])
+        return ""
+
+    def stream(self, path, body, timeout=None):
+        ids = self._ids(body["text"])
+        self.seen.append(ids)
+        for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
+            out = self._out(
+                ids, 3 * n, finish="abort" if body["rid"] in self.aborted else None
+            )
+            if body["rid"] in self.aborted:
+                out["meta_info"]["completion_tokens"] = 3 * n
+                yield out
+                return
+            yield out
+
+
+def test_the_long_requests_run_against_a_stand_in_server():
+    """``long_context`` end to end against ``_LongServer``: the requests it sends, in order, give
+    a record every long check passes (the radix hits, the abort by rid landing mid-decode, both
+    streamed prefixes)."""
+    from e2e import matrix
+
+    server = _LongServer()
+    g = matrix.long_context(server)
+    n = len(matrix.LONG_PROMPTS)
+    assert len(g["tokens"]) == len(g["logprobs"]) == len(g["accepts"]) == n + 3
+    assert server.posts.count("/abort_request") == 1
+    assert g["completion_matches_generate"] and g["spec"]["verify_steps"] > 0
+    aborts = g["long"]["aborts"]
+    assert aborts["abort_request"]["finish"] == "abort"
+    assert aborts["disconnect"]["chunks"] == matrix.LONG_ABORT_AFTER
+    named = {r.name: r for r in rows()}
+    checks = matrix.long_checks(named["long_off"], g)
+    assert checks and all(checks.values()), checks
+    assert matrix.long_checks(named["long_cap_2"], g)["long_accepts_at_most_2"]
