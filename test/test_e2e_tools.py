@@ -1448,7 +1448,7 @@ def test_long_rows_need_radix_hits_a_mid_decode_abort_and_the_cap_holding():
 
 
 def test_long_rows_hold_their_promises():
-    """Flags off, no speculation and tau at greedy: upstream's bits; the twin, the fp8 head and
+    """Flags off, no speculation, the fp8 head and tau at greedy: upstream's bits; the twin and
     the cap: upstream's tokens with logprobs within the agree bound; each flag engaged; every
     row judged on its speculation like the other rows."""
     named = {r.name: r for r in rows()}
@@ -1457,7 +1457,11 @@ def test_long_rows_hold_their_promises():
     assert named["long_off"].same_as == ("long_up_off",)
     assert named["long_nospec"].same_as == ("long_up_nospec",)
     assert named["long_nospec"].accepts == named["long_up_nospec"].accepts == "none"
-    assert named["long_tau_0.7"].same_as == ("long_up_off",)
+    assert (
+        named["long_tau_0.7"].same_as
+        == named["long_head_fp8"].same_as
+        == ("long_up_off",)
+    )
     for flag, name in (
         ("--dsv4-wo-a-fp8-twin", "long_wo_a_small"),
         ("--speculative-dspark-draft-head-fp8", "long_head_fp8"),
@@ -1466,7 +1470,7 @@ def test_long_rows_hold_their_promises():
     ):
         r = long_rows[name]
         assert flag in r.args and r.tree == "fork" and (r.engaged or r.probes), name
-        if name != "long_tau_0.7":
+        if name in ("long_wo_a_small", "long_cap_2"):
             assert r.tokens_as == ("long_up_off",) and r.bound_to == "long_up_off"
     assert named["long_cap_2"].accepts == named["long_tau_0.7"].accepts == "design"
     assert named["long_off"].accepts == named["long_wo_a_small"].accepts == "reference"

@@ -678,8 +678,9 @@ def rows() -> list[Row]:
         # ---- long contexts: the long checkpoint (layer 2 compressed 4:1 with the C4 indexer,
         # layer 3 compressed 128:1, the draft agreeing in runs of 2 and 3), prompts of 700 to
         # 2,300 tokens in chunks of 256, outputs of 320, a shared prefix and two aborted requests,
-        # one request at a time (``long_context``): flags off and tau at greedy upstream's bits;
-        # the twin, the fp8 head and the cap upstream's tokens, logprobs within the agree bound
+        # one request at a time (``long_context``): flags off, the fp8 head and tau at greedy
+        # upstream's bits; the twin (rounding) and the cap (it moves where each token is
+        # verified) upstream's tokens, logprobs within the agree bound
         _row("long_up_off", model="long", **up),
         _row("long_up_nospec", model="long", spec=False, **up),
         _row("long_off", model="long", same_as=("long_up_off",)),
@@ -692,7 +693,16 @@ def rows() -> list[Row]:
             probes=(P_TWIN_SMALL,),
             **long_bound,
         ),
-        _row("long_head_fp8", *HEAD, engaged=(L_HEAD,), probes=(P_HEAD,), **long_bound),
+        # the draft's Markov bias (40) decides its proposals, so the fp8 head changes none of
+        # them, nor any target computation: upstream's bits
+        _row(
+            "long_head_fp8",
+            *HEAD,
+            engaged=(L_HEAD,),
+            probes=(P_HEAD,),
+            model="long",
+            same_as=("long_up_off",),
+        ),
         # the draft agrees in runs of 2 and 3: a cap of 2 cuts every run of 3
         _row(
             "long_cap_2",
