@@ -1272,3 +1272,417 @@ def test_the_metrics_rows_judge_the_scrape_against_the_responses():
     plain = Row("m", [])
     checks = metrics_checks(plain, got)
     assert not checks["metrics_rows_add_up"] and not checks["metrics_tau"]
+
+
+@pytest.fixture(scope="module")
+def long_checkpoint(tmp_path_factory):
+    """The matrix's long checkpoint (its seed and shape), written once for this file's tests."""
+    from e2e.checkpoints import LONG_DRAFT_RUNS, LONG_DSV4, write_dsv4
+
+    return write_dsv4(
+        tmp_path_factory.mktemp("long") / "long",
+        agree=True,
+        shape=LONG_DSV4,
+        seed=7,
+        draft_runs=LONG_DRAFT_RUNS,
+    )
+
+
+def test_the_long_checkpoint_holds_what_upstreams_compressed_layers_load(
+    long_checkpoint, monkeypatch
+):
+    """The long checkpoint through upstream's own code: its config loads with DeepSeek-V4-Flash's
+    layout of compress ratios (0, 0, 4, 128; the draft's layer 0), one C4 indexer layer, and every
+    compressor and indexer tensor maps (upstream's name remap, the loader's fusion of a
+    compressor's ``wkv`` and ``wgate`` into ``wkv_gate``) onto the parameters of upstream's
+    ``Compressor`` (ratio 128) and ``C4Indexer`` modules with their shapes and dtypes, and loads
+    through their weight loaders; the sliding-window layers and the draft carry none."""
+    from types import SimpleNamespace
+
+    import torch
+    from e2e import matrix
+    from e2e.checkpoints import LONG_DSV4
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    import sglang.srt.layers.attention.dsv4.indexer as ix
+    from sglang.srt.configs.model_config import get_num_indexer_layers
+    from sglang.srt.layers.attention.dsv4.compressor import Compressor
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+    from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from sglang.srt.utils.hf_transformers.config import get_config
+
+    path = long_checkpoint
+    hf = get_config(str(path), trust_remote_code=False)
+    assert hf.model_type == "deepseek_v4" and hf.architectures == [
+        "DeepseekV4ForCausalLM"
+    ]
+    assert list(hf.compress_ratios) == [0, 0, 4, 128, 0]
+    assert get_num_indexer_layers(hf) == 1
+    assert hf.index_topk == 512 and hf.sliding_window == hf.window_size == 128
+    assert 4 * hf.index_topk < max(matrix.LONG_PROMPTS) < hf.max_position_embeddings
+    assert max(matrix.LONG_PROMPTS) + matrix.LONG_TOKENS < hf.max_position_embeddings
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    owners = {
+        k.split(".attn.")[0] for k in stored if ".compressor." in k or ".indexer." in k
+    }
+    assert owners == {"layers.2", "layers.3"}
+
+    monkeypatch.setattr(
+        ix,
+        "get_exec",
+        lambda: SimpleNamespace(
+            kernel=SimpleNamespace(enable_deepseek_v4_fp4_indexer=False)
+        ),
+    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(
+        torch.bfloat16
+    )  # as the loader builds the model (bf16 config)
+    try:
+        modules = {
+            "layers.3.attn.compressor.": Compressor(
+                hf,
+                layer_id=3,
+                is_in_indexer=False,
+                freqs_cis=torch.zeros(1),
+                compress_ratio=128,
+                head_dim=LONG_DSV4["head_dim"],
+            ),
+            "layers.2.attn.indexer.": ix.C4Indexer(
+                hf, layer_id=2, freqs_cis=torch.zeros(1)
+            ),
+        }
+        # layer 2's own compressor: ratio 4, overlapping blocks (twice the widths)
+        modules["layers.2.attn.compressor."] = Compressor(
+            hf,
+            layer_id=2,
+            is_in_indexer=False,
+            freqs_cis=torch.zeros(1),
+            compress_ratio=4,
+            head_dim=LONG_DSV4["head_dim"],
+        )
+    finally:
+        torch.set_default_dtype(default)
+    for prefix, module in modules.items():
+        params = dict(module.named_parameters())
+        names = {k for k in stored if k.startswith(prefix)}
+        if not prefix.endswith(
+            ".indexer."
+        ):  # the indexer's own compressor is the indexer's
+            names = {k for k in names if ".indexer." not in k}
+        target = "model." + prefix.replace(".attn.", ".self_attn.")
+        loaded = {}
+        for key in names:
+            name = DeepseekV4ForCausalLM.remap_weight_name_to_dpsk_hf_format(key)
+            assert name.startswith(target), (prefix, name)
+            if (
+                ".compressor.w" in name
+            ):  # upstream's loader: cat([wkv, wgate]) into wkv_gate
+                fused = name.rsplit(".", 2)[0] + ".wkv_gate.weight"
+                kv = stored[key.replace(".wgate.", ".wkv.")]
+                gate = stored[key.replace(".wkv.", ".wgate.")]
+                loaded[fused.removeprefix(target)] = torch.cat([kv, gate], dim=0)
+            else:
+                loaded[name.removeprefix(target)] = stored[key]
+        assert set(loaded) == set(params), (prefix, sorted(loaded), sorted(params))
+        for local, tensor in loaded.items():
+            param = params[local]
+            assert tensor.shape == param.shape, (
+                prefix,
+                local,
+                tensor.shape,
+                param.shape,
+            )
+            assert tensor.dtype == param.dtype, (
+                prefix,
+                local,
+                tensor.dtype,
+                param.dtype,
+            )
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            if not local.endswith(
+                "ape"
+            ):  # upstream's ape loader reorders overlapping blocks
+                assert torch.equal(param.data, tensor), (prefix, local)
+
+    # the requests: one token a character, so the prompts are the lengths the rows expect
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lengths = [len(tokenizer(p)["input_ids"]) for p in matrix.long_prompts()]
+    assert lengths == [
+        *matrix.LONG_PROMPTS,
+        matrix.LONG_SHARED + 300,
+        *matrix.LONG_ABORTED,
+    ]
+    prompts = matrix.long_prompts()
+    shared = prompts[len(matrix.LONG_PROMPTS)]
+    assert shared[: matrix.LONG_SHARED] == prompts[0][: matrix.LONG_SHARED]
+    assert shared[matrix.LONG_SHARED] != prompts[0][matrix.LONG_SHARED]
+    # the shared prefix ends mid-block of every ratio and mid-window
+    assert all(matrix.LONG_SHARED % r for r in (4, 128))
+
+
+def test_every_long_row_resolves_through_upstreams_pipeline(
+    long_checkpoint, monkeypatch
+):
+    """Each long row's server arguments, as the matrix starts it, through upstream's resolution
+    on the long checkpoint with the platform read as CUDA: none is refused, the radix cache stays
+    on, prefill is chunked at LONG_CHUNK and one request runs at a time."""
+    from e2e import matrix
+
+    import sglang.srt.arg_groups.deepseek_v4_hook as hook
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    real = hook.get_platform()
+
+    class Cuda:
+        def __getattr__(self, name):
+            return {"is_cuda": True, "is_hip": False}.get(name, getattr(real, name))
+
+    monkeypatch.setattr(hook, "get_platform", Cuda)
+    long_rows = [r for r in matrix.rows() if r.model == "long"]
+    assert len(long_rows) == 8
+    for row in long_rows:
+        argv = ["--model-path", str(long_checkpoint), "--device", "cuda"]
+        argv += matrix.SERVE_ARGS + matrix.MEM_ARGS["long"] + matrix.GRAPH_ARGS["long"]
+        sa = prepare_server_args(argv + matrix.MODEL_ARGS["long"] + row.args)
+        sa.resolve_once()
+        view = resolved_view(sa)
+        assert view.chunked_prefill_size == matrix.LONG_CHUNK, row.name
+        assert view.disable_radix_cache is False, row.name
+        assert view.max_running_requests == 1, row.name
+        assert matrix.LONG_CHUNK % (view.page_size or 1) == 0, (
+            row.name,
+            view.page_size,
+        )
+
+
+def _long_record(cap_hist=None, cached=None, abort_finish="abort"):
+    """A long row's greedy record as ``long_context`` returns it, with what a served row shows."""
+    from e2e import matrix
+
+    n = len(matrix.LONG_PROMPTS)
+    tokens = [[5, 6, 7, 8] * 80 for _ in range(n + 3)]
+    hist = cap_hist or [0, 10, 20, 30]
+    return {
+        "tokens": tokens,
+        "logprobs": [[-0.1] * 320 for _ in tokens],
+        "accepts": [[60, 140, hist] for _ in tokens],
+        "long": {
+            "prompt_tokens": [
+                *matrix.LONG_PROMPTS,
+                matrix.LONG_SHARED + 300,
+                *matrix.LONG_ABORTED,
+            ],
+            "cached_tokens": cached or [0, 0, 0, 1280, 768, 1024],
+            "aborts": {
+                "abort_request": {
+                    "chunks": 52,
+                    "output_ids": tokens[n + 1][:150],
+                    "finish": abort_finish,
+                    "completion_tokens": 150,
+                },
+                "disconnect": {
+                    "chunks": 48,
+                    "output_ids": tokens[n + 2][:140],
+                    "finish": None,
+                    "completion_tokens": 140,
+                },
+            },
+        },
+    }
+
+
+def test_long_rows_need_radix_hits_a_mid_decode_abort_and_the_cap_holding():
+    """``long_checks`` passes what a served row shows and fails each thing missing: no radix hit
+    on the shared prefix, an aborted request that ran to its length, a streamed prefix that is
+    not the full request's, a step above a fixed cap (or a cap that never bound)."""
+    from e2e.matrix import long_checks
+
+    named = {r.name: r for r in rows()}
+    off, cap = named["long_off"], named["long_cap_2"]
+    assert all(long_checks(off, _long_record()).values())
+    got = long_checks(cap, _long_record(cap_hist=[0, 10, 20]))
+    assert all(got.values()) and "long_accepts_at_most_2" in got
+    assert not long_checks(cap, _long_record())["long_accepts_at_most_2"]  # 3 accepted
+    assert not long_checks(cap, _long_record(cap_hist=[0, 10]))[
+        "long_accepts_at_most_2"
+    ]
+    missed = long_checks(off, _long_record(cached=[0, 0, 0, 0, 768, 1024]))
+    assert not missed["long_radix_hits"]
+    assert not long_checks(off, _long_record(abort_finish="length"))[
+        "long_abort_request_mid_decode"
+    ]
+    wrong = _long_record()
+    wrong["long"]["aborts"]["disconnect"]["output_ids"][3] = 99
+    assert not long_checks(off, wrong)["long_disconnect_streamed_a_prefix"]
+    short = _long_record()
+    short["long"]["prompt_tokens"][0] = 2048
+    assert not long_checks(off, short)["long_prompts_served"]
+
+
+def test_long_rows_hold_their_promises():
+    """Flags off, no speculation, the fp8 head and tau at greedy: upstream's bits; the twin and
+    the cap: upstream's tokens with logprobs within the agree bound; each flag engaged; every
+    row judged on its speculation like the other rows."""
+    named = {r.name: r for r in rows()}
+    long_rows = {n: r for n, r in named.items() if r.model == "long"}
+    assert named["long_up_off"].tree == named["long_up_nospec"].tree == "upstream"
+    assert named["long_off"].same_as == ("long_up_off",)
+    assert named["long_nospec"].same_as == ("long_up_nospec",)
+    assert named["long_nospec"].accepts == named["long_up_nospec"].accepts == "none"
+    assert (
+        named["long_tau_0.7"].same_as
+        == named["long_head_fp8"].same_as
+        == ("long_up_off",)
+    )
+    for flag, name in (
+        ("--dsv4-wo-a-fp8-twin", "long_wo_a_small"),
+        ("--speculative-dspark-draft-head-fp8", "long_head_fp8"),
+        ("--speculative-dspark-verify-cap", "long_cap_2"),
+        ("--speculative-dspark-draft-temperature-scale", "long_tau_0.7"),
+    ):
+        r = long_rows[name]
+        assert flag in r.args and r.tree == "fork" and (r.engaged or r.probes), name
+        if name in ("long_wo_a_small", "long_cap_2"):
+            assert r.tokens_as == ("long_up_off",) and r.bound_to == "long_up_off"
+    assert named["long_cap_2"].accepts == named["long_tau_0.7"].accepts == "design"
+    assert named["long_off"].accepts == named["long_wo_a_small"].accepts == "reference"
+
+
+def test_a_partly_agreeing_draft_proposes_what_draft_json_says(long_checkpoint):
+    """``draft_runs`` on the 128-token vocabulary: the spare tokens the misses propose include
+    printable tokens that are also some token's successor. Every agreeing cycle token's draft
+    proposal (the top of its Markov logits) is its successor, every miss proposes a distinct spare
+    token other than its successor; rows written by assignment, where one of two anchors sharing
+    a proposal loses it (and which one varies between writes), do not."""
+    import json
+
+    from e2e.checkpoints import DEEPSEEK_SPECIAL_TOKENS
+    from safetensors import safe_open
+
+    path = long_checkpoint
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        code = f.get_tensor("mtp.0.markov_head.embed.weight").float()
+        head = f.get_tensor("mtp.0.markov_head.head.weight").float()
+    succ = json.loads((path / "succ.json").read_text())
+    miss = json.loads((path / "draft.json").read_text())["miss_tokens"]
+    vocab, special = len(succ), len(DEEPSEEK_SPECIAL_TOKENS)
+    spare = set(range(vocab - len(miss) - special, vocab - special))
+    cycle = [t for t in range(vocab) if succ[t] != t]
+
+    def proposals(rows):
+        return {t: int((rows @ code[t]).argmax()) for t in cycle}
+
+    got = proposals(head)
+    assert all(got[t] == succ[t] for t in cycle if t not in miss)
+    assert all(got[t] != succ[t] and got[t] in spare for t in miss)
+    assert len({got[t] for t in miss}) == len(miss)
+    shared = [p for p in spare if [got[t] for t in cycle].count(p) > 1]
+    assert shared  # the case the summed rows are there for
+    assigned = head.clone()
+    for t in cycle:  # by assignment: the later anchor overwrites a shared row
+        if got[t] in shared:
+            assigned[got[t]] = 40.0 * code[t]
+    assert proposals(assigned) != got
+
+
+class _LongServer:
+    """A stand-in for a served long checkpoint: one token a character, each output token the
+    successor of the one before, cached tokens the longest prefix (in pages of 64) shared with an
+    earlier prompt, streams that end with finish reason abort once ``/abort_request`` names
+    them, speculation reported as 2 drafts accepted per step."""
+
+    def __init__(self):
+        from e2e.checkpoints import char_vocab
+
+        self.vocab, self.seen, self.aborted, self.posts = char_vocab(), [], set(), []
+
+    def _ids(self, text):
+        return [self.vocab[c] for c in text]
+
+    def _cached(self, ids):
+        best = (
+            max(
+                (
+                    next(
+                        (i for i, (a, b) in enumerate(zip(ids, s)) if a != b),
+                        min(len(ids), len(s)),
+                    )
+                )
+                for s in self.seen
+            )
+            if self.seen
+            else 0
+        )
+        self.seen.append(ids)
+        return min(best, len(ids) - 1) // 64 * 64
+
+    def _out(self, ids, n, finish="length"):
+        out = [(ids[-1] + 1 + i) % 100 + 3 for i in range(n)]
+        steps = -(-n // 3)
+        return {
+            "output_ids": out,
+            "text": "".join(chr(65 + t % 26) for t in out),
+            "meta_info": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": n,
+                "cached_tokens": self._cached(ids) if finish == "length" else 0,
+                "finish_reason": {"type": finish},
+                "output_token_logprobs": [[-0.5, t, None] for t in out],
+                "spec_verify_ct": steps,
+                "spec_num_correct_drafts": 2 * steps,
+                "spec_correct_drafts_histogram": [0, 0, steps],
+            },
+        }
+
+    def post(self, path, body, timeout=None):
+        self.posts.append(path)
+        if path == "/v1/completions":
+            got = self._out(self._ids(body["prompt"]), body["max_tokens"])
+            return {"choices": [{"text": got["text"]}]}
+        return self._out(
+            self._ids(body["text"]), body["sampling_params"]["max_new_tokens"]
+        )
+
+    def post_text(self, path, body, timeout=None):
+        self.posts.append(path)
+        self.aborted.add(body["rid"])
+        return ""
+
+    def stream(self, path, body, timeout=None):
+        ids = self._ids(body["text"])
+        self.seen.append(ids)
+        for n in range(1, body["sampling_params"]["max_new_tokens"] + 1):
+            out = self._out(
+                ids, 3 * n, finish="abort" if body["rid"] in self.aborted else None
+            )
+            if body["rid"] in self.aborted:
+                out["meta_info"]["completion_tokens"] = 3 * n
+                yield out
+                return
+            yield out
+
+
+def test_the_long_requests_run_against_a_stand_in_server():
+    """``long_context`` end to end against ``_LongServer``: the requests it sends, in order, give
+    a record every long check passes (the radix hits, the abort by rid landing mid-decode, both
+    streamed prefixes)."""
+    from e2e import matrix
+
+    server = _LongServer()
+    g = matrix.long_context(server)
+    n = len(matrix.LONG_PROMPTS)
+    assert len(g["tokens"]) == len(g["logprobs"]) == len(g["accepts"]) == n + 3
+    assert server.posts.count("/abort_request") == 1
+    assert g["completion_matches_generate"] and g["spec"]["verify_steps"] > 0
+    aborts = g["long"]["aborts"]
+    assert aborts["abort_request"]["finish"] == "abort"
+    assert aborts["disconnect"]["chunks"] == matrix.LONG_ABORT_AFTER
+    named = {r.name: r for r in rows()}
+    checks = matrix.long_checks(named["long_off"], g)
+    assert checks and all(checks.values()), checks
+    assert matrix.long_checks(named["long_cap_2"], g)["long_accepts_at_most_2"]

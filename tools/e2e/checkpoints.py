@@ -229,6 +229,14 @@ TINY_DSV4 = dict(
     gamma=5,
     draft_stages=1,
 )
+# The tiny checkpoint with DeepSeek-V4-Flash's attention layout (its ``compress_ratios`` start
+# 0, 0, then alternate 4 and 128; the draft's layers are sliding-window only): layers 0 and 1
+# sliding-window attention, layer 2 compressed 4:1 with the C4 indexer (top-512 of the compressed
+# entries: it selects only past 2,048 tokens of context), layer 3 compressed 128:1.
+LONG_DSV4 = dict(TINY_DSV4, compress_ratios=[0, 0, 4, 128])
+# The long checkpoint's draft agrees with its target in runs of 2 and 3 tokens (accepts and
+# rejections, so the compressed state is rolled back after rejected drafts).
+LONG_DRAFT_RUNS = (2, 3)
 # DeepSeek-V4.1-Flash's shapes at TP1 (hidden, heads, lora ranks, o_groups, expert width, vocab)
 # with few layers and experts and three draft stages, random weights: for timing.
 REAL_SHAPE_DSV4 = dict(
@@ -310,9 +318,10 @@ def dsv4_config(shape: dict) -> dict:
         "topk_method": "noaux_tc",
         "norm_topk_prob": True,
         "routed_scaling_factor": 1.5,
-        # Sliding-window attention only (no compressor / indexer layers): the flash_mla sparse
-        # decode path with window indices, no DeepGEMM indexer.
-        "compress_ratios": [0] * (layers + stages),
+        # Sliding-window attention only unless the shape names its layers' ratios (the draft's
+        # layers are sliding-window in any case): the flash_mla sparse decode path with window
+        # indices; ratio 4 adds the C4 indexer (the harness keeps it off DeepGEMM).
+        "compress_ratios": compress_ratios(shape) + [0] * stages,
         "window_size": 128,
         "sliding_window": 128,
         "index_n_heads": 64,
@@ -348,6 +357,18 @@ def dsv4_config(shape: dict) -> dict:
             else {}
         ),
     }
+
+
+def compress_ratios(shape: dict) -> list[int]:
+    """The target layers' compress ratios: the shape's ``compress_ratios`` (0, 4 or 128 each, as
+    DeepSeek-V4 serves them) or 0 for every layer."""
+    layers = shape["num_hidden_layers"]
+    ratios = list(shape.get("compress_ratios", [0] * layers))
+    if len(ratios) != layers or set(ratios) - {0, 4, 128}:
+        raise ValueError(
+            f"compress_ratios: one of 0, 4, 128 per target layer ({layers}), not {ratios!r}"
+        )
+    return ratios
 
 
 def fp8_quantization_config(shape: dict) -> dict:
@@ -540,6 +561,29 @@ class _Weights:
                 1 + self.randn(hc, dim, std=0.1, dtype=torch.float32)
             ).to(torch.bfloat16)
 
+    def compressor(self, prefix: str, ratio: int, head_dim: int):
+        """A compressor as DeepSeek-V4 stores it: the positional bias ``ape`` (fp32, one row per
+        position in a block of ``ratio``), the kv and gate projections (bf16; upstream's loader
+        fuses them into ``wkv_gate``) and the fp32 norm. Ratio 4 overlaps two blocks, so its
+        widths double (upstream's ``Compressor.coff``)."""
+        dim, width = self.shape["hidden_size"], (1 + (ratio == 4)) * head_dim
+        f32 = self.torch.float32
+        self.tensors[prefix + "ape"] = self.randn(ratio, width, std=0.02, dtype=f32)
+        self.linear(prefix + "wkv", width, dim)
+        self.linear(prefix + "wgate", width, dim)
+        self.tensors[prefix + "norm.weight"] = self.torch.ones(
+            head_dim, dtype=f32, device=self.device
+        )
+
+    def indexer(self, prefix: str, config: dict):
+        """The C4 indexer of a ratio-4 layer: its query projection from the q LoRA, the per-head
+        weights and its own ratio-4 compressor of ``index_head_dim``-wide keys, bf16 (fp32
+        ``ape`` and norm), as upstream's ``C4Indexer`` loads them."""
+        heads, hd = config["index_n_heads"], config["index_head_dim"]
+        self.linear(prefix + "wq_b", heads * hd, self.shape["q_lora_rank"])
+        self.linear(prefix + "weights_proj", heads, self.shape["hidden_size"])
+        self.compressor(prefix + "compressor.", 4, hd)
+
     def block(self, prefix: str, hash_vocab: int | None):
         s, dim = self.shape, self.shape["hidden_size"]
         heads, hd, groups = s["num_attention_heads"], s["head_dim"], s["o_groups"]
@@ -619,9 +663,10 @@ def write_dsv4(
 
     ``draft_runs`` (with ``agree``) makes the draft agree only in part (``draft_miss_positions``):
     along the successor cycle, runs of agreeing tokens of the given lengths, in turn, each followed
-    by one token whose Markov row points at another token (an unused ``<extra_i>`` token), so a
-    greedy verify step accepts the rest of the run its anchor starts and the bonus token then
-    starts the next run: (2, 3) accepts 2 and 3 drafts in turn, about 2.5 per step
+    by one token whose Markov row points at another token (the ids below the special tokens:
+    ``<extra_i>`` tokens, and on a small vocabulary printable ones too), so a greedy verify step
+    accepts the rest of the run its anchor starts and the bonus token then starts the next run:
+    (2, 3) accepts 2 and 3 drafts in turn, about 2.5 per step
     (``draft.json`` records the runs and that figure). The shape's ``shards`` (default 1) splits
     the weights over that many safetensors files with an index (written last, so a cut-short
     write is not mistaken for a checkpoint: ``checkpoint_written``).
@@ -669,7 +714,15 @@ def write_dsv4(
             spare -= len(
                 DEEPSEEK_SPECIAL_TOKENS
             )  # <extra_i> tokens, not the special ones
-            proposal[cycle[miss]] = spare
+            # on a small vocabulary a spare can be the miss token's own successor (the miss would
+            # agree): the spares rotate until none is
+            own = succ[cycle[miss]]
+            shift = next(
+                (k for k in range(len(miss)) if not (spare.roll(k) == own).any()), None
+            )
+            if shift is None:
+                raise ValueError(f"draft_runs {draft_runs!r}: no spare tokens left")
+            proposal[cycle[miss]] = spare.roll(shift)
             (path / "draft.json").write_text(
                 json.dumps(
                     {
@@ -682,7 +735,13 @@ def write_dsv4(
                     }
                 )
             )
-        markov_out[proposal[cycle]] = draft_bias * code[cycle]
+        # With draft_runs a spare token can also be another token's successor (a 128-token
+        # vocabulary has 6 unused ids): its row holds both anchors' codes, summed (two summands:
+        # the same bits in any order), so either anchor proposes it. Assigned instead, one of the
+        # two writes would win, which varies between writes of the checkpoint.
+        markov_out.index_put_(
+            (proposal[cycle],), draft_bias * code[cycle], accumulate=True
+        )
         (path / "succ.json").write_text(json.dumps(succ.tolist()))
     w.tensors.update({"embed.weight": embed, "head.weight": head})
     w.norm("norm", dim)
@@ -694,6 +753,14 @@ def write_dsv4(
             f"layers.{layer}.",
             hash_vocab=vocab if layer < config["num_hash_layers"] else None,
         )
+    # drawn after every other target tensor, so a shape without compressed layers draws as before
+    for layer, ratio in enumerate(
+        config["compress_ratios"][: shape["num_hidden_layers"]]
+    ):
+        if ratio:
+            w.compressor(f"layers.{layer}.attn.compressor.", ratio, shape["head_dim"])
+        if ratio == 4:
+            w.indexer(f"layers.{layer}.attn.indexer.", config)
     for i, layer in enumerate(config.get("engram_layer_ids", [])):
         w.engram(f"layers.{layer}.engram.", config["engram_num_embeddings"][i], config)
     stages = shape["draft_stages"]

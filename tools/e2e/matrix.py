@@ -56,6 +56,7 @@ import math
 import os
 import re
 import statistics
+import string
 import sys
 import threading
 import time
@@ -65,7 +66,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from . import side_by_side
-from .checkpoints import REAL_SHAPE_DSV4, TINY_DSV4, TINY_ENGRAM, char_vocab, write_dsv4
+from .checkpoints import (
+    LONG_DRAFT_RUNS,
+    LONG_DSV4,
+    REAL_SHAPE_DSV4,
+    TINY_DSV4,
+    TINY_ENGRAM,
+    char_vocab,
+    write_dsv4,
+)
 from .provenance import FIELDS, add_overwrite_arg
 from .provenance import provenance as build_provenance
 from .provenance import write_result
@@ -109,6 +118,7 @@ GRAPH_ARGS = {
     "v41": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
     "v41_agree": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
     "v41_partial": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
+    "long": ["--cuda-graph-bs-decode", "1", "--max-running-requests", "1"],
     "sample": ["--cuda-graph-bs-decode", "1", "2", "4", "8", "16", "32"]
     + ["--max-running-requests", "32"],
     "real": ["--cuda-graph-bs-decode", "1", "4", "16", "--max-running-requests", "16"],
@@ -136,6 +146,7 @@ MEM_ARGS = {
     "v41": _TINY_MEM_ARGS,
     "v41_agree": _TINY_MEM_ARGS,
     "v41_partial": _TINY_MEM_ARGS,
+    "long": _TINY_MEM_ARGS,
     "sample": _TINY_MEM_ARGS,
     "real": ["--mem-fraction-static", "0.3"],
 }
@@ -149,7 +160,14 @@ EAGER = ["--cuda-graph-backend-decode", "disabled"]
 # a token at zero bytes and divides by it; an explicit --swa-full-tokens-ratio (the value upstream
 # takes for DeepSeek-V4 when none is given, DSV4_DEFAULT_SWA_FULL_TOKENS_RATIO) keeps the ratio sizing.
 _V41_ARGS = ["--no-enable-decoder-swa-bounded-replay", "--swa-full-tokens-ratio", "0.1"]
-MODEL_ARGS = {"v41": _V41_ARGS, "v41_agree": _V41_ARGS, "v41_partial": _V41_ARGS}
+# The long checkpoint: every prompt prefills in chunks of LONG_CHUNK tokens.
+LONG_CHUNK = 256
+MODEL_ARGS = {
+    "v41": _V41_ARGS,
+    "v41_agree": _V41_ARGS,
+    "v41_partial": _V41_ARGS,
+    "long": ["--chunked-prefill-size", str(LONG_CHUNK)],
+}
 # Where the Engram row store's rows go (created by the run; one server writes there).
 ROW_STORE_DIR = "/tmp/e2e-engram-rows"
 
@@ -205,6 +223,19 @@ SAMPLED_REFERENCE = (
     "s_up_nospec"  # the target's own distribution: upstream, no speculation
 )
 GAMMA = TINY_DSV4["gamma"]
+# Long contexts (``long_context``, the long checkpoint, sliding window 128): prompts of 5, 11 and
+# 18 windows (the longest past 2,048 tokens, where layer 2's indexer picks 512 of its 575
+# compressed entries), prefilled in chunks of LONG_CHUNK; LONG_TOKENS greedy tokens each (2.5
+# windows). LONG_SHARED tokens of the longest prompt start a second prompt (a radix hit, cut
+# mid-block of every ratio); two requests are aborted mid-decode after LONG_ABORT_AFTER streamed
+# chunks, one by /abort_request and one by the client closing its connection, each then sent again
+# in full (a radix hit on the aborted request's prompt).
+LONG_PROMPTS = (2300, 700, 1500)
+LONG_TOKENS = 320
+LONG_SHARED = 1501
+LONG_ABORTED = (1000, 1100)  # the aborted requests' prompt tokens
+LONG_ABORT_TOKENS = 1000  # what they ask for
+LONG_ABORT_AFTER = 48
 
 # Probes (module:qualname[?kwarg], see standins/sitecustomize.py) and startup lines per feature.
 P_TWIN_SMALL = "sglang.kernels.ops.gemm.dsv4_wo_a_fp8_sm90:wo_a_fp8_small_sm90"
@@ -266,7 +297,7 @@ class Row:
     name: str
     args: list[str]
     model: str = (
-        "agree"  # agree | random | v41 | v41_agree | v41_partial | sample | real
+        "agree"  # agree | random | v41 | v41_agree | v41_partial | long | sample | real
     )
     tree: str = "fork"  # fork | upstream (the pinned release, --upstream)
     greedy: bool = True  # agree / random: the greedy prompts with logprobs
@@ -387,6 +418,7 @@ def rows() -> list[Row]:
         )
 
     v41_off = v41("v41")
+    long_bound = dict(model="long", tokens_as=("long_up_off",), bound_to="long_up_off")
     sampled = dict(model="sample", greedy=False, sampled=True)
     small = dict(extra=SMALL_BATCH)
     return [
@@ -655,6 +687,51 @@ def rows() -> list[Row]:
             model="v41",
             same_as=("v41_up_off_eager",),
         ),
+        # ---- long contexts: the long checkpoint (layer 2 compressed 4:1 with the C4 indexer,
+        # layer 3 compressed 128:1, the draft agreeing in runs of 2 and 3), prompts of 700 to
+        # 2,300 tokens in chunks of 256, outputs of 320, a shared prefix and two aborted requests,
+        # one request at a time (``long_context``): flags off, the fp8 head and tau at greedy
+        # upstream's bits; the twin (rounding) and the cap (it moves where each token is
+        # verified) upstream's tokens, logprobs within the agree bound
+        _row("long_up_off", model="long", **up),
+        _row("long_up_nospec", model="long", spec=False, **up),
+        _row("long_off", model="long", same_as=("long_up_off",)),
+        _row("long_nospec", model="long", spec=False, same_as=("long_up_nospec",)),
+        _row(
+            "long_wo_a_small",
+            *TWIN,
+            "small",
+            engaged=(L_TWIN,),
+            probes=(P_TWIN_SMALL,),
+            **long_bound,
+        ),
+        # the draft's Markov bias (40) decides its proposals, so the fp8 head changes none of
+        # them, nor any target computation: upstream's bits
+        _row(
+            "long_head_fp8",
+            *HEAD,
+            engaged=(L_HEAD,),
+            probes=(P_HEAD,),
+            model="long",
+            same_as=("long_up_off",),
+        ),
+        # the draft agrees in runs of 2 and 3: a cap of 2 cuts every run of 3
+        _row(
+            "long_cap_2",
+            "--speculative-dspark-verify-cap",
+            "2",
+            engaged=(L_CAP,),
+            below_gamma=True,
+            **long_bound,
+        ),
+        _row(
+            "long_tau_0.7",
+            *TAU,
+            engaged=(L_TAU,),
+            probes=(P_TAU,),
+            model="long",
+            same_as=("long_up_off",),
+        ),
         # ---- sampled: target top token ~0.5, draft q ~0.85 on it; against upstream without
         # speculation (the target's own distribution)
         _row("s_up_nospec", spec=False, **sampled, **up),  # + the 0.97 T control
@@ -869,6 +946,8 @@ def greedy(server: Server, model: str) -> dict:
     """The greedy prompts, up to ``GREEDY_TOKENS`` each, with every emitted token's logprob.
     EOS is honoured (``ignore_eos`` requests are exempt from loop abort, which must run here).
     """
+    if model == "long":
+        return long_context(server)
     params = {"temperature": 0, "max_new_tokens": GREEDY_TOKENS}
     outs: list = [None] * len(GREEDY_PROMPTS)
     t0 = time.perf_counter()
@@ -905,6 +984,149 @@ def greedy(server: Server, model: str) -> dict:
         "spec": spec_stats(outs),
         "accepts": [request_accepts(o, histogram=True) for o in outs],
     }
+
+
+def long_text(index: int, n: int) -> str:
+    """``n`` characters (``n`` tokens of the character-level tokenizer), the same on every run."""
+    import random
+
+    alphabet = string.ascii_letters + string.digits + string.punctuation + " "
+    pick = random.Random(f"long-{index}")
+    return "".join(pick.choice(alphabet) for _ in range(n))
+
+
+def long_prompts() -> list[str]:
+    """The long rows' complete requests in order: ``LONG_PROMPTS``, then the longest one's first
+    ``LONG_SHARED`` tokens with another continuation, then the two aborted prompts in full.
+    """
+    prompts = [long_text(i, n) for i, n in enumerate(LONG_PROMPTS)]
+    shared = prompts[0][:LONG_SHARED] + long_text(10, 300)
+    aborted = [long_text(20 + i, n) for i, n in enumerate(LONG_ABORTED)]
+    return prompts + [shared] + aborted
+
+
+def long_context(server: Server) -> dict:
+    """The long rows' requests, one at a time (the server runs one; a request sent while an
+    aborted one still decodes waits, so no batch depends on when an abort lands), greedy with
+    logprobs: the prompts of ``long_prompts`` of which the shared one and the two sent again find
+    their prefixes in the radix cache; between them two streamed requests aborted after
+    ``LONG_ABORT_AFTER`` chunks (``/abort_request`` by rid; the client closing the connection).
+    The greedy record's fields (``greedy``), plus ``long``: each request's prompt and cached
+    tokens, and what each aborted request streamed before it ended."""
+    params = {"temperature": 0, "max_new_tokens": LONG_TOKENS, "ignore_eos": True}
+    prompts = long_prompts()
+    outs, aborts = [], {}
+    t0 = time.perf_counter()
+
+    def one(text: str) -> dict:
+        got = server.post(
+            "/generate",
+            {"text": text, "sampling_params": params, "return_logprob": True},
+        )
+        outs.append(got)
+        return got
+
+    def streamed(text: str, how: str) -> dict:
+        rid = f"e2e-long-{how}"
+        body = {
+            "text": text,
+            "rid": rid,
+            "sampling_params": {
+                "temperature": 0,
+                "max_new_tokens": LONG_ABORT_TOKENS,
+                "ignore_eos": True,
+            },
+        }
+        chunks, last = 0, {}
+        events = server.stream("/generate", body)
+        for event in events:
+            chunks, last = chunks + 1, event
+            if chunks == LONG_ABORT_AFTER:
+                if how == "disconnect":
+                    break
+                server.post_text("/abort_request", {"rid": rid})
+        events.close()  # a disconnect: the connection closes, and upstream aborts the request
+        meta = last.get("meta_info", {})
+        return {
+            "chunks": chunks,
+            "output_ids": last.get("output_ids", []),
+            "finish": (meta.get("finish_reason") or {}).get("type"),
+            "completion_tokens": meta.get("completion_tokens"),
+        }
+
+    for text in prompts[: len(LONG_PROMPTS) + 1]:
+        one(text)
+    for how, text in zip(("abort_request", "disconnect"), prompts[-2:]):
+        aborts[how] = streamed(text, how)
+        one(text)
+    seconds = time.perf_counter() - t0
+    completion = server.post(
+        "/v1/completions",
+        {
+            "model": "default",
+            "prompt": prompts[0],
+            "temperature": 0,
+            "max_tokens": LONG_TOKENS,
+            "ignore_eos": True,
+        },
+    )
+    return {
+        "tokens": [o["output_ids"] for o in outs],
+        "logprobs": [
+            [lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs
+        ],
+        "finish": sorted({o["meta_info"]["finish_reason"]["type"] for o in outs}),
+        "completion_matches_generate": completion["choices"][0]["text"]
+        == outs[0]["text"],
+        "tokens_per_s": len(outs) * LONG_TOKENS / seconds,
+        "spec": spec_stats(outs),
+        "accepts": [request_accepts(o, histogram=True) for o in outs],
+        "long": {
+            "prompt_tokens": [o["meta_info"]["prompt_tokens"] for o in outs],
+            "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in outs],
+            "aborts": aborts,
+        },
+    }
+
+
+def long_checks(row: Row, g: dict) -> dict[str, bool]:
+    """The long rows' own checks (every row, fork and upstream): the prompts passed the window
+    several times; the shared prefix and the prompts sent again after their aborts were found in
+    the radix cache (all but at most one chunk of the shared tokens); each aborted request ended
+    mid-decode (``/abort_request``: finish reason abort, fewer tokens than asked) and streamed a
+    prefix of what the same prompt gives in full; a fixed verify cap K accepted at most K drafts
+    in every step and K in some."""
+    info, checks = g["long"], {}
+    n = len(LONG_PROMPTS)
+    checks["long_prompts_served"] = info["prompt_tokens"] == [
+        *LONG_PROMPTS,
+        LONG_SHARED + 300,
+        *LONG_ABORTED,
+    ]
+    shared = [LONG_SHARED] + list(LONG_ABORTED)
+    checks["long_radix_hits"] = all(
+        info["cached_tokens"][i] > want - LONG_CHUNK
+        for i, want in zip((n, n + 1, n + 2), shared)
+    )
+    for k, (how, a) in enumerate(info["aborts"].items()):
+        full = g["tokens"][n + 1 + k]
+        streamed = a["output_ids"][: len(full)]
+        ended = how != "abort_request" or (
+            a["finish"] == "abort"
+            and 0 < (a["completion_tokens"] or 0) < LONG_ABORT_TOKENS
+        )
+        name = "mid_decode" if how == "abort_request" else "streamed_a_prefix"
+        checks[f"long_{how}_{name}"] = (
+            ended and len(streamed) > 0 and streamed == full[: len(streamed)]
+        )
+    cap = _flags(row.args).get("--speculative-dspark-verify-cap", "")
+    if cap.isdigit():
+        hists = [a[2] or [] for a in g["accepts"]]
+        k = int(cap)
+        checks[f"long_accepts_at_most_{k}"] = all(
+            not any(h[k + 1 :]) for h in hists
+        ) and any(len(h) > k and h[k] for h in hists)
+    return checks
 
 
 def row_seed(name: str) -> int:
@@ -1675,7 +1897,7 @@ def within_bound(model: str, spread: dict) -> bool:
     bound (its margins keep the tokens identical). Random weights, where one rounding step
     changes later tokens: the first decoded token's logprob within the bound, and the two rows
     emitting the same tokens over at least ``MIN_SHARED_PREFIX`` of them."""
-    if model == "agree":
+    if model in ("agree", "long"):  # the long checkpoint is built as the agree one
         return spread["max_abs"] <= LOGPROB_BOUND["agree"]
     return (
         spread["first_decode_max_abs"] <= LOGPROB_BOUND["random"]
@@ -1905,6 +2127,8 @@ def evaluate(row: Row, rec: dict, recs: dict, succ: list[int] | None = None) -> 
             )
         if "--enable-loop-abort" in row.args:
             checks["greedy_prompts_not_looped"] = "loop" not in g["finish"]
+        if "long" in g:
+            checks.update(long_checks(row, g))
     if "loop" in rec:
         checks["looping_request_aborted"] = rec["loop"]["greedy_finish"] == "loop"
         # EOS may end the sampled one (it is honoured here); only a loop finish fails
@@ -2042,6 +2266,7 @@ def serve_all(
             dict(agree=True, engram=TINY_ENGRAM, draft_runs=(2, 3)),
         ),
         ("sample", TINY_DSV4, 3, dict(agree=True, target_margin=4.84, draft_bias=6.6)),
+        ("long", LONG_DSV4, 7, dict(agree=True, draft_runs=LONG_DRAFT_RUNS)),
         ("real", REAL_SHAPE_DSV4, 2, dict(agree=False)),
     ):
         if any(r.model == name for r in selected):
