@@ -42,12 +42,14 @@ def _blocks(text: str) -> list[tuple[str, str]]:
 
 
 def _commands(block: str) -> list[list[str]]:
-    """The block's shell commands, continuation lines joined, comments dropped."""
+    """The block's server commands (``docker run`` or ``sglang.launch_server``), continuation
+    lines joined, comments dropped; other lines (a script's quoted multi-line program) are not
+    split."""
     joined = re.sub(r"\\\n", " ", block)
     return [
         shlex.split(line, comments=True)
         for line in joined.splitlines()
-        if line.strip() and not line.lstrip().startswith("#")
+        if line.lstrip().startswith("docker run") or "sglang.launch_server" in line
     ]
 
 

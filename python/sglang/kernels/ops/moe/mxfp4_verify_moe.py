@@ -1,31 +1,19 @@
 """MXFP4 routed experts at decode and verify sizes: each routed expert's weights read once.
 
 ``mxfp4_verify_moe(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale)`` computes
-``sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])`` with
-``expert_e(x) = down_e(act(gate_e(x), up_e(x)))`` for weights as MXFP4 checkpoints ship them:
-e2m1 values packed two per byte along K (element ``2j`` in the low nibble), one ue8m0 scale
-per 32 along K; ``w13`` is ``[E, 2I, H/2]`` (gate rows, then up rows), ``w2`` is ``[E, H, I/2]``.
+``sum_k topk_weights[m, k] * expert_{topk_ids[m, k]}(x[m])`` on weights as MXFP4 checkpoints ship
+them (e2m1 packed two per byte along K, element ``2j`` in the low nibble; one ue8m0 scale per 32;
+``w13`` [E, 2I, H/2] gate rows then up rows, ``w2`` [E, H, I/2]) in four launches with no host
+synchronisation: the distinct experts' segments, gate/up with the activation, down, the combine
+(docs/triton-mxfp4-moe.md). Pairs with id < 0 and, with ``live_lens``, the verify cap's dead rows
+read no weight and give 0.
 
-Four launches, no host synchronisation (CUDA-graph safe):
-1. ``_segments``: one program sorts the (row, k) pairs by expert (a stable key sort) and writes
-   the distinct experts' segments. Pairs with id < 0, and with ``live_lens`` every pair of a
-   verify row at or past its request's live length (the verify cap's dead rows), join no
-   segment: they read no weight and their rows' outputs are 0.
-2. ``_gate_up``: one program per (segment, intermediate tile) streams the expert's gate and up
-   tiles once for all of its rows (BLOCK_M at a time), applies the activation and stores ``h``
-   in bf16, pair-major.
-3. ``_down``: one program per (segment, hidden tile) streams the expert's down tile once and
-   stores the pair's fp32 output; 4. ``_combine`` sums a row's pairs in k order.
-
-INVARIANTS. Row invariance and determinism: a row's output depends only on its own hidden
-state, ids and weights, never on the other rows of the call or on timing. Every dot uses one
-fixed BLOCK_M and one fixed K order whatever the row count, each pair's sum over K stays in
-one program (no split-K, no atomics), and the combine adds a row's pairs in k order. Dequant
-is exact: an e2m1 value times a power of two is a bf16 value, so the only rounding against
-upstream's bf16 x dequantised-weight product is fp32 accumulation order, the bf16 rounding of
-gate/up and of ``h`` (as upstream's separate activation kernel rounds them) and the output.
-The activation is upstream's DeepSeek-V4 SwiGLU: gate and up rounded to bf16, clamped there
-when ``swiglu_limit`` is set (gate from above, up both ways), then ``silu(gate) * up`` in fp32.
+INVARIANTS. Row invariance and determinism: one fixed BLOCK_M and K order whatever the row count,
+no split-K, no atomics, a row's pairs combined in k order. Dequant is exact (e2m1 times a power of
+two is a bf16 value), so against upstream's bf16 x dequantised-weight product only fp32 summation
+order and the bf16 roundings of gate/up, ``h`` and the output differ. The activation is upstream's
+DeepSeek-V4 SwiGLU: gate and up rounded to bf16, clamped there when ``swiglu_limit`` is set (gate
+from above, up both ways), then ``silu(gate) * up`` in fp32.
 """
 
 from __future__ import annotations
