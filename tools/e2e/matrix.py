@@ -963,13 +963,22 @@ def greedy(server: Server, model: str) -> dict:
         for i, o in zip(batch, got):
             outs[i] = o
     seconds = time.perf_counter() - t0
+    return greedy_record(server, outs, GREEDY_PROMPTS[0], GREEDY_TOKENS, seconds)
+
+
+def greedy_record(
+    server: Server, outs: list, prompt: str, tokens: int, seconds: float, **extra
+) -> dict:
+    """A greedy run's record from its /generate outputs: tokens, logprobs, finish reasons, the
+    speculation counts, and whether /v1/completions gives the first prompt's text."""
     completion = server.post(
         "/v1/completions",
         {
             "model": "default",
-            "prompt": GREEDY_PROMPTS[0],
+            "prompt": prompt,
             "temperature": 0,
-            "max_tokens": GREEDY_TOKENS,
+            "max_tokens": tokens,
+            **extra,
         },
     )
     return {
@@ -980,7 +989,7 @@ def greedy(server: Server, model: str) -> dict:
         "finish": sorted({o["meta_info"]["finish_reason"]["type"] for o in outs}),
         "completion_matches_generate": completion["choices"][0]["text"]
         == outs[0]["text"],
-        "tokens_per_s": len(outs) * GREEDY_TOKENS / seconds,
+        "tokens_per_s": len(outs) * tokens / seconds,
         "spec": spec_stats(outs),
         "accepts": [request_accepts(o, histogram=True) for o in outs],
     }
@@ -1060,27 +1069,11 @@ def long_context(server: Server) -> dict:
         aborts[how] = streamed(text, how)
         one(text)
     seconds = time.perf_counter() - t0
-    completion = server.post(
-        "/v1/completions",
-        {
-            "model": "default",
-            "prompt": prompts[0],
-            "temperature": 0,
-            "max_tokens": LONG_TOKENS,
-            "ignore_eos": True,
-        },
+    record = greedy_record(
+        server, outs, prompts[0], LONG_TOKENS, seconds, ignore_eos=True
     )
     return {
-        "tokens": [o["output_ids"] for o in outs],
-        "logprobs": [
-            [lp[0] for lp in o["meta_info"]["output_token_logprobs"]] for o in outs
-        ],
-        "finish": sorted({o["meta_info"]["finish_reason"]["type"] for o in outs}),
-        "completion_matches_generate": completion["choices"][0]["text"]
-        == outs[0]["text"],
-        "tokens_per_s": len(outs) * LONG_TOKENS / seconds,
-        "spec": spec_stats(outs),
-        "accepts": [request_accepts(o, histogram=True) for o in outs],
+        **record,
         "long": {
             "prompt_tokens": [o["meta_info"]["prompt_tokens"] for o in outs],
             "cached_tokens": [o["meta_info"].get("cached_tokens", 0) for o in outs],
